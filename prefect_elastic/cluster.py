@@ -1,0 +1,552 @@
+"""A local Dask cluster of real processes, for users on a laptop and for fault-injection tests.
+
+`LocalElasticCluster` owns one scheduler process and any number of worker processes on 127.0.0.1:
+*static* workers (named ``static-N``, carrying the static resource) and *elastic* workers (named
+``elastic-N``). Each process runs in its own session, so a test can kill a worker with a real signal, either
+for good (the nanny and its worker process together) or only its worker process so that the nanny restarts
+it. Every wait is bounded and fails with a `RuntimeError` that carries the tail of the process's log.
+
+The live membership always comes from the scheduler, never from this object's bookkeeping: what the tests
+check is what the rest of the system sees.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import distributed
+
+__all__ = ["LocalElasticCluster"]
+
+_POLL_S = 0.05
+_RPC_TIMEOUT_S = 30.0
+_TERM_GRACE_S = 5.0
+_PARENT_ENV = "PREFECT_ELASTIC_CLUSTER_PARENT"
+
+# Loaded by every scheduler and nanny (or nanny-less worker) as a preload file. atexit does not run when the
+# process that owns the cluster is SIGKILLed (a CI timeout, a killed flow run); without this the scheduler
+# and workers would live on and hold the CPUs. A reparented process means its parent is gone.
+_WATCHDOG_SOURCE = f'''"""Ends this process group once the process that started it is gone (from prefect_elastic.cluster)."""
+import os
+import signal
+import threading
+import time
+
+
+def dask_setup(server):
+    parent = int(os.environ.get("{_PARENT_ENV}", "0") or 0)
+    if not parent:
+        return
+
+    def watch():
+        while True:
+            if os.getppid() != parent:
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, name="prefect-elastic-parent-watchdog", daemon=True).start()
+'''
+
+
+def _log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"<log {path} unreadable: {exc}>"
+    tail = "\n".join(text.splitlines()[-lines:])
+    return f"--- last {lines} lines of {path} ---\n{tail}"
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    # The process group outlives its leader while the nanny's worker child is alive, so signal the group
+    # even when the leader has already exited.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+class LocalElasticCluster:
+    """A Dask scheduler with N static and M elastic worker processes on 127.0.0.1.
+
+    Nothing starts until `start()` or ``with``. Workers are named ``static-0, static-1, ...`` and
+    ``elastic-0, elastic-1, ...``; a name is never reused, except by a nanny restarting its own worker.
+    """
+
+    def __init__(
+        self,
+        static_workers: int = 2,
+        elastic_workers: int = 2,
+        *,
+        threads_per_worker: int = 1,
+        nanny: bool = True,
+        static_resource: str = "static",
+        memory_limit: str = "4GiB",
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 60.0,
+        worker_ttl: str | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if static_workers < 0 or elastic_workers < 0:
+            raise ValueError(
+                f"worker counts must be >= 0, got static_workers={static_workers}, "
+                f"elastic_workers={elastic_workers}"
+            )
+        if threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
+        if startup_timeout <= 0:
+            raise ValueError(f"startup_timeout must be > 0, got {startup_timeout}")
+        self.static_workers = static_workers
+        self.elastic_workers = elastic_workers
+        self.threads_per_worker = threads_per_worker
+        self.nanny = nanny
+        self.static_resource = static_resource
+        self.memory_limit = memory_limit
+        self.env = dict(env or {})
+        self.startup_timeout = startup_timeout
+        self.worker_ttl = worker_ttl
+        self._given_log_dir = Path(log_dir) if log_dir is not None else None
+        self.log_dir: Path | None = None
+
+        self._lock = threading.RLock()
+        self._scheduler_proc: subprocess.Popen[bytes] | None = None
+        self._scheduler_address: str | None = None
+        self._workers: dict[str, subprocess.Popen[bytes]] = {}
+        self._counters = {"static": 0, "elastic": 0}
+        self._worker_pids: dict[str, int] = {}
+        self._client: distributed.Client | None = None
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> LocalElasticCluster:
+        """Start the scheduler and all workers; return once every worker registered with the scheduler."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this LocalElasticCluster was closed; create a new one")
+            if self._started:
+                return self
+            self._started = True
+        atexit.register(self.close)
+        try:
+            self._prepare_dirs()
+            self._start_scheduler()
+            names = [self._spawn_worker(static=True) for _ in range(self.static_workers)]
+            names += [self._spawn_worker(static=False) for _ in range(self.elastic_workers)]
+            # Spawned together and waited for together: startup is paid once, not once per worker.
+            self.wait_for_workers(names, timeout=self.startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Stop every process this cluster started: SIGTERM, then SIGKILL after a few seconds. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            client, self._client = self._client, None
+            workers = list(self._workers.values())
+            scheduler = self._scheduler_proc
+        with contextlib.suppress(ValueError):
+            atexit.unregister(self.close)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close(timeout=5)
+        # Workers first so that they do not spend the grace period reconnecting to a dead scheduler.
+        self._terminate([p for p in workers])
+        if scheduler is not None:
+            self._terminate([scheduler])
+        if self.log_dir is not None:
+            # Spilled data and scratch files can be large; the logs stay for post-mortems.
+            shutil.rmtree(self.log_dir / "scratch", ignore_errors=True)
+
+    def __enter__(self) -> LocalElasticCluster:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._started else "not started")
+        return f"<LocalElasticCluster {self._scheduler_address or '-'} {state}, {len(self._workers)} spawned>"
+
+    # ------------------------------------------------------------------ public queries
+
+    @property
+    def scheduler_address(self) -> str:
+        """The scheduler's address, ``tcp://127.0.0.1:PORT``."""
+        if self._scheduler_address is None:
+            raise RuntimeError("the cluster is not started; call start() or use it as a context manager")
+        return self._scheduler_address
+
+    def client(self, **kwargs: Any) -> distributed.Client:
+        """A new Client connected to this cluster; the caller closes it."""
+        kwargs.setdefault("timeout", self.startup_timeout)
+        return distributed.Client(self.scheduler_address, **kwargs)
+
+    def workers_info(self) -> dict[str, dict[str, Any]]:
+        """The scheduler's view of every live worker: address -> info (``name``, ``pid``, ``resources``...)."""
+        client = self._get_client()
+        identity = client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=_RPC_TIMEOUT_S)
+        workers: dict[str, dict[str, Any]] = identity.get("workers", {})
+        return workers
+
+    def is_static(self, info: dict[str, Any]) -> bool:
+        """Whether a worker (as `workers_info` reports it) carries the static resource."""
+        resources = info.get("resources") or {}
+        return float(resources.get(self.static_resource, 0)) > 0
+
+    def worker_names(self, static: bool | None = None) -> list[str]:
+        """Names of the live workers, as the scheduler sees them; ``static`` filters by kind."""
+        names = [
+            str(info["name"])
+            for info in self.workers_info().values()
+            if static is None or self.is_static(info) == static
+        ]
+        return sorted(names)
+
+    def address_of(self, name: str) -> str | None:
+        """Current address of the worker with that name (it changes when a nanny restarts the worker)."""
+        for addr, info in self.workers_info().items():
+            if str(info["name"]) == name:
+                return addr
+        return None
+
+    def elastic_addresses(self) -> list[str]:
+        """Addresses of the live workers that do not carry the static resource."""
+        return sorted(addr for addr, info in self.workers_info().items() if not self.is_static(info))
+
+    def static_addresses(self) -> list[str]:
+        """Addresses of the live workers that carry the static resource."""
+        return sorted(addr for addr, info in self.workers_info().items() if self.is_static(info))
+
+    def worker_pid(self, name_or_address: str) -> int:
+        """The pid of the live worker process itself (a nanny's child), asked of the worker."""
+        addr, _ = self._resolve_live(name_or_address)
+        with self._lock:
+            pid = self._worker_pids.get(addr)
+        if pid is None:
+            client = self._get_client()
+            # The scheduler's worker info carries no pid in this Dask version, so ask the worker. `_run` is
+            # what `Client.run` wraps; calling it through `sync` is what bounds the wait on a frozen worker.
+            result = client.sync(client._run, os.getpid, workers=[addr], callback_timeout=_RPC_TIMEOUT_S)
+            pid = int(result[addr])
+            with self._lock:
+                self._worker_pids[addr] = pid
+        return pid
+
+    def pid_of(self, name: str) -> int | None:
+        """The pid of the spawned process of that worker: the nanny's, or the worker's without a nanny."""
+        with self._lock:
+            proc = self._workers.get(name)
+        return None if proc is None else proc.pid
+
+    # ------------------------------------------------------------------ membership changes
+
+    def add_worker(self, static: bool = False, wait: bool = True, timeout: float | None = None) -> str:
+        """Start one more worker process and return its name; if ``wait``, return once it registered."""
+        self._require_running()
+        name = self._spawn_worker(static=static)
+        if wait:
+            self.wait_for_workers([name], timeout=timeout)
+        return name
+
+    def kill_worker(self, name_or_address: str, sig: int = signal.SIGKILL, restart: bool = False) -> None:
+        """Send ``sig`` to a worker.
+
+        ``restart=False``: to the whole process group (nanny and worker process), so it is gone for good.
+        ``restart=True`` (needs ``nanny=True``): to the worker process only, so that its nanny starts it
+        again under the same name and a new address. Neither waits for the scheduler to notice; use
+        `wait_until_gone` / `wait_for_workers` (a SIGSTOPped worker is noticed only after the worker TTL).
+        """
+        self._require_running()
+        if restart:
+            if not self.nanny:
+                raise ValueError("kill_worker(restart=True) needs a cluster started with nanny=True")
+            os.kill(self.worker_pid(name_or_address), sig)
+            return
+        name = self._resolve_name(name_or_address)
+        with self._lock:
+            proc = self._workers.get(name)
+        if proc is None:
+            raise ValueError(f"worker {name!r} was not started by this cluster; cannot kill its processes")
+        _signal_group(proc, sig)
+        if sig == signal.SIGKILL:
+            # Reap the leader now so that its pid is really free (not a zombie) when this returns.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=_TERM_GRACE_S)
+
+    def retire_worker(self, name_or_address: str, timeout: float | None = None) -> None:
+        """Retire a worker gracefully (`Client.retire_workers`) and wait until its processes are gone."""
+        self._require_running()
+        timeout = self.startup_timeout if timeout is None else timeout
+        addr, info = self._resolve_live(name_or_address)
+        name = str(info["name"])
+        client = self._get_client()
+        client.sync(
+            client.scheduler.retire_workers, workers=[addr], close_workers=True, callback_timeout=timeout
+        )
+        self.wait_until_gone([name], timeout=timeout)
+        with self._lock:
+            proc = self._workers.get(name)
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                # The worker left the scheduler but its process did not exit; do not leave it behind.
+                self._terminate([proc])
+
+    # ------------------------------------------------------------------ waits
+
+    def wait_for_workers(self, names: Iterable[str], timeout: float | None = None) -> dict[str, str]:
+        """Wait until every named worker is registered with the scheduler; return name -> address."""
+        wanted = set(names)
+        timeout = self.startup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            current = {str(info["name"]): addr for addr, info in self.workers_info().items()}
+            if wanted <= current.keys():
+                return {name: current[name] for name in wanted}
+            missing = sorted(wanted - current.keys())
+            for name in missing:
+                self._raise_if_exited(name)
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"workers {missing} did not register with {self.scheduler_address} within {timeout:.0f} s\n"
+                    + "\n".join(self._log_tail_of(name) for name in missing)
+                )
+            time.sleep(_POLL_S)
+
+    def wait_until_gone(self, names_or_addresses: Iterable[str], timeout: float | None = None) -> None:
+        """Wait until none of the given workers (by name or address) is known to the scheduler."""
+        wanted = set(names_or_addresses)
+        timeout = self.startup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            present = {
+                key
+                for addr, info in self.workers_info().items()
+                for key in (addr, str(info["name"]))
+                if key in wanted
+            }
+            if not present:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"workers {sorted(present)} are still registered with {self.scheduler_address} "
+                    f"after {timeout:.0f} s"
+                )
+            time.sleep(_POLL_S)
+
+    def wait_for_restart(self, name: str, old_address: str, timeout: float | None = None) -> str:
+        """Wait until the worker ``name`` is registered under an address other than ``old_address``."""
+        timeout = self.startup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            addr = self.address_of(name)
+            if addr is not None and addr != old_address:
+                return addr
+            self._raise_if_exited(name)
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"worker {name!r} did not come back under a new address within {timeout:.0f} s\n"
+                    + self._log_tail_of(name)
+                )
+            time.sleep(_POLL_S)
+
+    # ------------------------------------------------------------------ internals
+
+    def _require_running(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LocalElasticCluster is closed")
+        if self._scheduler_address is None:
+            raise RuntimeError("the cluster is not started; call start() or use it as a context manager")
+
+    def _get_client(self) -> distributed.Client:
+        with self._lock:
+            self._require_running()
+            if self._client is None:
+                self._client = distributed.Client(
+                    self.scheduler_address, timeout=self.startup_timeout, set_as_default=False
+                )
+            return self._client
+
+    def _prepare_dirs(self) -> None:
+        if self._given_log_dir is not None:
+            self._given_log_dir.mkdir(parents=True, exist_ok=True)
+            self.log_dir = self._given_log_dir
+        else:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="prefect-elastic-cluster-"))
+        (self.log_dir / "scratch").mkdir(exist_ok=True)
+        (self.log_dir / "parent_watchdog.py").write_text(_WATCHDOG_SOURCE)
+
+    def _child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.env)
+        # The workers unpickle the user's functions and models by module name; give them the same import
+        # path as this process (the test rootdir, the script's directory) so those modules import there too.
+        entries: list[str] = []
+        for entry in sys.path:
+            path = os.path.abspath(entry or os.getcwd())
+            if os.path.isdir(path) and path not in entries:
+                entries.append(path)
+        env["PYTHONPATH"] = os.pathsep.join(entries)
+        if self.worker_ttl is not None:
+            env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"] = self.worker_ttl
+        env[_PARENT_ENV] = str(os.getpid())
+        return env
+
+    def _popen(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
+        assert self.log_dir is not None
+        log_path = self.log_dir / f"{log_name}.log"
+        with open(log_path, "ab") as log:
+            # The child keeps its own copy of the descriptor; ours can be closed at once.
+            return subprocess.Popen(
+                [sys.executable, "-m", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._child_env(),
+                cwd=os.getcwd(),
+                start_new_session=True,
+            )
+
+    def _start_scheduler(self) -> None:
+        assert self.log_dir is not None
+        scheduler_file = self.log_dir / "scheduler.json"
+        proc = self._popen(
+            [
+                "distributed.cli.dask_scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-dashboard",
+                "--scheduler-file",
+                str(scheduler_file),
+                "--preload",
+                str(self.log_dir / "parent_watchdog.py"),
+            ],
+            "scheduler",
+        )
+        with self._lock:
+            self._scheduler_proc = proc
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            address = self._read_scheduler_file(scheduler_file)
+            if address is not None:
+                with self._lock:
+                    self._scheduler_address = address
+                return
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the scheduler exited with code {proc.returncode} during startup\n"
+                    + _log_tail(self.log_dir / "scheduler.log")
+                )
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"the scheduler did not start within {self.startup_timeout:.0f} s\n"
+                    + _log_tail(self.log_dir / "scheduler.log")
+                )
+            time.sleep(_POLL_S)
+
+    @staticmethod
+    def _read_scheduler_file(path: Path) -> str | None:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            # Not written yet, or caught half-written.
+            return None
+        address = data.get("address") if isinstance(data, dict) else None
+        return str(address) if address else None
+
+    def _spawn_worker(self, static: bool) -> str:
+        assert self.log_dir is not None
+        kind = "static" if static else "elastic"
+        with self._lock:
+            name = f"{kind}-{self._counters[kind]}"
+            self._counters[kind] += 1
+        watchdog = str(self.log_dir / "parent_watchdog.py")
+        args = [
+            "distributed.cli.dask_worker",
+            self.scheduler_address,
+            "--host",
+            "127.0.0.1",
+            "--name",
+            name,
+            "--nthreads",
+            str(self.threads_per_worker),
+            "--memory-limit",
+            self.memory_limit,
+            "--no-dashboard",
+            "--local-directory",
+            str(self.log_dir / "scratch"),
+        ]
+        args += ["--nanny", "--preload-nanny", watchdog] if self.nanny else ["--no-nanny", "--preload", watchdog]
+        if static:
+            args += ["--resources", f"{self.static_resource}=1"]
+        proc = self._popen(args, name)
+        with self._lock:
+            self._workers[name] = proc
+        return name
+
+    def _resolve_live(self, name_or_address: str) -> tuple[str, dict[str, Any]]:
+        for addr, info in self.workers_info().items():
+            if name_or_address in (addr, str(info["name"])):
+                return addr, info
+        raise ValueError(f"no live worker named or addressed {name_or_address!r} on {self.scheduler_address}")
+
+    def _resolve_name(self, name_or_address: str) -> str:
+        with self._lock:
+            if name_or_address in self._workers:
+                return name_or_address
+        return str(self._resolve_live(name_or_address)[1]["name"])
+
+    def _raise_if_exited(self, name: str) -> None:
+        with self._lock:
+            proc = self._workers.get(name)
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(
+                f"worker {name!r} exited with code {proc.returncode} before registering\n"
+                + self._log_tail_of(name)
+            )
+
+    def _log_tail_of(self, name: str) -> str:
+        assert self.log_dir is not None
+        return _log_tail(self.log_dir / f"{name}.log")
+
+    @staticmethod
+    def _terminate(procs: list[subprocess.Popen[bytes]]) -> None:
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+            # A SIGSTOPped group would hold the SIGTERM pending until the SIGKILL; let it act on it now.
+            _signal_group(proc, signal.SIGCONT)
+        deadline = time.monotonic() + _TERM_GRACE_S
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in procs:
+            # Also reaches a nanny's worker child that outlived its nanny.
+            _signal_group(proc, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=_TERM_GRACE_S)

@@ -1,0 +1,174 @@
+"""Compute worker (seed 000's computing server): a long-running loop, one per elastic worker per job.
+
+Each turn it asks the coordinator for work, pulls the parameters of that step from every shard, fetches
+each batch from the data server that holds it, computes one gradient per micro-batch with torch, pushes
+every shard its slice tagged (generation, step, batch id), and reports the batch ids with their losses.
+
+Stateless by construction: the model is built on torch's `meta` device, which holds shapes and no
+values, and each micro-batch runs through `torch.func.functional_call` with the tensors just pulled;
+those are dropped when the step ends. It holds handles to the coordinator and the shards only, so it never
+talks to another compute worker. Every remote call is bounded by `job.call_timeout`.
+
+A stale generation or a lost batch is recoverable (the loop asks for work again); a model that raises or
+a loss that is not finite is reported to the coordinator as a failure that ends the job, naming the step
+and the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from .coordinator import Assignment
+from .errors import RecoverableError
+from .job import ElasticJob
+from .schedule import Schedule
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, torch.Tensor]
+
+# Remote calls that fail this many times in a row (the coordinator unreachable) end the loop; the
+# controller sees it and starts another loop if the worker is still a member.
+MAX_CONSECUTIVE_CALL_ERRORS = 5
+
+
+class ModelFailure(Exception):
+    def __init__(self, step: int, batch_id: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.batch_id = batch_id
+
+
+@dataclass
+class LoopStats:
+    worker: str
+    steps: int = 0
+    batches: int = 0
+    stale: int = 0
+    call_errors: int = 0
+    device: str = "cpu"
+
+
+def compute_loop(
+    job: ElasticJob, coordinator: Any, shards: list[Any], plan: list[list[str]], schedule: Schedule
+) -> LoopStats:
+    """Runs as a Dask task pinned to one elastic worker until the job ends or the worker closes."""
+    from distributed import get_worker, secede
+
+    worker = get_worker()
+    # Leave the worker's thread slot free: this task runs for the whole job, beside other jobs' loops.
+    secede()
+    torch.set_num_threads(job.threads_per_worker)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    trainer = MicroBatchTrainer(job, plan, device)
+    stats = LoopStats(worker=worker.address, device=str(device))
+    errors_in_a_row = 0
+    while worker.status.name in ("running", "paused"):
+        try:
+            work: Assignment | None = coordinator.request_work(worker.address).result(timeout=job.call_timeout)
+        except Exception as exc:
+            errors_in_a_row += 1
+            stats.call_errors += 1
+            log.warning("compute %s: request_work failed (%s: %s)", worker.address, type(exc).__name__, exc)
+            if errors_in_a_row >= MAX_CONSECUTIVE_CALL_ERRORS:
+                raise
+            time.sleep(min(1.0, job.liveness_interval))
+            continue
+        errors_in_a_row = 0
+        if work is None:
+            continue
+        if work.stop:
+            break
+        try:
+            losses = trainer.run(work, coordinator, shards, schedule, worker.address)
+        except ModelFailure as failure:
+            coordinator.report_failure(
+                work.generation, worker.address, failure.step, failure.batch_id, "model", str(failure)
+            ).result(timeout=job.call_timeout)
+            break
+        except RecoverableError as exc:
+            stats.stale += 1
+            log.debug("compute %s: step %d dropped: %s", worker.address, work.step, exc)
+            continue
+        except Exception as exc:
+            # A shard or the coordinator did not answer in time, or its worker is gone: the step is
+            # dropped here; survival detection decides what happens to it.
+            stats.call_errors += 1
+            log.warning("compute %s: step %d failed (%s: %s)", worker.address, work.step, type(exc).__name__, exc)
+            continue
+        stats.steps += 1
+        stats.batches += len(losses)
+    return stats
+
+
+class MicroBatchTrainer:
+    """Computes and pushes the gradients of one assignment; keeps nothing between assignments."""
+
+    def __init__(self, job: ElasticJob, plan: list[list[str]], device: torch.device) -> None:
+        self.job = job
+        self.plan = plan
+        self.device = device
+        self.model = job.make_model().to("meta")  # shapes only: no parameter values live here
+        self.param_names = [n for n, _ in self.model.named_parameters()]
+        self.loss_fn = job.loss_fn()
+        self.shard_of = {name: i for i, names in enumerate(plan) for name in names}
+
+    def run(
+        self, work: Assignment, coordinator: Any, shards: list[Any], schedule: Schedule, worker: str
+    ) -> dict[int, float]:
+        timeout = self.job.call_timeout
+        gen, step = work.generation, work.step
+        # Issue every read at once, then wait: the calls overlap on the wire.
+        pulls = [s.pull(gen, step) for s in shards]
+        fetches = {b: shards[schedule.server_of(b)].get_batch(gen, b) for b in work.batch_ids}
+        state: Tensors = {}
+        for f in pulls:
+            state.update(f.result(timeout=timeout))
+        params = {n: state[n].to(self.device).requires_grad_(True) for n in self.param_names}
+        buffers = {n: t for n, t in state.items() if n not in params}
+
+        grads: list[dict[int, Tensors]] = [{} for _ in shards]
+        new_buffers: list[dict[int, Tensors]] = [{} for _ in shards]
+        losses: dict[int, float] = {}
+        for b in work.batch_ids:
+            x, y = fetches[b].result(timeout=timeout)
+            loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
+            losses[b] = loss
+            for name, t in g.items():
+                grads[self.shard_of[name]].setdefault(b, {})[name] = t
+            for name, t in bufs.items():
+                new_buffers[self.shard_of[name]].setdefault(b, {})[name] = t
+        pushes = [s.push(gen, step, grads[i], new_buffers[i]) for i, s in enumerate(shards)]
+        for f in pushes:
+            f.result(timeout=timeout)
+        coordinator.report(gen, worker, step, losses).result(timeout=timeout)
+        return losses
+
+    def gradient(
+        self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int
+    ) -> tuple[float, Tensors, Tensors]:
+        """Loss, gradient and updated buffers of one micro-batch, all on the CPU."""
+        # Every micro-batch starts from the pulled buffers, so none depends on which ran first.
+        bufs = {n: t.to(self.device).clone() for n, t in buffers.items()}
+        try:
+            out = functional_call(self.model, {**params, **bufs}, (x.to(self.device),))
+            loss = self.loss_fn(out, y.to(self.device))
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, materialize_grads=True)
+        except Exception as exc:
+            raise ModelFailure(
+                step, batch_id, f"the model raised at step {step}, batch {batch_id}: {type(exc).__name__}: {exc}"
+            ) from exc
+        value = float(loss.detach())
+        if not torch.isfinite(loss.detach()):
+            raise ModelFailure(step, batch_id, f"loss is {value} at step {step}, batch {batch_id}")
+        return (
+            value,
+            {n: g.detach().cpu() for n, g in zip(params, grads, strict=True)},
+            {n: t.detach().cpu() for n, t in bufs.items()},
+        )

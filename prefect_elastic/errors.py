@@ -1,0 +1,75 @@
+"""The errors of prefect-elastic, as one small tree that says what each means for recovery.
+
+- `RecoverableError`: the step in flight is dropped and the job goes on (a stale generation, a lost
+  compute worker). The coordinator and compute loops catch these; users normally never see them.
+- `FatalError`: the job stops and the controller raises it with a message a user can act on
+  (a model that raises, a NaN loss, too few workers for too long, a lost data server).
+- `JobConfigError`: a value of the job is impossible; raised before any cluster work starts and names
+  the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ElasticError(Exception):
+    """Base of every error prefect-elastic raises on purpose."""
+
+
+class RecoverableError(ElasticError):
+    """The step in flight is dropped; training goes on."""
+
+
+class StaleGenerationError(RecoverableError):
+    """A message carried an older generation than the receiver's; it was rejected, never applied."""
+
+    def __init__(self, got: int, current: int, what: str = "message") -> None:
+        super().__init__(f"stale {what}: generation {got}, current generation is {current}")
+        self.got = got
+        self.current = current
+        self.what = what
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross processes (actor calls); keep the constructor arguments, not just the message.
+        return (type(self), (self.got, self.current, self.what))
+
+
+class FatalError(ElasticError):
+    """The job cannot go on; the message says why and what to do."""
+
+
+class TrainingFailedError(FatalError):
+    """A compute worker's step failed in a way that retrying would not fix (the model raised, NaN loss)."""
+
+    def __init__(self, message: str, step: int | None = None, batch_id: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.batch_id = batch_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.step, self.batch_id))
+
+
+class NotEnoughWorkersError(FatalError):
+    """Fewer than `min_workers` compute workers were alive for longer than `min_workers_timeout`."""
+
+
+class DataServerLostError(FatalError):
+    """A data server's static worker died; its shard is gone (standby static workers come later)."""
+
+
+class JobConfigError(ElasticError, ValueError):
+    """An impossible value in the job; names the field, the value and what to do."""
+
+    def __init__(self, field: str, value: Any, problem: str) -> None:
+        shown = repr(value)
+        if len(shown) > 200:
+            shown = shown[:197] + "..."
+        super().__init__(f"{field}={shown}: {problem}")
+        self.field = field
+        self.value = value
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.field, self.value, self.problem))

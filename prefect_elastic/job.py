@@ -1,0 +1,418 @@
+"""The job blueprint, validated up front.
+
+This module owns `ElasticJob`: every setting of one elastic training job, the cheap checks that run when it
+is built (each impossible value becomes a `JobConfigError` that names the field and the value), the
+expensive checks that run once before any cluster work (`check_inputs`), its YAML form, and turning its
+import paths into the model, the loss and the optimizer that every role builds the same way.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, Self, cast
+
+import pydantic
+import torch
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from prefect_elastic.dataset import DatasetInfo, inspect_dataset, partition_bounds
+from prefect_elastic.errors import JobConfigError
+
+__all__ = ["ElasticJob", "resolve_callable"]
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+_LOSSES: dict[str, LossFn] = {
+    "cross_entropy": torch.nn.functional.cross_entropy,
+    "mse": torch.nn.functional.mse_loss,
+}
+_NON_NEGATIVE_OPTIONS = ("lr", "momentum", "weight_decay", "eps", "dampening")
+_JOB_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+# What each positive setting means, so that the error says why a value of 0 cannot work.
+_AT_LEAST_ONE = {
+    "batch_size": "samples in one micro-batch (one batch id)",
+    "micro_batches": "micro-batches whose gradients are summed into one step",
+    "epochs": "passes over the dataset",
+    "data_servers": "each data server holds one partition and one parameter shard",
+    "threads_per_worker": "torch threads of each compute worker",
+    "min_workers": "compute workers training needs to go on",
+}
+_POSITIVE_SECONDS = {
+    "liveness_interval": "how often survival detection runs",
+    "min_workers_timeout": "how long training waits with fewer than min_workers",
+    "call_timeout": "how long one remote call may take before it is an error",
+}
+_TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+def _default_optimizer() -> dict[str, Any]:
+    return {"name": "sgd", "lr": 0.05}
+
+
+class ElasticJob(BaseModel):
+    """Every setting of one elastic training job; building one with an impossible value raises
+    `JobConfigError` naming the field and the value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    dataset: str
+    loss: str = "cross_entropy"
+    optimizer: dict[str, Any] = Field(default_factory=_default_optimizer)
+    batch_size: int = 32
+    micro_batches: int = 4
+    epochs: int = 1
+    data_servers: int = 2
+    liveness_interval: float = 1.0
+    min_workers: int = 1
+    min_workers_timeout: float = 60.0
+    threads_per_worker: int = 1
+    on_membership_change: Literal["rollback", "reassign"] = "rollback"
+    seed: int = 0
+    job_id: str = "prefect-elastic"
+    call_timeout: float = 30.0
+    static_resource: str = "static"
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except pydantic.ValidationError as exc:
+            # pydantic's ValidationError is not ours and its text is generic; users catch JobConfigError.
+            raise _config_error(exc) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Self:
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except pydantic.ValidationError as exc:
+            raise _config_error(exc) from None
+
+    # ---- cheap checks, run at construction -------------------------------------------------------------
+
+    @field_validator(
+        "batch_size", "micro_batches", "epochs", "data_servers", "threads_per_worker", "min_workers",
+        "seed", "liveness_interval", "min_workers_timeout", "call_timeout",
+        mode="before",
+    )
+    @classmethod
+    def _no_bool(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic would quietly take True as 1, which is never what a config meant.
+        if isinstance(value, bool):
+            raise ValueError(f"must be a number, not a boolean; write the {info.field_name} you want")
+        return value
+
+    @field_validator(*_AT_LEAST_ONE, mode="after")
+    @classmethod
+    def _at_least_one(cls, value: int, info: ValidationInfo) -> int:
+        name = info.field_name or ""
+        if value < 1:
+            raise ValueError(f"must be at least 1 ({_AT_LEAST_ONE[name]})")
+        return value
+
+    @field_validator(*_POSITIVE_SECONDS, mode="after")
+    @classmethod
+    def _positive_seconds(cls, value: float, info: ValidationInfo) -> float:
+        name = info.field_name or ""
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"must be a positive, finite number of seconds ({_POSITIVE_SECONDS[name]})")
+        return value
+
+    @field_validator("seed", mode="after")
+    @classmethod
+    def _seed_in_range(cls, value: int) -> int:
+        lo, hi = _TORCH_SEED_RANGE
+        if not lo <= value <= hi:
+            raise ValueError(f"must be in [{lo}, {hi}], the range torch.manual_seed accepts")
+        return value
+
+    @field_validator("job_id", mode="after")
+    @classmethod
+    def _job_id_pattern(cls, value: str) -> str:
+        if not _JOB_ID.fullmatch(value):
+            raise ValueError(
+                "must be 1 to 64 characters, each a letter, a digit, '-', '_' or '.'; roles register under "
+                "it, so pick a short name such as 'mnist-run-1'"
+            )
+        return value
+
+    @field_validator("static_resource", mode="after")
+    @classmethod
+    def _static_resource_name(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(
+                "must name the Dask resource of static workers (e.g. 'static' for "
+                "`dask worker ADDR --resources static=1`)"
+            )
+        return value
+
+    @field_validator("dataset", mode="after")
+    @classmethod
+    def _dataset_given(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(
+                "must be the fsspec URL of a .npz file or of a directory of .npz shards, "
+                "e.g. file:///data/train.npz or s3://bucket/train/"
+            )
+        return value
+
+    @field_validator("model", mode="after")
+    @classmethod
+    def _model_path(cls, value: str) -> str:
+        if not _IMPORT_PATH.fullmatch(value):
+            raise ValueError(
+                "must be an import path 'module:callable' (e.g. 'my_project.models:make_net') of a "
+                "zero-argument callable that returns a torch.nn.Module"
+            )
+        return value
+
+    @field_validator("loss", mode="after")
+    @classmethod
+    def _loss_name(cls, value: str) -> str:
+        if value not in _LOSSES and not _IMPORT_PATH.fullmatch(value):
+            raise ValueError(
+                f"must be one of {', '.join(repr(n) for n in _LOSSES)} or an import path 'module:callable' "
+                "of a function (output, target) -> scalar tensor"
+            )
+        return value
+
+    @field_validator("optimizer", mode="after")
+    @classmethod
+    def _optimizer_options(cls, value: dict[str, Any]) -> dict[str, Any]:
+        options = dict(value)
+        name = options.pop("name", None)
+        choices = ", ".join(repr(n) for n in _OPTIMIZERS)
+        if name not in _OPTIMIZERS:
+            shown = "no 'name'" if name is None else f"name {name!r}"
+            raise ValueError(
+                f"has {shown}; set 'name' to one of {choices} (these work elementwise, so a parameter shard "
+                "gets the same numbers as the whole model), plus that optimizer's keyword arguments"
+            )
+        for key in _NON_NEGATIVE_OPTIONS:
+            if key in options and not _is_non_negative(options[key]):
+                raise ValueError(f"{key}={options[key]!r} must be a non-negative number")
+        if "betas" in options:
+            betas = options["betas"]
+            if (
+                not isinstance(betas, (list, tuple))
+                or len(betas) != 2
+                or not all(_is_number(b) and 0 <= b < 1 for b in betas)
+            ):
+                raise ValueError(f"betas={betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
+            # YAML gives a list; torch wants a tuple, and the dict must compare equal after a round trip.
+            options["betas"] = tuple(betas)
+        try:
+            _OPTIMIZERS[name]([torch.nn.Parameter(torch.zeros(1))], **options)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            # A TypeError would escape pydantic unwrapped, so turn every refusal into a ValueError.
+            raise ValueError(
+                f"torch.optim.{_OPTIMIZERS[name].__name__} refused these options ({exc}); give only "
+                "keyword arguments that it accepts"
+            ) from exc
+        return {"name": name, **options}
+
+    # ---- YAML --------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ElasticJob:
+        """The job described by the YAML mapping in the file at `path`."""
+        file = Path(path)
+        try:
+            text = file.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise JobConfigError(
+                "config", str(file), "no such file; give the path of a YAML file with the job's settings"
+            ) from None
+        except OSError as exc:
+            raise JobConfigError("config", str(file), f"cannot be read ({exc})") from exc
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise JobConfigError("config", str(file), f"is not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise JobConfigError(
+                "config",
+                str(file),
+                f"must hold a YAML mapping of settings (e.g. 'model: pkg.mod:make_net'), "
+                f"not {type(data).__name__}",
+            )
+        unknown = [key for key in data if key not in cls.model_fields]
+        if unknown:
+            key = unknown[0]
+            raise JobConfigError(
+                str(key),
+                data[key],
+                f"unknown setting in {file}; the settings are: {', '.join(cls.model_fields)}",
+            )
+        try:
+            return cls(**{str(key): item for key, item in data.items()})
+        except JobConfigError as exc:
+            raise JobConfigError(exc.field, exc.value, f"{exc.problem} (in {file})") from None
+
+    def to_yaml(self) -> str:
+        """The job as a YAML mapping that `from_yaml` reads back to an equal job."""
+        data = self.model_dump()
+        data["optimizer"] = {
+            key: list(item) if isinstance(item, tuple) else item for key, item in data["optimizer"].items()
+        }
+        return yaml.safe_dump(data, sort_keys=False)
+
+    # ---- what every role builds from the job -------------------------------------------------------------
+
+    def make_model(self) -> torch.nn.Module:
+        """A fresh model from the `model` import path."""
+        factory = resolve_callable(self.model, "model")
+        try:
+            module = factory()
+        except Exception as exc:
+            raise JobConfigError(
+                "model", self.model, f"calling it raised {type(exc).__name__}: {exc}; fix the model factory"
+            ) from exc
+        if not isinstance(module, torch.nn.Module):
+            raise JobConfigError(
+                "model",
+                self.model,
+                f"returned {type(module).__name__} ({module!r:.80}), not a torch.nn.Module; the callable "
+                "must take no arguments and return the model",
+            )
+        return module
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers before training; the same for the same seed."""
+        # fork_rng keeps the caller's global RNG stream as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            state = self.make_model().state_dict()
+        return {key: tensor.detach().cpu().clone().contiguous() for key, tensor in state.items()}
+
+    def loss_fn(self) -> LossFn:
+        """The loss function named by `loss`."""
+        if self.loss in _LOSSES:
+            return _LOSSES[self.loss]
+        return cast(LossFn, resolve_callable(self.loss, "loss"))
+
+    def build_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The optimizer named by `optimizer`, over `params` (the whole model or one shard's slice)."""
+        options = dict(self.optimizer)
+        name = options.pop("name")
+        return _OPTIMIZERS[name](params, **options)
+
+    def check_inputs(self) -> DatasetInfo:
+        """The expensive checks, run once before any cluster work: model, loss and dataset."""
+        self.make_model()
+        self.loss_fn()
+        info = inspect_dataset(self.dataset)
+        smallest = min(
+            stop - start
+            for start, stop in (
+                partition_bounds(info.total, self.data_servers, i) for i in range(self.data_servers)
+            )
+        )
+        if smallest < self.batch_size:
+            fits = info.total // self.batch_size
+            fixes = []
+            if smallest >= 1:
+                fixes.append(f"lower batch_size to at most {smallest}")
+            if fits >= 1:
+                fixes.append(f"lower data_servers to at most {fits}")
+            if not fixes:
+                fixes.append(f"lower data_servers to 1 and batch_size to at most {info.total}")
+            problem = (
+                f"the dataset {self.dataset} has {info.total} samples, so with data_servers="
+                f"{self.data_servers} the smallest partition holds {smallest} samples, fewer than one batch "
+                f"of batch_size={self.batch_size}; {' or '.join(fixes)}, or add samples"
+            )
+            # An empty partition is data_servers' fault alone: no batch_size can fill it.
+            if smallest == 0:
+                raise JobConfigError("data_servers", self.data_servers, problem)
+            raise JobConfigError("batch_size", self.batch_size, problem)
+        return info
+
+
+def resolve_callable(path: str, field: str) -> Callable[..., Any]:
+    """The callable named by the import path 'module:attr.attr'; errors name `field` and the path."""
+    module_name, sep, qualname = path.partition(":")
+    if not sep or not module_name or not qualname:
+        raise JobConfigError(field, path, "must be an import path 'module:callable'")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise JobConfigError(
+                field,
+                path,
+                f"module {module_name!r} was not found; install it or put it on PYTHONPATH, on this machine "
+                "and on every Dask worker",
+            ) from exc
+        raise JobConfigError(
+            field, path, f"importing {module_name!r} failed: it imports {exc.name!r}, which is not installed"
+        ) from exc
+    except Exception as exc:
+        raise JobConfigError(
+            field, path, f"importing {module_name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    parts = qualname.split(".")
+    for depth, part in enumerate(parts):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            owner = module_name if depth == 0 else f"{module_name}:{'.'.join(parts[:depth])}"
+            raise JobConfigError(
+                field, path, f"{owner!r} has no attribute {part!r}; check the name after the ':'"
+            ) from None
+    if not callable(target):
+        raise JobConfigError(
+            field, path, f"names a {type(target).__name__}, which is not callable; name a function or class"
+        )
+    return cast(Callable[..., Any], target)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_non_negative(value: Any) -> bool:
+    return _is_number(value) and value >= 0
+
+
+def _config_error(exc: pydantic.ValidationError) -> JobConfigError:
+    """Our error for pydantic's: the first problem in full, the others in short."""
+    errors = exc.errors(include_url=False)
+    first, rest = errors[0], errors[1:]
+    field, value, problem = _describe(first)
+    if rest:
+        others = "; ".join("{}={!r:.60}: {}".format(*_describe(e)) for e in rest)
+        problem += f" (also: {others})"
+    return JobConfigError(field=field, value=value, problem=problem)
+
+
+def _describe(error: Any) -> tuple[str, Any, str]:
+    loc = error.get("loc", ())
+    field = ".".join(str(part) for part in loc) if loc else "job"
+    kind = error.get("type", "")
+    message = str(error.get("msg", ""))
+    if kind == "value_error":
+        # Our own validators' text, without pydantic's "Value error, " prefix.
+        ctx_error = error.get("ctx", {}).get("error")
+        message = str(ctx_error) if ctx_error is not None else message.removeprefix("Value error, ")
+        return field, error.get("input"), message
+    if kind == "missing":
+        return field, None, "is required; give it in the job"
+    if kind == "extra_forbidden":
+        known = ", ".join(ElasticJob.model_fields)
+        return field, error.get("input"), f"is not a setting of the job; the settings are: {known}"
+    if kind == "literal_error":
+        return field, error.get("input"), message
+    return field, error.get("input"), f"{message}; give a value of the declared type"

@@ -1,0 +1,64 @@
+"""The batch ledger: which batch ids are committed, by which step and generation.
+
+Owned by the coordinator; nothing else writes it. A batch id is committed once, when the step that trains
+it has been applied on every shard, so the ledger always agrees with the parameter version: the
+parameters at version `v` are the result of steps `0..v-1`, and those are exactly the committed steps.
+A rollback drops what was committed after the last snapshot, which keeps that agreement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from .errors import FatalError
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    batch_id: int
+    step: int
+    generation: int
+
+
+class Ledger:
+    def __init__(self) -> None:
+        self._entries: dict[int, LedgerEntry] = {}
+        self.committed_steps = 0  # == the parameter version
+        self.snapshot_step = 0  # steps < snapshot_step are held by the shards' last snapshot
+        self.dropped_batches = 0  # committed, then dropped by a rollback
+        self.dropped_steps = 0
+
+    def commit(self, batch_ids: Iterable[int], step: int, generation: int) -> None:
+        if step != self.committed_steps:
+            raise FatalError(f"ledger: step {step} committed out of order (next is {self.committed_steps})")
+        ids = list(batch_ids)
+        twice = [b for b in ids if b in self._entries]
+        if twice:
+            # Exactly-once is the invariant the whole system exists for; a breach is a bug, never ignored.
+            raise FatalError(f"ledger: batch ids {twice} committed twice (step {step})")
+        for b in ids:
+            self._entries[b] = LedgerEntry(batch_id=b, step=step, generation=generation)
+        self.committed_steps += 1
+
+    def mark_snapshot(self) -> None:
+        self.snapshot_step = self.committed_steps
+
+    def drop_after_snapshot(self) -> list[int]:
+        """Forget the steps committed after the last snapshot; returns the dropped batch ids."""
+        dropped = sorted(b for b, e in self._entries.items() if e.step >= self.snapshot_step)
+        for b in dropped:
+            del self._entries[b]
+        self.dropped_steps += self.committed_steps - self.snapshot_step
+        self.dropped_batches += len(dropped)
+        self.committed_steps = self.snapshot_step
+        return dropped
+
+    def entries(self) -> list[LedgerEntry]:
+        return sorted(self._entries.values(), key=lambda e: e.batch_id)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, batch_id: object) -> bool:
+        return batch_id in self._entries

@@ -1,0 +1,96 @@
+"""The training schedule: which samples every batch id stands for, and which batch ids every step trains.
+
+Pure and deterministic for a job and its seed, so that any compute worker, in any generation, trains a
+batch id on exactly the same samples, and step `s` always sums the same micro-batches. Owned by nobody:
+the coordinator uses it to hand out work, data servers to cut batches, compute workers to find the data
+server that holds a batch.
+
+Batch ids of one epoch are dealt to the data servers in turn (batch `k` of an epoch lives on data server
+`k % D`), so every step reads from every data server. Each data server shuffles its own partition once per
+epoch with a generator seeded by (seed, epoch, server); samples that do not fill a whole batch on the
+smallest partition are left out of that epoch, as `drop_last=True` does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class BatchLocation:
+    epoch: int
+    server: int
+    index: int  # position of the batch within its server's epoch
+
+
+@dataclass(frozen=True)
+class Schedule:
+    partition_sizes: tuple[int, ...]
+    batch_size: int
+    micro_batches: int
+    epochs: int
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.batches_per_server_epoch < 1:
+            raise ValueError(
+                f"the smallest data partition ({min(self.partition_sizes)} samples) holds no whole batch of "
+                f"{self.batch_size}; use a smaller batch_size or fewer data_servers"
+            )
+
+    @property
+    def data_servers(self) -> int:
+        return len(self.partition_sizes)
+
+    @property
+    def batches_per_server_epoch(self) -> int:
+        return min(self.partition_sizes) // self.batch_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.data_servers * self.batches_per_server_epoch
+
+    @property
+    def total_batches(self) -> int:
+        return self.epochs * self.batches_per_epoch
+
+    @property
+    def total_steps(self) -> int:
+        return math.ceil(self.total_batches / self.micro_batches)
+
+    def step_batches(self, step: int) -> range:
+        """Batch ids trained by `step`; the last step may hold fewer than `micro_batches`."""
+        if not 0 <= step < self.total_steps:
+            raise IndexError(f"step {step} is outside the schedule (0..{self.total_steps - 1})")
+        start = step * self.micro_batches
+        return range(start, min(start + self.micro_batches, self.total_batches))
+
+    def step_of(self, batch_id: int) -> int:
+        return batch_id // self.micro_batches
+
+    def locate(self, batch_id: int) -> BatchLocation:
+        if not 0 <= batch_id < self.total_batches:
+            raise IndexError(f"batch id {batch_id} is outside the schedule (0..{self.total_batches - 1})")
+        epoch, k = divmod(batch_id, self.batches_per_epoch)
+        index, server = divmod(k, self.data_servers)
+        return BatchLocation(epoch=epoch, server=server, index=index)
+
+    def server_of(self, batch_id: int) -> int:
+        return self.locate(batch_id).server
+
+    def sample_indices(self, batch_id: int) -> np.ndarray:
+        """Indices into the data server's own partition of the samples of `batch_id`."""
+        where = self.locate(batch_id)
+        order = _epoch_order(self.seed, where.epoch, where.server, self.partition_sizes[where.server])
+        return order[where.index * self.batch_size : (where.index + 1) * self.batch_size]
+
+
+@lru_cache(maxsize=8)
+def _epoch_order(seed: int, epoch: int, server: int, size: int) -> np.ndarray:
+    order = np.random.default_rng([seed, epoch, server]).permutation(size)
+    order.setflags(write=False)
+    return order

@@ -1,0 +1,110 @@
+"""Survival detection (seed 000, claim 1) as a pure function: state and live workers in, a decision out.
+
+The coordinator calls `survival_check` every `liveness_interval` and at once on a scheduler worker event,
+with training suspended, and then carries the decision out; nothing here touches a cluster, so every
+sequence of events can be unit-tested.
+
+- Membership unchanged: snapshot (if a step was committed since the last one).
+- Membership changed: the generation goes up, and per the job's policy either every shard reloads the last
+  snapshot (`rollback`, the patent's rule) or only the step in flight is dropped and re-queued
+  (`reassign`).
+- Fewer live workers than `min_workers`: no work is handed out; after `min_workers_timeout` the job fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Literal
+
+Policy = Literal["rollback", "reassign"]
+
+
+class Action(str, Enum):
+    NOTHING = "nothing"  # membership unchanged and nothing new to snapshot
+    SNAPSHOT = "snapshot"
+    ROLLBACK = "rollback"
+    REASSIGN = "reassign"
+
+
+@dataclass(frozen=True)
+class SurvivalState:
+    generation: int
+    workers: frozenset[str]
+    policy: Policy
+    min_workers: int
+    min_workers_timeout: float
+    committed_steps: int
+    snapshot_step: int
+    below_min_since: float | None = None  # when live workers first fell below min_workers
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    generation: int
+    workers: frozenset[str]
+    joined: frozenset[str]
+    left: frozenset[str]
+    resume: bool  # hand out work again afterwards
+    below_min_since: float | None
+    failure: str | None  # set when the job must stop
+    reason: str
+
+    @property
+    def membership_changed(self) -> bool:
+        return bool(self.joined or self.left)
+
+    def next_state(self, state: SurvivalState) -> SurvivalState:
+        """The state after this decision has been carried out (the caller fills in the step counters)."""
+        return replace(
+            state,
+            generation=self.generation,
+            workers=self.workers,
+            below_min_since=self.below_min_since,
+        )
+
+
+def survival_check(state: SurvivalState, live_workers: frozenset[str] | set[str], now: float) -> Decision:
+    live = frozenset(live_workers)
+    joined = live - state.workers
+    left = state.workers - live
+    changed = bool(joined or left)
+
+    if changed:
+        action = Action.ROLLBACK if state.policy == "rollback" else Action.REASSIGN
+        generation = state.generation + 1
+        reason = _describe(joined, left)
+    else:
+        generation = state.generation
+        if state.committed_steps > state.snapshot_step:
+            action, reason = Action.SNAPSHOT, "membership unchanged"
+        else:
+            action, reason = Action.NOTHING, "membership unchanged, no step since the last snapshot"
+
+    if len(live) >= state.min_workers:
+        return Decision(action, generation, live, joined, left, True, None, None, reason)
+
+    since = state.below_min_since if state.below_min_since is not None else now
+    waited = now - since
+    failure = None
+    if waited >= state.min_workers_timeout:
+        failure = (
+            f"only {len(live)} live compute worker(s), fewer than min_workers={state.min_workers}, "
+            f"for {waited:.1f} s (min_workers_timeout={state.min_workers_timeout:g} s); add elastic "
+            "workers to the cluster or lower min_workers"
+        )
+    reason = f"{reason}; waiting for workers ({len(live)} of min_workers={state.min_workers})"
+    if action is Action.SNAPSHOT:
+        # Nothing moves while waiting; the snapshot taken before the wait is still the latest state.
+        action = Action.NOTHING
+    return Decision(action, generation, live, joined, left, False, since, failure, reason)
+
+
+def _describe(joined: frozenset[str], left: frozenset[str]) -> str:
+    parts = []
+    if left:
+        parts.append("lost " + ", ".join(sorted(left)))
+    if joined:
+        parts.append("joined " + ", ".join(sorted(joined)))
+    return "; ".join(parts)

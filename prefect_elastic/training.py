@@ -1,0 +1,369 @@
+"""The controller for one job: `train(job, address=... | cluster=...)`.
+
+Owns the job's lifecycle on a Dask cluster: validates the inputs before touching the cluster, registers
+the job id, starts the data servers and the coordinator (actors on static workers), runs a compute loop on
+every elastic worker, drives survival detection (every `liveness_interval`, and at once when the
+scheduler reports a worker added or removed), and at the end collects the parameters, the ledger and the
+events into a `TrainResult`. It decides nothing about membership itself: the coordinator does.
+
+The Prefect flow (a later layer) calls this; users may call it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from distributed import Client, Future
+
+from .compute import LoopStats, compute_loop
+from .coordinator import Coordinator, MembershipEvent, Outcome, Progress
+from .data_server import DataServer, plan_shards
+from .dataset import DatasetInfo, partition_bounds
+from .errors import (
+    DataServerLostError,
+    FatalError,
+    JobConfigError,
+    NotEnoughWorkersError,
+    TrainingFailedError,
+)
+from .job import ElasticJob
+from .ledger import LedgerEntry
+from .schedule import Schedule
+
+log = logging.getLogger(__name__)
+
+# How often the controller polls progress between survival checks; bounds how late a fault schedule or a
+# progress display sees a step.
+PROGRESS_POLL_SECONDS = 0.02
+# A compute loop that keeps failing on a live worker is restarted at most this many times.
+MAX_LOOP_RESTARTS = 5
+
+
+class FaultInjector(Protocol):
+    """Anything that acts on the cluster as training progresses (see `prefect_elastic.testing`)."""
+
+    def apply(self, progress: Progress) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    job: ElasticJob
+    state_dict: dict[str, torch.Tensor]
+    ledger: list[LedgerEntry]
+    events: list[MembershipEvent]
+    history: list[float]  # mean loss of each committed step
+    generation: int
+    counters: dict[str, int]
+    elapsed: float
+    loops: list[LoopStats] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.history)
+
+    @property
+    def steps_lost(self) -> int:
+        """Committed steps undone by rollbacks over the whole run."""
+        return sum(e.steps_lost for e in self.events)
+
+    @property
+    def batches_dropped(self) -> int:
+        """Micro-batches of steps in flight that membership changes dropped and re-queued."""
+        return sum(e.batches_dropped for e in self.events)
+
+    def membership_events(self) -> list[MembershipEvent]:
+        return [e for e in self.events if e.kind in ("rollback", "reassign")]
+
+
+def build_schedule(job: ElasticJob, dataset: DatasetInfo) -> Schedule:
+    sizes = tuple(
+        stop - start
+        for start, stop in (partition_bounds(dataset.total, job.data_servers, i) for i in range(job.data_servers))
+    )
+    try:
+        return Schedule(sizes, job.batch_size, job.micro_batches, job.epochs, job.seed)
+    except ValueError as exc:
+        raise JobConfigError("batch_size", job.batch_size, str(exc)) from exc
+
+
+def train(
+    job: ElasticJob | str | os.PathLike[str],
+    address: str | None = None,
+    cluster: Any = None,
+    *,
+    on_progress: Callable[[Progress], None] | None = None,
+    on_event: Callable[[MembershipEvent], None] | None = None,
+    faults: FaultInjector | None = None,
+) -> TrainResult:
+    """Train `job` on the Dask cluster at `address` (or the `cluster` object) and return the result.
+
+    Raises `JobConfigError` before any cluster work for an impossible job, `TrainingFailedError` when the
+    model raises or the loss is not finite, `NotEnoughWorkersError` when fewer than `min_workers` compute
+    workers stay alive for longer than `min_workers_timeout`, `DataServerLostError` when a static worker
+    holding a data server or the coordinator dies.
+    """
+    if not isinstance(job, ElasticJob):
+        job = ElasticJob.from_yaml(Path(job))
+    dataset = job.check_inputs()
+    schedule = build_schedule(job, dataset)
+    if (address is None) == (cluster is None):
+        raise JobConfigError("address", address, "give exactly one of address= or cluster=")
+    target = address if address is not None else cluster.scheduler_address
+    with Client(target, set_as_default=False, timeout=job.call_timeout) as client:
+        run = _Run(client, job, dataset, schedule, on_progress, on_event, faults)
+        # Actor handles bind to the current client on first use; make it ours, not a global default.
+        with client.as_current():
+            try:
+                return run.execute()
+            finally:
+                run.release()
+
+
+class _Run:
+    def __init__(
+        self,
+        client: Client,
+        job: ElasticJob,
+        dataset: DatasetInfo,
+        schedule: Schedule,
+        on_progress: Callable[[Progress], None] | None,
+        on_event: Callable[[MembershipEvent], None] | None,
+        faults: FaultInjector | None,
+    ) -> None:
+        self.client = client
+        self.job = job
+        self.dataset = dataset
+        self.schedule = schedule
+        self.on_progress = on_progress
+        self.on_event = on_event
+        self.faults = faults
+        self.run_id = uuid.uuid4().hex[:8]
+        self.actor_futures: list[Future] = []
+        self.loops: dict[str, Future] = {}
+        self.loop_restarts: dict[str, int] = {}
+        self.loop_stats: list[LoopStats] = []
+        self.registered = False
+        self.worker_event = threading.Event()
+
+    # -- setup -----------------------------------------------------------------------------------
+
+    def execute(self) -> TrainResult:
+        started = time.monotonic()
+        self._register()
+        coordinator, shards, plan = self._start_servers()
+        self.client.subscribe_topic("all", self._on_scheduler_event)
+        log.info(
+            "job %s: %d steps of %d micro-batches of %d, %d data servers, policy %s",
+            self.job.job_id, self.schedule.total_steps, self.job.micro_batches, self.job.batch_size,
+            self.job.data_servers, self.job.on_membership_change,
+        )
+        progress = self._supervise(coordinator, shards, plan)
+        outcome: Outcome = coordinator.outcome().result(timeout=self.job.call_timeout)
+        if progress.state == "failed":
+            raise self._failure(progress)
+        state: dict[str, torch.Tensor] = {}
+        for f in [s.state() for s in shards]:
+            state.update(f.result(timeout=self.job.call_timeout))
+        order = list(self.initial_keys)
+        self._stop_loops()
+        return TrainResult(
+            job=self.job,
+            state_dict={k: state[k] for k in order},
+            ledger=outcome.ledger,
+            events=outcome.events,
+            history=outcome.history,
+            generation=outcome.generation,
+            counters=outcome.counters,
+            elapsed=time.monotonic() - started,
+            loops=self.loop_stats,
+        )
+
+    def _register(self) -> None:
+        # Roles register under the job id (seed 003): a second live controller of the same job would
+        # train the same batches twice, so it is refused; a key left by a controller that died is taken over.
+        key = ["prefect-elastic", "jobs", self.job.job_id]
+        holder = self.client.get_metadata(key, default=None)
+        if holder is not None and holder.get("client") in self._connected_clients():
+            raise FatalError(
+                f"job_id={self.job.job_id!r} is already training on this cluster (controller {holder['client']}); "
+                "give this job another job_id or wait for that one to end"
+            )
+        self.client.set_metadata(key, {"client": self.client.id, "run": self.run_id, "started": time.time()})
+        self.registered = True
+
+    def _connected_clients(self) -> set[str]:
+        def clients(dask_scheduler: Any) -> list[str]:
+            return list(dask_scheduler.clients)
+
+        return set(self.client.run_on_scheduler(clients))
+
+    def _static_workers(self) -> list[str]:
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        static = [a for a, w in workers.items() if self.job.static_resource in (w.get("resources") or {})]
+        if not static:
+            raise FatalError(
+                f"no static workers on the cluster: start some with "
+                f"`dask worker <scheduler> --resources {self.job.static_resource}=1`; data servers and the "
+                "coordinator must live on workers that are never taken away"
+            )
+        return sorted(static, key=lambda a: (str(workers[a].get("name")), a))
+
+    def _start_servers(self) -> tuple[Any, list[Any], list[list[str]]]:
+        job = self.job
+        initial = job.initial_state()
+        self.initial_keys = list(initial)
+        param_names = {n for n, _ in job.make_model().named_parameters()}
+        plan = plan_shards(initial, job.data_servers)
+        static = self._static_workers()
+        prefix = f"prefect-elastic-{job.job_id}-{self.run_id}"
+        for i, names in enumerate(plan):
+            params = {n: initial[n] for n in names if n in param_names}
+            buffers = {n: initial[n] for n in names if n not in param_names}
+            self.actor_futures.append(
+                self.client.submit(
+                    DataServer, i, job, self.dataset, self.schedule, params, buffers,
+                    actor=True, workers=[static[i % len(static)]], allow_other_workers=False,
+                    key=f"{prefix}-data-server-{i}", pure=False,
+                )
+            )  # fmt: skip
+        self.actor_futures.append(
+            self.client.submit(
+                Coordinator, job.job_id, self.schedule, job.on_membership_change, job.min_workers,
+                job.min_workers_timeout, job.call_timeout,
+                actor=True, workers=[static[0]], allow_other_workers=False, key=f"{prefix}-coordinator",
+                pure=False,
+            )
+        )  # fmt: skip
+        # Reading a partition may take a while on a big dataset; the wait is still bounded.
+        startup_timeout = max(job.call_timeout, 600.0)
+        actors = [f.result(timeout=startup_timeout) for f in self.actor_futures]
+        shards, coordinator = actors[:-1], actors[-1]
+        coordinator.attach(shards).result(timeout=job.call_timeout)
+        return coordinator, shards, plan
+
+    # -- supervision -----------------------------------------------------------------------------
+
+    def _on_scheduler_event(self, event: Any) -> None:
+        msg = event[1] if isinstance(event, tuple) else event
+        if isinstance(msg, dict) and msg.get("action") in ("add-worker", "remove-worker", "retire-workers"):
+            self.worker_event.set()
+
+    def _supervise(self, coordinator: Any, shards: list[Any], plan: list[list[str]]) -> Progress:
+        job = self.job
+        next_check = 0.0
+        while True:
+            now = time.monotonic()
+            triggered = self.worker_event.is_set()
+            if triggered or now >= next_check:
+                self.worker_event.clear()
+                live = self._live_elastic_workers()
+                self._ensure_loops(live, coordinator, shards, plan)
+                event = self._call(coordinator.survival_check(live, "worker event" if triggered else "interval"))
+                next_check = time.monotonic() + job.liveness_interval
+                if event is not None and self.on_event is not None:
+                    self.on_event(event)
+            progress: Progress = self._call(coordinator.progress())
+            if self.on_progress is not None:
+                self.on_progress(progress)
+            if progress.state in ("done", "failed"):
+                return progress
+            if self.faults is not None:
+                self.faults.apply(progress)
+            self.worker_event.wait(timeout=max(0.0, min(PROGRESS_POLL_SECONDS, next_check - time.monotonic())))
+
+    def _call(self, future: Any) -> Any:
+        try:
+            return future.result(timeout=self.job.call_timeout)
+        except Exception as exc:
+            raise DataServerLostError(
+                f"the coordinator of job {self.job.job_id} did not answer ({type(exc).__name__}: {exc}); "
+                "its static worker was probably lost"
+            ) from exc
+
+    def _live_elastic_workers(self) -> list[str]:
+        workers = self.client.scheduler_info(n_workers=-1)["workers"]
+        return sorted(
+            a
+            for a, w in workers.items()
+            if self.job.static_resource not in (w.get("resources") or {})
+            and w.get("status", "running") in ("running", "paused")
+        )
+
+    def _ensure_loops(self, live: list[str], coordinator: Any, shards: list[Any], plan: list[list[str]]) -> None:
+        for addr in list(self.loops):
+            if addr not in live:
+                self.loops.pop(addr).cancel()
+        for addr in live:
+            loop = self.loops.get(addr)
+            if loop is not None and loop.done():
+                self._collect_loop(addr, loop)
+                loop = None
+            if loop is None:
+                restarts = self.loop_restarts.get(addr, 0)
+                if restarts > MAX_LOOP_RESTARTS:
+                    continue
+                self.loop_restarts[addr] = restarts + 1
+                self.loops[addr] = self.client.submit(
+                    compute_loop, self.job, coordinator, shards, plan, self.schedule,
+                    key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-compute-{addr}-{restarts}",
+                    workers=[addr], allow_other_workers=False, pure=False,
+                )  # fmt: skip
+
+    def _collect_loop(self, addr: str, loop: Future) -> None:
+        if loop.status == "finished":
+            self.loop_stats.append(loop.result())
+        elif loop.status == "error":
+            log.warning("job %s: compute loop on %s ended with %r", self.job.job_id, addr, loop.exception())
+
+    def _failure(self, progress: Progress) -> FatalError:
+        message = progress.failure or "training failed"
+        if progress.failure_kind == "model":
+            return TrainingFailedError(message, progress.failure_step, progress.failure_batch)
+        if progress.failure_kind == "not-enough-workers":
+            return NotEnoughWorkersError(message)
+        if progress.failure_kind == "data-server-lost":
+            return DataServerLostError(message)
+        return FatalError(message)
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def _stop_loops(self) -> None:
+        # Loops see `stop` within one work poll; wait for their stats briefly, then cancel what is left.
+        deadline = time.monotonic() + 2.0
+        for addr, loop in list(self.loops.items()):
+            try:
+                loop.result(timeout=max(0.01, deadline - time.monotonic()))
+            except Exception:
+                pass
+            self._collect_loop(addr, loop) if loop.done() else loop.cancel()
+        self.loops.clear()
+
+    def release(self) -> None:
+        """Stop loops, drop the actors, unregister the job; safe to call after any failure."""
+        try:
+            self.client.unsubscribe_topic("all")
+        except Exception:
+            pass
+        for loop in self.loops.values():
+            loop.cancel()
+        self.loops.clear()
+        if self.actor_futures:
+            try:
+                self.client.cancel(self.actor_futures)
+            except Exception as exc:
+                log.debug("releasing actors: %s", exc)
+            self.actor_futures.clear()
+        if self.registered:
+            try:
+                self.client.set_metadata(["prefect-elastic", "jobs", self.job.job_id], None)
+            except Exception as exc:
+                log.debug("unregistering job: %s", exc)

@@ -1,0 +1,66 @@
+"""Small model factories that tests name by import path (`tests.models:mlp`), as a user's job would.
+
+Each returns a fresh `torch.nn.Module` for the 8x8 digits (input (N, 1, 8, 8), 10 classes), or, on purpose,
+something broken that an error path must report.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def cnn_bn() -> nn.Module:
+    # BatchNorm has buffers (running stats) besides parameters; tests use it to check those travel too.
+    return nn.Sequential(
+        nn.Conv2d(1, 4, kernel_size=3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 10),
+    )
+
+
+class _Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom from the model")
+
+
+def raises() -> nn.Module:
+    return _Raises()
+
+
+def not_a_module() -> int:
+    return 42
+
+
+class _NanModel(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * float("nan")
+
+
+def nan_model() -> nn.Module:
+    return _NanModel(*mlp())
+
+
+class _SlowMlp(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The sleep paces cluster tests so that workers can be killed or added mid-training.
+        time.sleep(0.004)
+        return super().forward(x)
+
+
+def slow_mlp() -> nn.Module:
+    # Built from mlp()'s layers, so the same seed gives the same parameters under the same names.
+    return _SlowMlp(*mlp())
