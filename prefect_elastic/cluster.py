@@ -40,7 +40,7 @@ _PARENT_ENV = "PREFECT_ELASTIC_CLUSTER_PARENT"
 # Loaded by every scheduler and nanny (or nanny-less worker) as a preload file. atexit does not run when the
 # process that owns the cluster is SIGKILLed (a CI timeout, a killed flow run); without this the scheduler
 # and workers would live on and hold the CPUs. A reparented process means its parent is gone.
-_WATCHDOG_SOURCE = f'''"""Ends this process group once the process that started it is gone (from prefect_elastic.cluster)."""
+_WATCHDOG_SOURCE = f'''"""Ends this process group once the process that started it is gone."""
 import os
 import signal
 import threading
@@ -98,6 +98,7 @@ class LocalElasticCluster:
         startup_timeout: float = 60.0,
         worker_ttl: str | None = None,
         log_dir: str | os.PathLike[str] | None = None,
+        preload: tuple[str, ...] = ("prefect_elastic.compute",),
     ) -> None:
         if static_workers < 0 or elastic_workers < 0:
             raise ValueError(
@@ -117,6 +118,9 @@ class LocalElasticCluster:
         self.env = dict(env or {})
         self.startup_timeout = startup_timeout
         self.worker_ttl = worker_ttl
+        # Imported by each worker process before it registers, so that a worker that joins is ready to
+        # train at once instead of spending its first seconds importing torch.
+        self.preload = tuple(preload)
         self._given_log_dir = Path(log_dir) if log_dir is not None else None
         self.log_dir: Path | None = None
 
@@ -168,7 +172,7 @@ class LocalElasticCluster:
             with contextlib.suppress(Exception):
                 client.close(timeout=5)
         # Workers first so that they do not spend the grace period reconnecting to a dead scheduler.
-        self._terminate([p for p in workers])
+        self._terminate(workers)
         if scheduler is not None:
             self._terminate([scheduler])
         if self.log_dir is not None:
@@ -199,15 +203,23 @@ class LocalElasticCluster:
             raise RuntimeError("the cluster is not started; call start() or use it as a context manager")
         return self._scheduler_address
 
+    @property
+    def scheduler_pid(self) -> int | None:
+        """The scheduler process's pid (for tests that kill it); None before `start`."""
+        proc = self._scheduler_proc
+        return None if proc is None else proc.pid
+
     def client(self, **kwargs: Any) -> distributed.Client:
         """A new Client connected to this cluster; the caller closes it."""
         kwargs.setdefault("timeout", self.startup_timeout)
         return distributed.Client(self.scheduler_address, **kwargs)
 
     def workers_info(self) -> dict[str, dict[str, Any]]:
-        """The scheduler's view of every live worker: address -> info (``name``, ``pid``, ``resources``...)."""
+        """The scheduler's view of every live worker: address -> info (``name``, ``resources``, ...)."""
         client = self._get_client()
-        identity = client.sync(client.scheduler.identity, n_workers=-1, callback_timeout=_RPC_TIMEOUT_S)
+        identity = client.sync(
+            self._scheduler_rpc(client).identity, n_workers=-1, callback_timeout=_RPC_TIMEOUT_S
+        )
         workers: dict[str, dict[str, Any]] = identity.get("workers", {})
         return workers
 
@@ -296,24 +308,40 @@ class LocalElasticCluster:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=_TERM_GRACE_S)
 
-    def retire_worker(self, name_or_address: str, timeout: float | None = None) -> None:
-        """Retire a worker gracefully (`Client.retire_workers`) and wait until its processes are gone."""
+    def retire_worker(
+        self, name_or_address: str, timeout: float | None = None, exit_timeout: float = 10.0
+    ) -> None:
+        """Retire a worker gracefully (`Client.retire_workers`); wait until it left and its processes exited.
+
+        A worker that is running a task leaves the scheduler at once (the task is rescheduled elsewhere, or
+        waits for a worker if it is restricted to this one) but its process exits only once that task's
+        thread returns, and a nanny lingers about 2 s more. A process still alive ``exit_timeout`` seconds
+        after the worker left is terminated: it no longer belongs to the cluster, and a long-running task
+        (a compute loop) may never return.
+        """
         self._require_running()
         timeout = self.startup_timeout if timeout is None else timeout
         addr, info = self._resolve_live(name_or_address)
         name = str(info["name"])
         client = self._get_client()
-        client.sync(
-            client.scheduler.retire_workers, workers=[addr], close_workers=True, callback_timeout=timeout
+        retired = client.sync(
+            self._scheduler_rpc(client).retire_workers,
+            workers=[addr],
+            close_workers=True,
+            callback_timeout=timeout,
         )
+        if addr not in (retired or {}):
+            raise RuntimeError(
+                f"the scheduler refused to retire worker {name!r} ({addr}); it may hold the only copy "
+                "of data that no other worker can take"
+            )
         self.wait_until_gone([name], timeout=timeout)
         with self._lock:
             proc = self._workers.get(name)
         if proc is not None:
             try:
-                proc.wait(timeout=timeout)
+                proc.wait(timeout=exit_timeout)
             except subprocess.TimeoutExpired:
-                # The worker left the scheduler but its process did not exit; do not leave it behind.
                 self._terminate([proc])
 
     # ------------------------------------------------------------------ waits
@@ -332,8 +360,8 @@ class LocalElasticCluster:
                 self._raise_if_exited(name)
             if time.monotonic() >= deadline:
                 raise RuntimeError(
-                    f"workers {missing} did not register with {self.scheduler_address} within {timeout:.0f} s\n"
-                    + "\n".join(self._log_tail_of(name) for name in missing)
+                    f"workers {missing} did not register with {self.scheduler_address} "
+                    f"within {timeout:.0f} s\n" + "\n".join(self._log_tail_of(name) for name in missing)
                 )
             time.sleep(_POLL_S)
 
@@ -390,6 +418,12 @@ class LocalElasticCluster:
                     self.scheduler_address, timeout=self.startup_timeout, set_as_default=False
                 )
             return self._client
+
+    @staticmethod
+    def _scheduler_rpc(client: distributed.Client) -> Any:
+        if client.scheduler is None:
+            raise RuntimeError("the cluster's client lost its scheduler connection")
+        return client.scheduler
 
     def _prepare_dirs(self) -> None:
         if self._given_log_dir is not None:
@@ -502,7 +536,12 @@ class LocalElasticCluster:
             "--local-directory",
             str(self.log_dir / "scratch"),
         ]
-        args += ["--nanny", "--preload-nanny", watchdog] if self.nanny else ["--no-nanny", "--preload", watchdog]
+        if self.nanny:
+            args += ["--nanny", "--preload-nanny", watchdog]
+        else:
+            args += ["--no-nanny", "--preload", watchdog]
+        for module in self.preload:
+            args += ["--preload", module]
         if static:
             args += ["--resources", f"{self.static_resource}=1"]
         proc = self._popen(args, name)

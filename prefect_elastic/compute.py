@@ -71,7 +71,9 @@ def compute_loop(
     errors_in_a_row = 0
     while worker.status.name in ("running", "paused"):
         try:
-            work: Assignment | None = coordinator.request_work(worker.address).result(timeout=job.call_timeout)
+            work: Assignment | None = coordinator.request_work(worker.address).result(
+                timeout=job.call_timeout
+            )
         except Exception as exc:
             errors_in_a_row += 1
             stats.call_errors += 1
@@ -100,7 +102,9 @@ def compute_loop(
             # A shard or the coordinator did not answer in time, or its worker is gone: the step is
             # dropped here; survival detection decides what happens to it.
             stats.call_errors += 1
-            log.warning("compute %s: step %d failed (%s: %s)", worker.address, work.step, type(exc).__name__, exc)
+            log.warning(
+                "compute %s: step %d failed (%s: %s)", worker.address, work.step, type(exc).__name__, exc
+            )
             continue
         stats.steps += 1
         stats.batches += len(losses)
@@ -159,10 +163,14 @@ class MicroBatchTrainer:
         try:
             out = functional_call(self.model, {**params, **bufs}, (x.to(self.device),))
             loss = self.loss_fn(out, y.to(self.device))
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, materialize_grads=True)
+            grads = torch.autograd.grad(
+                loss, list(params.values()), allow_unused=True, materialize_grads=True
+            )
         except Exception as exc:
             raise ModelFailure(
-                step, batch_id, f"the model raised at step {step}, batch {batch_id}: {type(exc).__name__}: {exc}"
+                step,
+                batch_id,
+                f"the model raised at step {step}, batch {batch_id}: {type(exc).__name__}: {exc}",
             ) from exc
         value = float(loss.detach())
         if not torch.isfinite(loss.detach()):

@@ -16,6 +16,7 @@ Called by compute workers (`request_work`, `report`, `report_failure`) and by th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -113,7 +114,13 @@ class Coordinator:
         self._history: list[float] = []
         self._events: list[MembershipEvent] = []
         self._failure: tuple[str, str, int | None, int | None] | None = None
-        self._counters = {"assignments": 0, "stale_reports": 0, "rollbacks": 0, "reassigns": 0, "snapshots": 0}
+        self._counters = {
+            "assignments": 0,
+            "stale_reports": 0,
+            "rollbacks": 0,
+            "reassigns": 0,
+            "snapshots": 0,
+        }
         self._lock: asyncio.Lock | None = None
         self._work_ready: asyncio.Condition | None = None
 
@@ -153,10 +160,8 @@ class Coordinator:
             if remaining <= 0:
                 return None
             async with ready:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ready.wait(), remaining)
-                except TimeoutError:
-                    pass
 
     def _requeue_orphans(self, worker: str) -> None:
         # A worker asks for work only when it holds none, so anything still assigned to it was lost
@@ -182,7 +187,9 @@ class Coordinator:
                 self._counters["stale_reports"] += 1
                 raise StaleGenerationError(generation, self.generation, "report")
             if step != self._ledger.committed_steps or self._finished:
-                raise RecoverableError(f"report for step {step}, but step {self._ledger.committed_steps} is open")
+                raise RecoverableError(
+                    f"report for step {step}, but step {self._ledger.committed_steps} is open"
+                )
             for b, loss in losses.items():
                 self._assigned.pop(b, None)
                 self._losses[b] = loss
@@ -199,7 +206,9 @@ class Coordinator:
         if self._failure is None:
             self._failure = (kind, message, step, batch_id)
             self._record("failed", reason=f"{kind} on {worker}: {message}")
-            log.error("job %s failed at step %s batch %s on %s: %s", self.job_id, step, batch_id, worker, message)
+            log.error(
+                "job %s failed at step %s batch %s on %s: %s", self.job_id, step, batch_id, worker, message
+            )
         await self._notify()
 
     async def _commit_step(self, step: int) -> None:
@@ -221,7 +230,9 @@ class Coordinator:
 
     # -- survival detection ----------------------------------------------------------------------
 
-    async def survival_check(self, live_workers: Iterable[str], trigger: str = "interval") -> MembershipEvent | None:
+    async def survival_check(
+        self, live_workers: Iterable[str], trigger: str = "interval"
+    ) -> MembershipEvent | None:
         """Suspend, decide, carry the decision out, resume. Returns the event it recorded, if any."""
         lock, _ = self._sync_primitives()
         self._suspended = True
@@ -296,7 +307,12 @@ class Coordinator:
         if event is not None:
             log.info(
                 "job %s %s: generation %d, step %d, workers %s: %s",
-                self.job_id, event.kind, event.generation, event.step, list(event.workers), event.reason,
+                self.job_id,
+                event.kind,
+                event.generation,
+                event.step,
+                list(event.workers),
+                event.reason,
             )
         return event
 
@@ -313,14 +329,27 @@ class Coordinator:
             self._record("failed", reason=message)
             log.error("job %s failed: %s", self.job_id, message)
 
-    def _record(self, kind: str, **details: Any) -> MembershipEvent:
+    def _record(
+        self,
+        kind: str,
+        *,
+        joined: frozenset[str] = frozenset(),
+        left: frozenset[str] = frozenset(),
+        steps_lost: int = 0,
+        batches_dropped: int = 0,
+        reason: str = "",
+    ) -> MembershipEvent:
         event = MembershipEvent(
             time=time.time(),
             kind=kind,
             generation=self.generation,
             step=self._ledger.committed_steps,
             workers=tuple(sorted(self._workers)),
-            **{k: tuple(sorted(v)) if isinstance(v, frozenset) else v for k, v in details.items()},
+            joined=tuple(sorted(joined)),
+            left=tuple(sorted(left)),
+            steps_lost=steps_lost,
+            batches_dropped=batches_dropped,
+            reason=reason,
         )
         self._events.append(event)
         return event
@@ -344,12 +373,14 @@ class Coordinator:
     # -- controller ------------------------------------------------------------------------------
 
     async def progress(self) -> Progress:
+        kind: str | None = None
+        message: str | None = None
+        step: int | None = None
+        batch: int | None = None
         if self._failure is not None:
             kind, message, step, batch = self._failure
             state = "failed"
         else:
-            kind = message = None
-            step = batch = None
             state = "done" if self._finished else ("waiting" if self._waiting else "running")
         return Progress(
             generation=self.generation,

@@ -89,7 +89,12 @@ class DataServer:
         self._snapshot = self._copy_state()
         log.info(
             "data server %d of job %s: samples [%d, %d), %d params, %d buffers",
-            index, self.job_id, start, stop, len(self._params), len(self._buffers),
+            index,
+            self.job_id,
+            start,
+            stop,
+            len(self._params),
+            len(self._buffers),
         )
 
     def _check(self, generation: int, what: str) -> None:
@@ -98,7 +103,9 @@ class DataServer:
 
     def _check_step(self, step: int, what: str) -> None:
         if step != self.version:
-            raise RecoverableError(f"{what} for step {step}, but shard {self.index} is at step {self.version}")
+            raise RecoverableError(
+                f"{what} for step {step}, but shard {self.index} is at step {self.version}"
+            )
 
     async def get_batch(self, generation: int, batch_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(generation, "get_batch")

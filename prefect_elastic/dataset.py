@@ -135,9 +135,7 @@ def _list_files(fs: Any, path: str, url: str) -> list[str]:
     if not fs.isdir(path):
         return [path]
     shards = sorted(
-        entry
-        for entry in fs.ls(path, detail=False)
-        if str(entry).endswith(".npz") and not fs.isdir(entry)
+        entry for entry in fs.ls(path, detail=False) if str(entry).endswith(".npz") and not fs.isdir(entry)
     )
     if not shards:
         raise _fail(
@@ -156,8 +154,11 @@ def inspect_dataset(url: str) -> DatasetInfo:
     try:
         fs, path = url_to_fs(url)
     except (ValueError, ImportError) as exc:
-        raise _fail(url, f"cannot be opened with fsspec ({type(exc).__name__}: {exc}); check the protocol "
-                    "and that its fsspec backend (e.g. s3fs, gcsfs) is installed") from exc
+        raise _fail(
+            url,
+            f"cannot be opened with fsspec ({type(exc).__name__}: {exc}); check the protocol "
+            "and that its fsspec backend (e.g. s3fs, gcsfs) is installed",
+        ) from exc
     paths = _list_files(fs, path, url)
 
     files: list[str] = []

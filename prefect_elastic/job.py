@@ -12,6 +12,7 @@ import importlib
 import math
 import os
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Self, cast
@@ -55,6 +56,7 @@ _POSITIVE_SECONDS = {
     "min_workers_timeout": "how long training waits with fewer than min_workers",
     "call_timeout": "how long one remote call may take before it is an error",
 }
+_GLOBAL_RNG = threading.Lock()
 _TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
@@ -103,8 +105,16 @@ class ElasticJob(BaseModel):
     # ---- cheap checks, run at construction -------------------------------------------------------------
 
     @field_validator(
-        "batch_size", "micro_batches", "epochs", "data_servers", "threads_per_worker", "min_workers",
-        "seed", "liveness_interval", "min_workers_timeout", "call_timeout",
+        "batch_size",
+        "micro_batches",
+        "epochs",
+        "data_servers",
+        "threads_per_worker",
+        "min_workers",
+        "seed",
+        "liveness_interval",
+        "min_workers_timeout",
+        "call_timeout",
         mode="before",
     )
     @classmethod
@@ -291,8 +301,10 @@ class ElasticJob(BaseModel):
 
     def initial_state(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers before training; the same for the same seed."""
-        # fork_rng keeps the caller's global RNG stream as it was.
-        with torch.random.fork_rng(devices=[]):
+        # fork_rng keeps the caller's global RNG stream as it was. The lock: model constructors draw from
+        # torch's one global generator, so two jobs started from threads of one process would otherwise
+        # interleave their draws and start from parameters that depend on timing.
+        with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             state = self.make_model().state_dict()
         return {key: tensor.detach().cpu().clone().contiguous() for key, tensor in state.items()}

@@ -14,13 +14,13 @@ sequence of events can be unit-tested.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import StrEnum
 from typing import Literal
 
 Policy = Literal["rollback", "reassign"]
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     NOTHING = "nothing"  # membership unchanged and nothing new to snapshot
     SNAPSHOT = "snapshot"
     ROLLBACK = "rollback"

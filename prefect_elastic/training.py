@@ -11,6 +11,7 @@ The Prefect flow (a later layer) calls this; users may call it directly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -51,6 +52,8 @@ MAX_LOOP_RESTARTS = 5
 class FaultInjector(Protocol):
     """Anything that acts on the cluster as training progresses (see `prefect_elastic.testing`)."""
 
+    def bind(self, cluster: Any) -> Any: ...
+
     def apply(self, progress: Progress) -> None: ...
 
 
@@ -64,6 +67,8 @@ class TrainResult:
     generation: int
     counters: dict[str, int]
     elapsed: float
+    total_steps: int  # of the schedule
+    total_batches: int
     loops: list[LoopStats] = field(default_factory=list)
 
     @property
@@ -87,7 +92,9 @@ class TrainResult:
 def build_schedule(job: ElasticJob, dataset: DatasetInfo) -> Schedule:
     sizes = tuple(
         stop - start
-        for start, stop in (partition_bounds(dataset.total, job.data_servers, i) for i in range(job.data_servers))
+        for start, stop in (
+            partition_bounds(dataset.total, job.data_servers, i) for i in range(job.data_servers)
+        )
     )
     try:
         return Schedule(sizes, job.batch_size, job.micro_batches, job.epochs, job.seed)
@@ -118,6 +125,8 @@ def train(
     if (address is None) == (cluster is None):
         raise JobConfigError("address", address, "give exactly one of address= or cluster=")
     target = address if address is not None else cluster.scheduler_address
+    if faults is not None and cluster is not None:
+        faults.bind(cluster)
     with Client(target, set_as_default=False, timeout=job.call_timeout) as client:
         run = _Run(client, job, dataset, schedule, on_progress, on_event, faults)
         # Actor handles bind to the current client on first use; make it ours, not a global default.
@@ -163,8 +172,12 @@ class _Run:
         self.client.subscribe_topic("all", self._on_scheduler_event)
         log.info(
             "job %s: %d steps of %d micro-batches of %d, %d data servers, policy %s",
-            self.job.job_id, self.schedule.total_steps, self.job.micro_batches, self.job.batch_size,
-            self.job.data_servers, self.job.on_membership_change,
+            self.job.job_id,
+            self.schedule.total_steps,
+            self.job.micro_batches,
+            self.job.batch_size,
+            self.job.data_servers,
+            self.job.on_membership_change,
         )
         progress = self._supervise(coordinator, shards, plan)
         outcome: Outcome = coordinator.outcome().result(timeout=self.job.call_timeout)
@@ -184,6 +197,8 @@ class _Run:
             generation=outcome.generation,
             counters=outcome.counters,
             elapsed=time.monotonic() - started,
+            total_steps=self.schedule.total_steps,
+            total_batches=self.schedule.total_batches,
             loops=self.loop_stats,
         )
 
@@ -194,8 +209,8 @@ class _Run:
         holder = self.client.get_metadata(key, default=None)
         if holder is not None and holder.get("client") in self._connected_clients():
             raise FatalError(
-                f"job_id={self.job.job_id!r} is already training on this cluster (controller {holder['client']}); "
-                "give this job another job_id or wait for that one to end"
+                f"job_id={self.job.job_id!r} is already training on this cluster "
+                f"(controller {holder['client']}); give this job another job_id or wait for that one to end"
             )
         self.client.set_metadata(key, {"client": self.client.id, "run": self.run_id, "started": time.time()})
         self.registered = True
@@ -267,7 +282,9 @@ class _Run:
                 self.worker_event.clear()
                 live = self._live_elastic_workers()
                 self._ensure_loops(live, coordinator, shards, plan)
-                event = self._call(coordinator.survival_check(live, "worker event" if triggered else "interval"))
+                event = self._call(
+                    coordinator.survival_check(live, "worker event" if triggered else "interval")
+                )
                 next_check = time.monotonic() + job.liveness_interval
                 if event is not None and self.on_event is not None:
                     self.on_event(event)
@@ -278,7 +295,9 @@ class _Run:
                 return progress
             if self.faults is not None:
                 self.faults.apply(progress)
-            self.worker_event.wait(timeout=max(0.0, min(PROGRESS_POLL_SECONDS, next_check - time.monotonic())))
+            self.worker_event.wait(
+                timeout=max(0.0, min(PROGRESS_POLL_SECONDS, next_check - time.monotonic()))
+            )
 
     def _call(self, future: Any) -> Any:
         try:
@@ -298,7 +317,9 @@ class _Run:
             and w.get("status", "running") in ("running", "paused")
         )
 
-    def _ensure_loops(self, live: list[str], coordinator: Any, shards: list[Any], plan: list[list[str]]) -> None:
+    def _ensure_loops(
+        self, live: list[str], coordinator: Any, shards: list[Any], plan: list[list[str]]
+    ) -> None:
         for addr in list(self.loops):
             if addr not in live:
                 self.loops.pop(addr).cancel()
@@ -340,19 +361,15 @@ class _Run:
         # Loops see `stop` within one work poll; wait for their stats briefly, then cancel what is left.
         deadline = time.monotonic() + 2.0
         for addr, loop in list(self.loops.items()):
-            try:
+            with contextlib.suppress(Exception):
                 loop.result(timeout=max(0.01, deadline - time.monotonic()))
-            except Exception:
-                pass
             self._collect_loop(addr, loop) if loop.done() else loop.cancel()
         self.loops.clear()
 
     def release(self) -> None:
         """Stop loops, drop the actors, unregister the job; safe to call after any failure."""
-        try:
+        with contextlib.suppress(Exception):
             self.client.unsubscribe_topic("all")
-        except Exception:
-            pass
         for loop in self.loops.values():
             loop.cancel()
         self.loops.clear()

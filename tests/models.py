@@ -12,8 +12,12 @@ import torch
 from torch import nn
 
 
+def _mlp_layers() -> list[nn.Module]:
+    return [nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)]
+
+
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    return nn.Sequential(*_mlp_layers())
 
 
 def cnn_bn() -> nn.Module:
@@ -51,7 +55,7 @@ class _NanModel(nn.Sequential):
 
 
 def nan_model() -> nn.Module:
-    return _NanModel(*mlp())
+    return _NanModel(*_mlp_layers())
 
 
 class _SlowMlp(nn.Sequential):
@@ -63,4 +67,15 @@ class _SlowMlp(nn.Sequential):
 
 def slow_mlp() -> nn.Module:
     # Built from mlp()'s layers, so the same seed gives the same parameters under the same names.
-    return _SlowMlp(*mlp())
+    return _SlowMlp(*_mlp_layers())
+
+
+class _PacedMlp(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Slower still: leaves a new worker process time to start and join while training runs.
+        time.sleep(0.012)
+        return super().forward(x)
+
+
+def paced_mlp() -> nn.Module:
+    return _PacedMlp(*mlp())

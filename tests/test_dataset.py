@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import zipfile
 from pathlib import Path
 
@@ -102,7 +103,7 @@ def test_load_partition_across_shards(tmp_path: Path, start: int, stop: int) -> 
 
 
 def test_load_partition_reads_only_overlapping_files(tmp_path: Path) -> None:
-    url, x, y = _sharded(tmp_path, [4, 3, 5])
+    url, x, _ = _sharded(tmp_path, [4, 3, 5])
     info = inspect_dataset(url)
     # A broken file outside the range must not be read.
     (tmp_path / "part-002.npz").write_bytes(b"garbage")
@@ -144,7 +145,7 @@ def test_partitions_cover_range_contiguously() -> None:
         for parts in (1, 2, 3, 4, 7):
             bounds = [partition_bounds(total, parts, i) for i in range(parts)]
             assert bounds[0][0] == 0 and bounds[-1][1] == total
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
             sizes = [stop - start for start, stop in bounds]
             assert max(sizes) - min(sizes) <= 1
             # The first total % parts partitions are the larger ones.
@@ -244,7 +245,7 @@ def test_digits_single_file(tmp_path: Path) -> None:
     assert info.x_shape == (1, 8, 8) and np.dtype(info.x_dtype) == np.float32
     assert info.y_shape == () and np.dtype(info.y_dtype) == np.int64
     x, y = load_partition(info, 0, info.total)
-    assert 0.0 <= x.min() and x.max() <= 1.0
+    assert x.min() >= 0.0 and x.max() <= 1.0
     assert set(np.unique(y)) == set(range(10))
 
 

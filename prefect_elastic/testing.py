@@ -1,0 +1,162 @@
+"""Fault injection as a reusable schedule, for tests, demos and users who want to rehearse failures.
+
+    faults = FaultSchedule(seed=1).kill_worker(at_step=5).add_worker(at_step=9)
+    result = train(job, cluster=local_cluster, faults=faults)
+    faults.log   # what was done, at which step
+
+Actions run from the controller's supervision loop once the committed step reaches `at_step`, on a
+`LocalElasticCluster` (real processes, real signals). A target left as `None` is a live compute worker
+chosen by the schedule's seeded random generator, so a schedule replays the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .cluster import LocalElasticCluster
+from .coordinator import Progress
+
+log = logging.getLogger(__name__)
+
+FaultKind = Literal["kill", "restart", "retire", "add"]
+
+
+@dataclass
+class Fault:
+    at_step: int
+    kind: FaultKind
+    count: int = 1
+    worker: str | None = None  # a name or address; None: a live compute worker chosen at random
+    sig: int = signal.SIGKILL
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    step: int
+    kind: FaultKind
+    target: str
+    time: float
+
+
+@dataclass
+class FaultSchedule:
+    seed: int = 0
+    faults: list[Fault] = field(default_factory=list)
+    log: list[FaultRecord] = field(default_factory=list)
+    cluster: LocalElasticCluster | None = None
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+        self._background: list[threading.Thread] = []
+
+    # -- building --------------------------------------------------------------------------------
+
+    def kill_worker(
+        self, at_step: int, worker: str | None = None, count: int = 1, sig: int = signal.SIGKILL
+    ) -> FaultSchedule:
+        """Kill `count` compute workers for good (worker process and nanny) with `sig`."""
+        self.faults.append(Fault(at_step, "kill", count, worker, sig))
+        return self
+
+    def restart_worker(
+        self, at_step: int, worker: str | None = None, sig: int = signal.SIGKILL
+    ) -> FaultSchedule:
+        """Kill the worker process only; its nanny starts it again (a new address, the same name)."""
+        self.faults.append(Fault(at_step, "restart", 1, worker, sig))
+        return self
+
+    def retire_worker(self, at_step: int, worker: str | None = None) -> FaultSchedule:
+        """Retire a compute worker gracefully (`Client.retire_workers`)."""
+        self.faults.append(Fault(at_step, "retire", 1, worker))
+        return self
+
+    def add_worker(self, at_step: int, count: int = 1) -> FaultSchedule:
+        """Start `count` new elastic worker processes."""
+        self.faults.append(Fault(at_step, "add", count))
+        return self
+
+    @classmethod
+    def random(
+        cls,
+        seed: int,
+        steps: int,
+        events: int,
+        *,
+        first_step: int = 2,
+        min_alive: int = 1,
+        start_alive: int = 2,
+    ) -> FaultSchedule:
+        """`events` kills, restarts and joins at random steps in [first_step, steps), never leaving fewer
+        than `min_alive` compute workers by the schedule's own count."""
+        rng = random.Random(seed)
+        schedule = cls(seed=seed)
+        alive = start_alive
+        for at in sorted(rng.randrange(first_step, steps) for _ in range(events)):
+            kinds: list[FaultKind] = ["add", "restart"]
+            if alive > min_alive:
+                kinds += ["kill", "kill"]
+            kind = rng.choice(kinds)
+            schedule.faults.append(Fault(at, kind))
+            alive += {"add": 1, "kill": -1}.get(kind, 0)
+        return schedule
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def bind(self, cluster: LocalElasticCluster) -> FaultSchedule:
+        self.cluster = cluster
+        return self
+
+    def apply(self, progress: Progress) -> None:
+        if self.cluster is None:
+            raise RuntimeError("FaultSchedule needs a LocalElasticCluster: train(..., cluster=...) binds it")
+        due = [f for f in self.faults if f.at_step <= progress.committed_steps]
+        for fault in due:
+            self.faults.remove(fault)
+            for _ in range(fault.count):
+                self._run(fault, progress)
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """Wait for background actions (graceful retires) to finish."""
+        for t in self._background:
+            t.join(timeout)
+
+    def _run(self, fault: Fault, progress: Progress) -> None:
+        cluster = self.cluster
+        assert cluster is not None
+        if fault.kind == "add":
+            target = cluster.add_worker(wait=False)
+        else:
+            picked = fault.worker or self._pick(progress)
+            if picked is None:
+                log.warning(
+                    "fault %s at step %d: no live compute worker to act on", fault.kind, fault.at_step
+                )
+                return
+            target = picked
+            if fault.kind == "kill":
+                cluster.kill_worker(target, sig=fault.sig)
+            elif fault.kind == "restart":
+                cluster.kill_worker(target, sig=fault.sig, restart=True)
+            else:
+                # A graceful retire takes a while; supervision must go on meanwhile.
+                thread = threading.Thread(target=cluster.retire_worker, args=(target,), daemon=True)
+                thread.start()
+                self._background.append(thread)
+        record = FaultRecord(progress.committed_steps, fault.kind, target, time.time())
+        self.log.append(record)
+        log.info("fault: %s %s at step %d", fault.kind, target, progress.committed_steps)
+
+    def _pick(self, progress: Progress) -> str | None:
+        # Prefer compute workers the coordinator counts as members; never one this schedule already hit
+        # (a killed worker stays in the scheduler's list for a few milliseconds).
+        hit = {r.target for r in self.log if r.kind != "add"}
+        live = [w for w in (self.cluster.elastic_addresses() if self.cluster else []) if w not in hit]
+        members = [w for w in sorted(progress.workers) if w in live]
+        candidates = members or sorted(live)
+        return self._rng.choice(candidates) if candidates else None

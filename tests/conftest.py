@@ -1,0 +1,94 @@
+"""Shared fixtures: the digits dataset, real local clusters, and one-worker reference runs.
+
+Cluster tests start real scheduler and worker processes (`LocalElasticCluster`) and kill them with real
+signals. A reference run is the same job trained with one compute worker and no faults; invariant 1
+says every faulty run must end with parameters bitwise equal to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefect_elastic import ElasticJob, TrainResult, train
+from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.dataset import digits_dataset
+
+logging.getLogger("prefect_elastic").setLevel(logging.INFO)
+
+
+@pytest.fixture(scope="session")
+def digits_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return digits_dataset(str(tmp_path_factory.mktemp("digits")), shards=3)
+
+
+@pytest.fixture(scope="session")
+def reference_cluster() -> Iterator[LocalElasticCluster]:
+    with LocalElasticCluster(static_workers=1, elastic_workers=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[LocalElasticCluster]:
+    """The cluster fault tests share; each test tops it up to the elastic workers it needs."""
+    with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
+        yield cluster
+
+
+class References:
+    """One-worker, no-fault results, computed once per job (job id and policy do not change the math)."""
+
+    def __init__(self, cluster: LocalElasticCluster) -> None:
+        self.cluster = cluster
+        self._cache: dict[str, TrainResult] = {}
+
+    def __call__(self, job: ElasticJob) -> TrainResult:
+        key = job.model_copy(
+            update={"job_id": "reference", "on_membership_change": "rollback"}
+        ).model_dump_json()
+        if key not in self._cache:
+            assert len(self.cluster.elastic_addresses()) == 1
+            self._cache[key] = train(job.model_copy(update={"job_id": "reference"}), cluster=self.cluster)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def reference(reference_cluster: LocalElasticCluster) -> References:
+    return References(reference_cluster)
+
+
+def top_up(cluster: LocalElasticCluster, elastic: int) -> None:
+    """Start elastic workers until `elastic` are alive (earlier tests may have killed some)."""
+    missing = elastic - len(cluster.elastic_addresses())
+    names = [cluster.add_worker(wait=False) for _ in range(max(0, missing))]
+    cluster.wait_for_workers(names)
+
+
+def assert_same_parameters(result: TrainResult, expected: TrainResult) -> None:
+    assert list(result.state_dict) == list(expected.state_dict)
+    differing = [
+        k for k in expected.state_dict if not torch.equal(result.state_dict[k], expected.state_dict[k])
+    ]
+    assert not differing, f"tensors differ from the one-worker, no-fault run: {differing}"
+
+
+def assert_ledger_exactly_once(result: TrainResult) -> None:
+    job = result.job
+    total_steps = result.total_steps
+    assert result.counters["committed_steps"] == total_steps
+    ids = [e.batch_id for e in result.ledger]
+    assert ids == list(range(result.total_batches)), "every batch id of the schedule, each once"
+    assert len(ids) == len(set(ids))
+    # The ledger agrees with the parameter version: committed steps are exactly 0..version-1.
+    assert {e.step for e in result.ledger} == set(range(total_steps))
+    assert all(e.step == e.batch_id // job.micro_batches for e in result.ledger)
+    assert len(result.history) == total_steps
+
+
+@pytest.fixture
+def tmp_dataset_dir(tmp_path: Path) -> Path:
+    return tmp_path

@@ -1,0 +1,186 @@
+"""Invariants 1 and 2 on real processes: whatever workers die or join, the parameters are bitwise equal to
+the one-worker, no-fault run and the ledger holds every batch id exactly once."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from prefect_elastic import ElasticJob, TrainResult, train
+from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.testing import FaultSchedule
+
+from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+POLICIES = ["rollback", "reassign"]
+
+
+def make_job(digits_url: str, policy: str, **overrides: object) -> ElasticJob:
+    fields: dict[str, object] = {
+        "model": "tests.models:slow_mlp",
+        "dataset": digits_url,
+        "batch_size": 16,
+        "micro_batches": 4,
+        "epochs": 2,
+        "optimizer": {"name": "adam", "lr": 0.01},
+        "liveness_interval": 0.5,
+        "on_membership_change": policy,
+        "job_id": f"test-{policy}",
+        "min_workers_timeout": 60.0,
+    }
+    fields.update(overrides)
+    return ElasticJob(**fields)  # type: ignore[arg-type]
+
+
+def check_run(result: TrainResult, expected: TrainResult, policy: str) -> None:
+    assert_same_parameters(result, expected)
+    assert_ledger_exactly_once(result)
+    assert result.history == expected.history
+    changes = result.membership_events()
+    assert changes, "a membership change was recorded"
+    assert all(e.kind == policy for e in changes)
+    if policy == "reassign":
+        assert result.steps_lost == 0, "reassign never undoes a committed step"
+        assert result.counters["dropped_steps"] == 0
+    else:
+        # A rollback goes back exactly to the last snapshot, never further.
+        snapshot_step = 0
+        for e in result.events:
+            if e.kind == "snapshot":
+                snapshot_step = e.step
+            if e.kind == "rollback":
+                assert e.step == snapshot_step
+        assert result.counters["dropped_steps"] == result.steps_lost
+
+
+def lost_workers(result: TrainResult) -> set[str]:
+    return {w for e in result.membership_events() for w in e.left}
+
+
+def joined_workers(result: TrainResult) -> set[str]:
+    return {w for e in result.membership_events() for w in e.joined}
+
+
+def first_members(result: TrainResult) -> set[str]:
+    return set(result.membership_events()[0].workers)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sigkill_mid_step(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    top_up(cluster, 2)
+    job = make_job(digits_url, policy)
+    faults = FaultSchedule(seed=1).kill_worker(at_step=8)
+    result = train(job, cluster=cluster, faults=faults)
+    check_run(result, reference(job), policy)
+    killed = faults.log[0].target
+    assert killed in lost_workers(result)
+    # The step in flight when the worker died lost its micro-batches; they were trained again.
+    assert result.batches_dropped + result.steps_lost > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_graceful_retire(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    top_up(cluster, 2)
+    job = make_job(digits_url, policy)
+    faults = FaultSchedule(seed=2).retire_worker(at_step=8)
+    result = train(job, cluster=cluster, faults=faults)
+    faults.wait()
+    check_run(result, reference(job), policy)
+    assert faults.log[0].target in lost_workers(result)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_worker_joins_mid_run(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    top_up(cluster, 1)
+    for extra in cluster.elastic_addresses()[1:]:
+        cluster.kill_worker(extra)
+        cluster.wait_until_gone([extra])
+    job = make_job(digits_url, policy, model="tests.models:paced_mlp", epochs=2)
+    faults = FaultSchedule(seed=3).add_worker(at_step=2)
+    result = train(job, cluster=cluster, faults=faults)
+    check_run(result, reference(job), policy)
+    joined = joined_workers(result) - first_members(result)
+    assert joined, "the new worker joined while training ran"
+    assert any(s.worker in joined and s.batches > 0 for s in result.loops), "and trained batches"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_nanny_restarts_killed_worker(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    top_up(cluster, 2)
+    job = make_job(digits_url, policy, epochs=3)
+    faults = FaultSchedule(seed=4).restart_worker(at_step=6)
+    result = train(job, cluster=cluster, faults=faults)
+    check_run(result, reference(job), policy)
+    assert faults.log[0].target in lost_workers(result)
+    # The nanny's new process comes back under a new address and joins as a new member.
+    assert joined_workers(result) - first_members(result)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_two_kills_within_one_liveness_interval(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    top_up(cluster, 3)
+    job = make_job(digits_url, policy, liveness_interval=1.0)
+    faults = FaultSchedule(seed=5).kill_worker(at_step=8, count=2)
+    result = train(job, cluster=cluster, faults=faults)
+    check_run(result, reference(job), policy)
+    assert len(faults.log) == 2
+    assert faults.log[1].time - faults.log[0].time < job.liveness_interval
+    assert {r.target for r in faults.log} <= lost_workers(result)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_random_kills_and_joins(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    top_up(cluster, 2)
+    job = make_job(digits_url, policy, epochs=4)
+    faults = FaultSchedule.random(seed=8, steps=90, events=6, start_alive=2)
+    planned = [f.kind for f in faults.faults]
+    result = train(job, cluster=cluster, faults=faults)
+    check_run(result, reference(job), policy)
+    assert [r.kind for r in faults.log] == planned, "every planned fault ran"
+    processes = {w for e in result.membership_events() for w in e.workers + e.left + e.joined}
+    assert len(processes) >= 6, f"at least six worker processes took part: {sorted(processes)}"
+
+
+def test_batchnorm_buffers_stay_equal(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    top_up(cluster, 2)
+    job = make_job(digits_url, "rollback", model="tests.models:cnn_bn", epochs=2, job_id="bn")
+    faults = FaultSchedule(seed=6).kill_worker(at_step=6).add_worker(at_step=7)
+    result = train(job, cluster=cluster, faults=faults)
+    expected = reference(job)
+    check_run(result, expected, "rollback")
+    buffers = [k for k in result.state_dict if "running_" in k or "num_batches_tracked" in k]
+    assert buffers, "the model has BatchNorm buffers"
+    assert int(result.state_dict[buffers[-1]]) == result.total_steps, "a step counts once"
+    initial = job.initial_state()
+    assert not all(ts_equal(result.state_dict[k], initial[k]) for k in buffers), "running stats moved"
+
+
+def ts_equal(a: object, b: object) -> bool:
+    import torch
+
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return torch.equal(a, b)
+
+
+def test_fault_schedule_random_is_reproducible() -> None:
+    a = FaultSchedule.random(seed=11, steps=90, events=6)
+    b = FaultSchedule.random(seed=11, steps=90, events=6)
+    assert [(f.at_step, f.kind) for f in a.faults] == [(f.at_step, f.kind) for f in b.faults]
+    assert signal.SIGKILL in {f.sig for f in a.faults}

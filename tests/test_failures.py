@@ -1,0 +1,198 @@
+"""Bad input gets a clear error before any cluster work; failures during training end the job with an
+error that names the step and batch, never a hang."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from prefect_elastic import (
+    ElasticJob,
+    FatalError,
+    JobConfigError,
+    NotEnoughWorkersError,
+    TrainingFailedError,
+    train,
+)
+from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.compute import MicroBatchTrainer
+from prefect_elastic.dataset import write_npz
+
+from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up
+
+# Nothing listens here: a test that reaches the cluster would fail with a connection error instead.
+NOWHERE = "tcp://127.0.0.1:9"
+
+
+def job(digits_url: str, **overrides: object) -> ElasticJob:
+    fields: dict[str, object] = {"model": "tests.models:mlp", "dataset": digits_url, "batch_size": 16}
+    fields.update(overrides)
+    return ElasticJob(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("data_servers", 0, "at least 1"),
+        ("optimizer", {"name": "sgd", "lr": -0.1}, "lr"),
+        ("batch_size", -3, "batch_size=-3"),
+        ("liveness_interval", 0, "liveness_interval=0"),
+    ],
+)
+def test_impossible_values_name_field_and_value(
+    digits_url: str, field: str, value: object, words: str
+) -> None:
+    with pytest.raises(JobConfigError) as err:
+        job(digits_url, **{field: value})
+    assert err.value.field == field
+    assert words in str(err.value)
+
+
+def test_model_path_that_does_not_import_fails_before_cluster_work(digits_url: str) -> None:
+    with pytest.raises(JobConfigError, match="no_such_module") as err:
+        train(job(digits_url, model="no_such_module:make"), address=NOWHERE)
+    assert err.value.field == "model"
+
+
+def test_model_that_is_not_a_module(digits_url: str) -> None:
+    with pytest.raises(JobConfigError, match="not_a_module") as err:
+        train(job(digits_url, model="tests.models:not_a_module"), address=NOWHERE)
+    assert err.value.field == "model"
+
+
+def test_dataset_without_data(tmp_path: Path, digits_url: str) -> None:
+    (tmp_path / "empty").mkdir()
+    url = f"file://{tmp_path}/empty"
+    with pytest.raises(JobConfigError, match="empty") as err:
+        train(job(digits_url, dataset=url), address=NOWHERE)
+    assert err.value.field == "dataset" and url in str(err.value)
+
+
+def test_dataset_with_x_and_y_of_different_lengths(tmp_path: Path, digits_url: str) -> None:
+    path = tmp_path / "bad.npz"
+    write_npz(str(path), np.zeros((10, 1, 8, 8), np.float32), np.zeros(9, np.int64))
+    with pytest.raises(JobConfigError, match="10") as err:
+        train(job(digits_url, dataset=str(path)), address=NOWHERE)
+    assert err.value.field == "dataset" and "9" in str(err.value)
+
+
+def test_batch_larger_than_a_partition(digits_url: str) -> None:
+    with pytest.raises(JobConfigError) as err:
+        train(job(digits_url, batch_size=5000), address=NOWHERE)
+    assert "5000" in str(err.value)
+
+
+def test_compute_worker_holds_no_parameters(digits_url: str) -> None:
+    """Invariant 3: the compute worker's model has shapes only; values come from each pull."""
+    j = job(digits_url, model="tests.models:cnn_bn")
+    plan = [list(j.initial_state())]
+    trainer = MicroBatchTrainer(j, plan, torch.device("cpu"))
+    assert all(t.is_meta for t in trainer.model.state_dict().values())
+    state = j.initial_state()
+    params = {n: state[n].clone().requires_grad_(True) for n in trainer.param_names}
+    buffers = {n: t for n, t in state.items() if n not in params}
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    _loss, grads, new_buffers = trainer.gradient(params, buffers, x, y, step=0, batch_id=0)
+    assert all(t.is_meta for t in trainer.model.state_dict().values()), "nothing was kept after the step"
+    # The same gradient as an ordinary model holding those parameters.
+    torch.manual_seed(0)
+    ordinary = j.make_model()
+    ordinary.load_state_dict(state)
+    torch.nn.functional.cross_entropy(ordinary(x), y).backward()
+    for name, p in ordinary.named_parameters():
+        assert torch.allclose(grads[name], p.grad)
+    assert not torch.equal(new_buffers["1.running_mean"], buffers["1.running_mean"])
+    assert torch.equal(buffers["1.running_mean"], state["1.running_mean"]), "pulled buffers untouched"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("model", "words"), [("tests.models:raises", "boom from the model"), ("tests.models:nan_model", "nan")]
+)
+def test_model_failure_ends_job_naming_step_and_batch(
+    cluster: LocalElasticCluster, digits_url: str, model: str, words: str
+) -> None:
+    top_up(cluster, 2)
+    with pytest.raises(TrainingFailedError) as err:
+        train(job(digits_url, model=model, job_id="failing"), cluster=cluster)
+    assert words in str(err.value)
+    assert err.value.step == 0 and err.value.batch_id is not None
+    assert f"batch {err.value.batch_id}" in str(err.value)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_too_few_workers_fails_after_timeout(cluster: LocalElasticCluster, digits_url: str) -> None:
+    top_up(cluster, 1)
+    n = len(cluster.elastic_addresses())
+    with pytest.raises(NotEnoughWorkersError, match=f"min_workers={n + 5}"):
+        train(
+            job(
+                digits_url,
+                min_workers=n + 5,
+                min_workers_timeout=2.0,
+                liveness_interval=0.5,
+                job_id="starved",
+            ),
+            cluster=cluster,
+        )
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_two_jobs_share_a_cluster(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    top_up(cluster, 2)
+    jobs = [
+        job(digits_url, model="tests.models:slow_mlp", job_id="job-a", seed=1, epochs=1),
+        job(digits_url, model="tests.models:cnn_bn", job_id="job-b", seed=2, epochs=1,
+            optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9}),
+    ]  # fmt: skip
+    expected = [reference(j) for j in jobs]
+    results: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            results[i] = train(jobs[i], cluster=cluster)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(200)
+    for i in range(2):
+        result = results[i]
+        assert not isinstance(result, BaseException), result
+        assert_same_parameters(result, expected[i])  # type: ignore[arg-type]
+        assert_ledger_exactly_once(result)  # type: ignore[arg-type]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_same_job_id_twice_is_refused(cluster: LocalElasticCluster, digits_url: str) -> None:
+    top_up(cluster, 1)
+    j = job(digits_url, model="tests.models:slow_mlp", job_id="only-once", epochs=3)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def first() -> None:
+        try:
+            train(j, cluster=cluster, on_progress=lambda p: started.set())
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(60)
+    with pytest.raises(FatalError, match="already training"):
+        train(j, cluster=cluster)
+    t.join(120)
+    assert not errors

@@ -1,0 +1,406 @@
+"""The job blueprint: every impossible value is a JobConfigError naming the field and the value."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from prefect_elastic.dataset import write_npz
+from prefect_elastic.errors import JobConfigError
+from prefect_elastic.job import ElasticJob, resolve_callable
+
+MLP = "tests.models:mlp"
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> str:
+    x = np.random.default_rng(0).random((100, 1, 8, 8), dtype=np.float32)
+    y = np.arange(100, dtype=np.int64) % 10
+    path = tmp_path / "data.npz"
+    write_npz(str(path), x, y)
+    return str(path)
+
+
+def _job(**overrides: Any) -> ElasticJob:
+    settings: dict[str, Any] = {"model": MLP, "dataset": "file:///data/train.npz"}
+    settings.update(overrides)
+    return ElasticJob(**settings)
+
+
+def _refused(field: str, value: Any, *words: str, **overrides: Any) -> JobConfigError:
+    with pytest.raises(JobConfigError) as caught:
+        _job(**{field: value}, **overrides)
+    return _check(caught.value, field, value, *words)
+
+
+def _check(err: JobConfigError, field: str, value: Any, *words: str) -> JobConfigError:
+    assert isinstance(err, ValueError)
+    assert err.field == field
+    message = str(err)
+    assert message.startswith(f"{field}="), message
+    assert repr(value)[:150] in message, message
+    for word in words:
+        assert word in message, message
+    return err
+
+
+def test_defaults() -> None:
+    job = _job()
+    assert job.loss == "cross_entropy"
+    assert job.optimizer == {"name": "sgd", "lr": 0.05}
+    assert (job.batch_size, job.micro_batches, job.epochs, job.data_servers) == (32, 4, 1, 2)
+    assert (job.liveness_interval, job.min_workers, job.min_workers_timeout) == (1.0, 1, 60.0)
+    assert job.threads_per_worker == 1
+    assert job.on_membership_change == "rollback"
+    assert job.seed == 0
+    assert job.job_id == "prefect-elastic"
+    assert job.call_timeout == 30.0
+    assert job.static_resource == "static"
+    # The default optimizer dict is not shared between jobs.
+    assert _job().optimizer is not job.optimizer
+
+
+def test_frozen() -> None:
+    job = _job()
+    with pytest.raises(Exception):  # noqa: B017 - pydantic's frozen error type is not part of our API
+        job.batch_size = 3
+
+
+def test_data_servers_zero_reads_well() -> None:
+    err = _refused("data_servers", 0)
+    assert str(err) == (
+        "data_servers=0: must be at least 1 (each data server holds one partition and one parameter shard)"
+    )
+
+
+@pytest.mark.parametrize(
+    "field", ["batch_size", "micro_batches", "epochs", "data_servers", "threads_per_worker", "min_workers"]
+)
+@pytest.mark.parametrize("value", [0, -3])
+def test_counts_must_be_positive(field: str, value: int) -> None:
+    _refused(field, value, "at least 1")
+
+
+@pytest.mark.parametrize("field", ["liveness_interval", "min_workers_timeout", "call_timeout"])
+@pytest.mark.parametrize("value", [0, -1.5, float("inf"), float("nan")])
+def test_seconds_must_be_positive(field: str, value: float) -> None:
+    _refused(field, value, "positive")
+
+
+@pytest.mark.parametrize("field", ["batch_size", "epochs", "call_timeout"])
+def test_booleans_refused(field: str) -> None:
+    _refused(field, True, "boolean")
+
+
+def test_wrong_type_named() -> None:
+    _refused("batch_size", "many", "integer")
+
+
+def test_several_errors_reported_together() -> None:
+    err = _refused("batch_size", 0, "at least 1", epochs=0)
+    assert "epochs=0" in str(err)
+
+
+def test_unknown_field_refused() -> None:
+    err = _refused("batchsize", 32, "not a setting", "batch_size")
+    assert "batchsize" in str(err)
+
+
+def test_missing_model() -> None:
+    with pytest.raises(JobConfigError) as caught:
+        ElasticJob(dataset="file:///x.npz")
+    assert caught.value.field == "model"
+    assert "required" in str(caught.value)
+
+
+def test_model_validate_raises_our_error() -> None:
+    with pytest.raises(JobConfigError, match="micro_batches=0"):
+        ElasticJob.model_validate({"model": MLP, "dataset": "d", "micro_batches": 0})
+
+
+def test_on_membership_change_choices() -> None:
+    assert _job(on_membership_change="reassign").on_membership_change == "reassign"
+    _refused("on_membership_change", "restart", "rollback", "reassign")
+
+
+@pytest.mark.parametrize("job_id", ["", "has space", "slash/no", "x" * 65, "ümlaut"])
+def test_job_id_pattern(job_id: str) -> None:
+    _refused("job_id", job_id, "letter")
+
+
+def test_job_id_accepts_allowed_characters() -> None:
+    assert _job(job_id="Run_1.a-b").job_id == "Run_1.a-b"
+    assert _job(job_id="x" * 64).job_id == "x" * 64
+
+
+@pytest.mark.parametrize("value", ["", "   "])
+def test_dataset_must_be_given(value: str) -> None:
+    _refused("dataset", value, "URL")
+
+
+@pytest.mark.parametrize("value", ["tests.models.mlp", "tests.models:", ":mlp", "a b:c"])
+def test_model_must_be_import_path(value: str) -> None:
+    _refused("model", value, "module:callable")
+
+
+def test_loss_names() -> None:
+    assert _job(loss="mse").loss == "mse"
+    assert _job(loss="torch.nn.functional:l1_loss").loss == "torch.nn.functional:l1_loss"
+    _refused("loss", "hinge", "cross_entropy", "mse", "module:callable")
+
+
+def test_seed_range() -> None:
+    _refused("seed", 2**64, "torch.manual_seed")
+
+
+# ---- optimizer ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        {"name": "sgd"},
+        {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+        {"name": "adam", "lr": 1e-3, "betas": [0.9, 0.99]},
+        {"name": "adamw", "lr": 1e-3, "weight_decay": 0.01, "eps": 1e-8},
+    ],
+)
+def test_optimizer_accepted(optimizer: dict[str, Any]) -> None:
+    job = _job(optimizer=optimizer)
+    opt = job.build_optimizer([torch.nn.Parameter(torch.zeros(3))])
+    assert type(opt).__name__.lower() == optimizer["name"]
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "words"),
+    [
+        ({"lr": 0.1}, ["no 'name'", "sgd", "adam"]),
+        ({"name": "lbfgs"}, ["'lbfgs'", "adamw"]),
+        ({"name": "sgd", "lr": -0.1}, ["lr=-0.1", "non-negative"]),
+        ({"name": "sgd", "momentum": -1}, ["momentum=-1"]),
+        ({"name": "adamw", "weight_decay": -0.5}, ["weight_decay=-0.5"]),
+        ({"name": "adam", "betas": [0.9, 1.0]}, ["betas", "[0, 1)"]),
+        ({"name": "adam", "betas": [0.9]}, ["betas"]),
+        ({"name": "sgd", "lr": "fast"}, ["lr='fast'"]),
+        ({"name": "sgd", "lr": 0.1, "momentun": 0.9}, ["momentun", "SGD"]),
+        ({"name": "sgd", "lr": 0.1, "nesterov": True}, ["Nesterov"]),
+    ],
+)
+def test_optimizer_refused(optimizer: dict[str, Any], words: list[str]) -> None:
+    _refused("optimizer", optimizer, *words)
+
+
+def test_build_optimizer_steps_params() -> None:
+    job = _job(optimizer={"name": "sgd", "lr": 0.5})
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = job.build_optimizer([param])
+    param.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(param.detach(), torch.full((2,), 0.5))
+
+
+# ---- YAML --------------------------------------------------------------------------------------------------
+
+
+def test_yaml_round_trip(tmp_path: Path) -> None:
+    job = _job(
+        optimizer={"name": "adam", "lr": 0.01, "betas": (0.8, 0.9)},
+        batch_size=16,
+        liveness_interval=0.25,
+        on_membership_change="reassign",
+        job_id="run.7",
+        seed=123,
+    )
+    path = tmp_path / "job.yaml"
+    path.write_text(job.to_yaml())
+    again = ElasticJob.from_yaml(path)
+    assert again == job
+    assert again.to_yaml() == job.to_yaml()
+
+
+def test_from_yaml_unknown_key(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(f"model: {MLP}\ndataset: file:///d.npz\nlearning_rate: 0.1\n")
+    with pytest.raises(JobConfigError) as caught:
+        ElasticJob.from_yaml(path)
+    _check(caught.value, "learning_rate", 0.1, str(path), "optimizer")
+
+
+def test_from_yaml_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    with pytest.raises(JobConfigError) as caught:
+        ElasticJob.from_yaml(path)
+    _check(caught.value, "config", str(path), "no such file")
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", ""])
+def test_from_yaml_not_a_mapping(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(JobConfigError) as caught:
+        ElasticJob.from_yaml(path)
+    _check(caught.value, "config", str(path), "mapping")
+
+
+def test_from_yaml_invalid_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("model: [unclosed\n")
+    with pytest.raises(JobConfigError) as caught:
+        ElasticJob.from_yaml(path)
+    _check(caught.value, "config", str(path), "not valid YAML")
+
+
+def test_from_yaml_bad_value_names_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text(f"model: {MLP}\ndataset: file:///d.npz\ndata_servers: 0\n")
+    with pytest.raises(JobConfigError) as caught:
+        ElasticJob.from_yaml(path)
+    _check(caught.value, "data_servers", 0, "at least 1", str(path))
+
+
+# ---- model, loss, initial state ----------------------------------------------------------------------------
+
+
+def test_make_model() -> None:
+    model = _job(model="tests.models:cnn_bn").make_model()
+    assert isinstance(model, torch.nn.Module)
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+
+
+@pytest.mark.parametrize(
+    ("path", "words"),
+    [
+        ("tests.no_such_module:mlp", ["'tests.no_such_module'", "not found", "PYTHONPATH"]),
+        ("tests.models:no_such_factory", ["no attribute 'no_such_factory'"]),
+        ("tests.models:mlp.deeper", ["'tests.models:mlp'", "no attribute 'deeper'"]),
+        ("tests.test_job:MLP", ["str", "not callable"]),
+        ("tests.models:not_a_module", ["returned int", "42", "torch.nn.Module"]),
+        ("prefect_elastic.errors:JobConfigError", ["raised TypeError"]),
+    ],
+)
+def test_make_model_errors(path: str, words: list[str]) -> None:
+    job = _job(model=path)
+    with pytest.raises(JobConfigError) as caught:
+        job.make_model()
+    _check(caught.value, "model", path, *words)
+
+
+def test_model_import_that_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "broken_models_for_test.py").write_text("raise ImportError('cannot import torchvision')\n")
+    (tmp_path / "needs_dep_for_test.py").write_text("import some_absent_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("broken_models_for_test", "needs_dep_for_test"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    with pytest.raises(JobConfigError) as caught:
+        _job(model="broken_models_for_test:make").make_model()
+    _check(caught.value, "model", "broken_models_for_test:make", "raised ImportError", "torchvision")
+    with pytest.raises(JobConfigError) as caught:
+        _job(model="needs_dep_for_test:make").make_model()
+    _check(caught.value, "model", "needs_dep_for_test:make", "some_absent_dependency_xyz", "not installed")
+
+
+def test_resolve_callable() -> None:
+    assert resolve_callable("tests.models:mlp", "model").__name__ == "mlp"
+    assert resolve_callable("torch.nn:Linear", "model") is torch.nn.Linear
+    with pytest.raises(JobConfigError) as caught:
+        resolve_callable("nocolon", "loss")
+    _check(caught.value, "loss", "nocolon", "module:callable")
+
+
+def test_loss_fn() -> None:
+    out, target = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
+    assert torch.equal(_job().loss_fn()(out, target), torch.nn.functional.cross_entropy(out, target))
+    assert _job(loss="mse").loss_fn() is torch.nn.functional.mse_loss
+    assert _job(loss="torch.nn.functional:l1_loss").loss_fn() is torch.nn.functional.l1_loss
+    with pytest.raises(JobConfigError) as caught:
+        _job(loss="torch.nn.functional:no_such_loss").loss_fn()
+    _check(caught.value, "loss", "torch.nn.functional:no_such_loss", "no attribute")
+
+
+def test_initial_state_deterministic() -> None:
+    a = _job(model="tests.models:cnn_bn", seed=7).initial_state()
+    b = _job(model="tests.models:cnn_bn", seed=7).initial_state()
+    c = _job(model="tests.models:cnn_bn", seed=8).initial_state()
+    assert list(a) == list(b) == list(c)
+    assert any("running_mean" in key for key in a)  # buffers travel with the parameters
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    for tensor in a.values():
+        assert tensor.device.type == "cpu"
+        assert tensor.is_contiguous()
+        assert not tensor.requires_grad
+
+
+def test_initial_state_leaves_global_rng_alone() -> None:
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    _job(seed=99).initial_state()
+    assert torch.equal(torch.rand(3), expected)
+
+
+# ---- check_inputs ------------------------------------------------------------------------------------------
+
+
+def test_check_inputs_ok(dataset: str) -> None:
+    info = _job(dataset=dataset, batch_size=50, data_servers=2).check_inputs()
+    assert info.total == 100
+
+
+def test_check_inputs_batch_larger_than_partition(dataset: str) -> None:
+    with pytest.raises(JobConfigError) as caught:
+        _job(dataset=dataset, batch_size=51, data_servers=2).check_inputs()
+    _check(caught.value, "batch_size", 51, "100 samples", "data_servers=2", "50")
+
+
+def test_check_inputs_empty_partition(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.npz"
+    write_npz(str(path), np.zeros((2, 1, 8, 8), dtype=np.float32), np.zeros(2, dtype=np.int64))
+    with pytest.raises(JobConfigError) as caught:
+        _job(dataset=str(path), batch_size=1, data_servers=3).check_inputs()
+    _check(caught.value, "data_servers", 3, "2 samples", "batch_size=1")
+
+
+def test_check_inputs_bad_model_before_dataset(dataset: str) -> None:
+    with pytest.raises(JobConfigError) as caught:
+        _job(dataset=dataset, model="tests.models:not_a_module").check_inputs()
+    assert caught.value.field == "model"
+
+
+def test_check_inputs_bad_loss(dataset: str) -> None:
+    with pytest.raises(JobConfigError) as caught:
+        _job(dataset=dataset, loss="tests.models:absent_loss").check_inputs()
+    assert caught.value.field == "loss"
+
+
+def test_check_inputs_missing_dataset(tmp_path: Path) -> None:
+    url = str(tmp_path / "absent")
+    with pytest.raises(JobConfigError) as caught:
+        _job(dataset=url).check_inputs()
+    _check(caught.value, "dataset", url, "does not exist")
+
+
+def test_initial_state_is_the_same_when_jobs_start_from_threads(tmp_path: Path) -> None:
+    """Two controllers in one process build their models at once; each must get its seed's parameters."""
+    import threading
+
+    from prefect_elastic.dataset import digits_dataset
+
+    url = digits_dataset(str(tmp_path))
+    jobs = [ElasticJob(model="tests.models:cnn_bn", dataset=url, seed=s) for s in (1, 2)] * 4
+    solo = [j.initial_state() for j in jobs]
+    results: dict[int, dict[str, torch.Tensor]] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, jobs[i].initial_state())) for i in range(8)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(8):
+        assert all(torch.equal(results[i][k], solo[i][k]) for k in solo[i])
