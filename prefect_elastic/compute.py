@@ -26,7 +26,7 @@ from torch.func import functional_call
 
 from .coordinator import Assignment
 from .errors import RecoverableError
-from .job import ElasticJob
+from .job import ElasticJob, StateLayout
 from .schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,12 @@ class LoopStats:
 
 
 def compute_loop(
-    job: ElasticJob, coordinator: Any, shards: list[Any], plan: list[list[str]], schedule: Schedule
+    job: ElasticJob,
+    coordinator: Any,
+    shards: list[Any],
+    plan: list[list[str]],
+    layout: StateLayout,
+    schedule: Schedule,
 ) -> LoopStats:
     """Runs as a Dask task pinned to one elastic worker until the job ends or the worker closes."""
     from distributed import get_worker, secede
@@ -66,29 +71,30 @@ def compute_loop(
     secede()
     torch.set_num_threads(job.threads_per_worker)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    trainer = MicroBatchTrainer(job, plan, device)
+    trainer = MicroBatchTrainer(job, plan, layout, device)
     stats = LoopStats(worker=worker.address, device=str(device))
-    errors_in_a_row = 0
+    request_errors = step_errors = 0
     while worker.status.name in ("running", "paused"):
         try:
             work: Assignment | None = coordinator.request_work(worker.address).result(
                 timeout=job.call_timeout
             )
+            request_errors = 0
         except Exception as exc:
-            errors_in_a_row += 1
+            request_errors += 1
             stats.call_errors += 1
             log.warning("compute %s: request_work failed (%s: %s)", worker.address, type(exc).__name__, exc)
-            if errors_in_a_row >= MAX_CONSECUTIVE_CALL_ERRORS:
+            if request_errors >= MAX_CONSECUTIVE_CALL_ERRORS:
                 raise
             time.sleep(min(1.0, job.liveness_interval))
             continue
-        errors_in_a_row = 0
         if work is None:
             continue
         if work.stop:
             break
         try:
             losses = trainer.run(work, coordinator, shards, schedule, worker.address)
+            step_errors = 0
         except ModelFailure as failure:
             coordinator.report_failure(
                 work.generation, worker.address, failure.step, failure.batch_id, "model", str(failure)
@@ -100,11 +106,15 @@ def compute_loop(
             continue
         except Exception as exc:
             # A shard or the coordinator did not answer in time, or its worker is gone: the step is
-            # dropped here; survival detection decides what happens to it.
+            # dropped here and survival detection decides what happens to it. An error that comes back
+            # every time ends the loop instead, and the controller reports it.
+            step_errors += 1
             stats.call_errors += 1
             log.warning(
                 "compute %s: step %d failed (%s: %s)", worker.address, work.step, type(exc).__name__, exc
             )
+            if step_errors >= MAX_CONSECUTIVE_CALL_ERRORS:
+                raise
             continue
         stats.steps += 1
         stats.batches += len(losses)
@@ -114,12 +124,17 @@ def compute_loop(
 class MicroBatchTrainer:
     """Computes and pushes the gradients of one assignment; keeps nothing between assignments."""
 
-    def __init__(self, job: ElasticJob, plan: list[list[str]], device: torch.device) -> None:
+    def __init__(
+        self, job: ElasticJob, plan: list[list[str]], layout: StateLayout, device: torch.device
+    ) -> None:
         self.job = job
         self.plan = plan
         self.device = device
         self.model = job.make_model().to("meta")  # shapes only: no parameter values live here
-        self.param_names = [n for n, _ in self.model.named_parameters()]
+        self.param_names = list(layout.params)
+        # Moving to meta unties tied weights (each module gets its own meta tensor), so every alias is
+        # handed the tensor it shares explicitly; autograd then sums both uses into one gradient.
+        self.aliases = dict(layout.aliases)
         self.loss_fn = job.loss_fn()
         self.shard_of = {name: i for i, names in enumerate(plan) for name in names}
 
@@ -148,7 +163,9 @@ class MicroBatchTrainer:
                 grads[self.shard_of[name]].setdefault(b, {})[name] = t
             for name, t in bufs.items():
                 new_buffers[self.shard_of[name]].setdefault(b, {})[name] = t
-        pushes = [s.push(gen, step, grads[i], new_buffers[i]) for i, s in enumerate(shards)]
+        # Every shard hears of every batch id, also a shard that holds no parameters or no buffers.
+        ids = list(work.batch_ids)
+        pushes = [s.push(gen, step, ids, grads[i], new_buffers[i]) for i, s in enumerate(shards)]
         for f in pushes:
             f.result(timeout=timeout)
         coordinator.report(gen, worker, step, losses).result(timeout=timeout)
@@ -160,12 +177,18 @@ class MicroBatchTrainer:
         """Loss, gradient and updated buffers of one micro-batch, all on the CPU."""
         # Every micro-batch starts from the pulled buffers, so none depends on which ran first.
         bufs = {n: t.to(self.device).clone() for n, t in buffers.items()}
+        tensors = {**params, **bufs}
+        tensors.update({alias: tensors[name] for alias, name in self.aliases.items()})
         try:
-            out = functional_call(self.model, {**params, **bufs}, (x.to(self.device),))
-            loss = self.loss_fn(out, y.to(self.device))
-            grads = torch.autograd.grad(
-                loss, list(params.values()), allow_unused=True, materialize_grads=True
-            )
+            # Random ops (dropout) draw from a generator seeded by the batch id, not from whatever this
+            # process drew before, so a micro-batch gives the same gradient on any worker.
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(micro_batch_seed(self.job.seed, batch_id))
+                out = functional_call(self.model, tensors, (x.to(self.device),))
+                loss = self.loss_fn(out, y.to(self.device))
+                grads = torch.autograd.grad(
+                    loss, list(params.values()), allow_unused=True, materialize_grads=True
+                )
         except Exception as exc:
             raise ModelFailure(
                 step,
@@ -180,3 +203,8 @@ class MicroBatchTrainer:
             {n: g.detach().cpu() for n, g in zip(params, grads, strict=True)},
             {n: t.detach().cpu() for n, t in bufs.items()},
         )
+
+
+def micro_batch_seed(seed: int, batch_id: int) -> int:
+    """The seed of the random ops of one micro-batch: a function of the job's seed and the batch id only."""
+    return (seed * 1_000_003 + batch_id) % (2**63)

@@ -215,17 +215,21 @@ class Coordinator:
         ids = sorted(self._losses)
         try:
             await self._on_shards(lambda s: s.apply(self.generation, step, ids))
+            self._ledger.commit(ids, step, self.generation)
         except DataServerLostError as exc:
             self._fail("data-server-lost", str(exc), step)
             return
-        self._ledger.commit(ids, step, self.generation)
+        except Exception as exc:
+            # Some shards may have applied the step and others not: no later step can be trusted.
+            self._fail("internal", f"committing step {step} failed: {type(exc).__name__}: {exc}", step)
+            return
         self._history.append(sum(self._losses[b] for b in ids) / len(ids))
         self._losses.clear()
         self._assigned.clear()
         self._queue.clear()
         if not self._finished:
             self._queue.extend(self._schedule.step_batches(self._ledger.committed_steps))
-        else:
+        elif self._failure is None:
             self._record("done")
 
     # -- survival detection ----------------------------------------------------------------------
@@ -256,6 +260,9 @@ class Coordinator:
                 return event
         except DataServerLostError as exc:
             self._fail("data-server-lost", str(exc), self._ledger.committed_steps)
+            return None
+        except Exception as exc:
+            self._fail("internal", f"survival detection failed: {type(exc).__name__}: {exc}", None)
             return None
         finally:
             await self._notify()
@@ -323,11 +330,13 @@ class Coordinator:
         if not self._finished:
             self._queue.extend(self._schedule.step_batches(self._ledger.committed_steps))
 
-    def _fail(self, kind: str, message: str, step: int | None) -> None:
+    def _fail(self, kind: str, message: str, step: int | None, batch_id: int | None = None) -> None:
         if self._failure is None:
-            self._failure = (kind, message, step, None)
+            self._failure = (kind, message, step, batch_id)
             self._record("failed", reason=message)
-            log.error("job %s failed: %s", self.job_id, message)
+            log.error(
+                "job %s failed (%s) at step %s, batch %s: %s", self.job_id, kind, step, batch_id, message
+            )
 
     def _record(
         self,
@@ -368,7 +377,14 @@ class Coordinator:
                     "a lost static worker ends the job (standby static workers are not in this version)"
                 ) from exc
 
-        return list(await asyncio.gather(*(one(i, s) for i, s in enumerate(self._shards))))
+        outcomes = await asyncio.gather(
+            *(one(i, s) for i, s in enumerate(self._shards)), return_exceptions=True
+        )
+        # Wait for every shard before raising, so no call is left running behind a decision.
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(outcomes)
 
     # -- controller ------------------------------------------------------------------------------
 

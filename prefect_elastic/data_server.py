@@ -84,6 +84,7 @@ class DataServer:
         self._optimizer = job.build_optimizer(list(self._params.values())) if self._params else None
         self.generation = 0
         self.version = 0  # number of steps applied
+        self._applying = False
         self._grads: dict[int, Tensors] = {}  # batch id -> gradient of this shard's params
         self._updated_buffers: dict[int, Tensors] = {}  # batch id -> buffers after its forward pass
         self._snapshot = self._copy_state()
@@ -102,6 +103,9 @@ class DataServer:
             raise StaleGenerationError(generation, self.generation, what)
 
     def _check_step(self, step: int, what: str) -> None:
+        if self._applying:
+            # Only a duplicate of an assignment can get here (the step's last report came in already).
+            raise RecoverableError(f"{what} for step {step} while shard {self.index} is applying it")
         if step != self.version:
             raise RecoverableError(
                 f"{what} for step {step}, but shard {self.index} is at step {self.version}"
@@ -123,14 +127,20 @@ class DataServer:
         return {**self._params, **self._buffers}
 
     async def push(
-        self, generation: int, step: int, grads: dict[int, Tensors], buffers: dict[int, Tensors]
+        self,
+        generation: int,
+        step: int,
+        batch_ids: list[int],
+        grads: dict[int, Tensors],
+        buffers: dict[int, Tensors],
     ) -> None:
+        """The gradients (of this shard's parameters) and updated buffers of `batch_ids`."""
         self._check(generation, "push")
         self._check_step(step, "push")
-        for batch_id, g in grads.items():
+        for batch_id in batch_ids:
             if self._schedule.step_of(batch_id) != step:
                 raise FatalError(f"gradient of batch {batch_id} pushed for step {step}")
-            self._grads[batch_id] = g
+            self._grads[batch_id] = grads.get(batch_id, {})
             self._updated_buffers[batch_id] = buffers.get(batch_id, {})
 
     async def apply(self, generation: int, step: int, batch_ids: list[int]) -> int:
@@ -145,7 +155,11 @@ class DataServer:
         buffers = [self._updated_buffers.pop(b) for b in ordered]
         self._grads.clear()
         self._updated_buffers.clear()
-        await asyncio.to_thread(self._apply, grads, buffers)
+        self._applying = True
+        try:
+            await asyncio.to_thread(self._apply, grads, buffers)
+        finally:
+            self._applying = False
         self.version += 1
         return self.version
 

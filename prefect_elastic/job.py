@@ -14,6 +14,7 @@ import os
 import re
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Self, cast
 
@@ -57,6 +58,37 @@ _POSITIVE_SECONDS = {
     "call_timeout": "how long one remote call may take before it is an error",
 }
 _GLOBAL_RNG = threading.Lock()
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Which of a model's tensors are trained, which are buffers, and which are aliases (tied weights).
+
+    The servers hold each tensor once, under its first name; an alias is rebuilt when the state is exported.
+    Non-persistent buffers are held and used like the others but are not exported, as `state_dict` does.
+    """
+
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    aliases: dict[str, str]  # state_dict key -> the name of the tensor it shares
+    exported: tuple[str, ...]  # the model's state_dict keys, in order
+
+    def export(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {key: tensors[self.aliases.get(key, key)] for key in self.exported}
+
+
+def state_layout(model: torch.nn.Module) -> StateLayout:
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    first_name = {id(t): n for n, t in reversed([*params.items(), *buffers.items()])}
+    aliases = {}
+    exported = model.state_dict(keep_vars=True)
+    for key, tensor in exported.items():
+        if key not in params and key not in buffers:
+            aliases[key] = first_name[id(tensor)]
+    return StateLayout(tuple(params), tuple(buffers), aliases, tuple(exported))
+
+
 _TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
@@ -138,6 +170,14 @@ class ElasticJob(BaseModel):
         name = info.field_name or ""
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"must be a positive, finite number of seconds ({_POSITIVE_SECONDS[name]})")
+        return value
+
+    @field_validator("call_timeout", mode="after")
+    @classmethod
+    def _call_timeout_floor(cls, value: float) -> float:
+        # Workers long-poll the coordinator for 0.5 s; a shorter bound would turn every wait into an error.
+        if value < 1.0:
+            raise ValueError("must be at least 1 second (workers wait up to 0.5 s for work in one call)")
         return value
 
     @field_validator("seed", mode="after")
@@ -300,14 +340,25 @@ class ElasticJob(BaseModel):
         return module
 
     def initial_state(self) -> dict[str, torch.Tensor]:
-        """The model's parameters and buffers before training; the same for the same seed."""
+        """The model's parameters and buffers before training (its `state_dict`); the same for a seed."""
+        return self.initial_model().state_dict()
+
+    def initial_model(self) -> torch.nn.Module:
+        """The model as built for the job's seed, on the CPU."""
         # fork_rng keeps the caller's global RNG stream as it was. The lock: model constructors draw from
         # torch's one global generator, so two jobs started from threads of one process would otherwise
         # interleave their draws and start from parameters that depend on timing.
         with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
-            state = self.make_model().state_dict()
-        return {key: tensor.detach().cpu().clone().contiguous() for key, tensor in state.items()}
+            return self.make_model().cpu()
+
+    def initial_tensors(self) -> tuple[StateLayout, dict[str, torch.Tensor]]:
+        """The layout of the model's state, and the tensors the servers hold (no alias twice)."""
+        model = self.initial_model()
+        layout = state_layout(model)
+        named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        tensors = {n: named[n].detach().clone().contiguous() for n in (*layout.params, *layout.buffers)}
+        return layout, tensors
 
     def loss_fn(self) -> LossFn:
         """The loss function named by `loss`."""

@@ -186,11 +186,10 @@ class _Run:
         state: dict[str, torch.Tensor] = {}
         for f in [s.state() for s in shards]:
             state.update(f.result(timeout=self.job.call_timeout))
-        order = list(self.initial_keys)
         self._stop_loops()
         return TrainResult(
             job=self.job,
-            state_dict={k: state[k] for k in order},
+            state_dict=self.layout.export(state),
             ledger=outcome.ledger,
             events=outcome.events,
             history=outcome.history,
@@ -204,22 +203,20 @@ class _Run:
 
     def _register(self) -> None:
         # Roles register under the job id (seed 003): a second live controller of the same job would
-        # train the same batches twice, so it is refused; a key left by a controller that died is taken over.
-        key = ["prefect-elastic", "jobs", self.job.job_id]
-        holder = self.client.get_metadata(key, default=None)
-        if holder is not None and holder.get("client") in self._connected_clients():
+        # train the same batches twice, so it is refused; a key left by a controller that died is taken
+        # over. Check and set run in one function on the scheduler, so two controllers cannot both pass.
+        holder = self.client.run_on_scheduler(
+            _claim_job, key=self._job_key(), claim={"client": self.client.id, "run": self.run_id}
+        )
+        if holder is not None:
             raise FatalError(
                 f"job_id={self.job.job_id!r} is already training on this cluster "
                 f"(controller {holder['client']}); give this job another job_id or wait for that one to end"
             )
-        self.client.set_metadata(key, {"client": self.client.id, "run": self.run_id, "started": time.time()})
         self.registered = True
 
-    def _connected_clients(self) -> set[str]:
-        def clients(dask_scheduler: Any) -> list[str]:
-            return list(dask_scheduler.clients)
-
-        return set(self.client.run_on_scheduler(clients))
+    def _job_key(self) -> list[str]:
+        return ["prefect-elastic", "jobs", self.job.job_id]
 
     def _static_workers(self) -> list[str]:
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -234,9 +231,8 @@ class _Run:
 
     def _start_servers(self) -> tuple[Any, list[Any], list[list[str]]]:
         job = self.job
-        initial = job.initial_state()
-        self.initial_keys = list(initial)
-        param_names = {n for n, _ in job.make_model().named_parameters()}
+        self.layout, initial = job.initial_tensors()
+        param_names = set(self.layout.params)
         plan = plan_shards(initial, job.data_servers)
         static = self._static_workers()
         prefix = f"prefect-elastic-{job.job_id}-{self.run_id}"
@@ -299,13 +295,19 @@ class _Run:
                 timeout=max(0.0, min(PROGRESS_POLL_SECONDS, next_check - time.monotonic()))
             )
 
-    def _call(self, future: Any) -> Any:
+    def _call(self, future: Any, timeout: float | None = None) -> Any:
         try:
-            return future.result(timeout=self.job.call_timeout)
-        except Exception as exc:
+            return future.result(timeout=timeout or self.job.call_timeout)
+        except (TimeoutError, OSError) as exc:
             raise DataServerLostError(
                 f"the coordinator of job {self.job.job_id} did not answer ({type(exc).__name__}: {exc}); "
-                "its static worker was probably lost"
+                "its static worker is probably lost or frozen"
+            ) from exc
+        except RuntimeError as exc:
+            if "Actor was lost" not in str(exc):
+                raise
+            raise DataServerLostError(
+                f"the coordinator of job {self.job.job_id} was lost with its static worker ({exc})"
             ) from exc
 
     def _live_elastic_workers(self) -> list[str]:
@@ -330,11 +332,9 @@ class _Run:
                 loop = None
             if loop is None:
                 restarts = self.loop_restarts.get(addr, 0)
-                if restarts > MAX_LOOP_RESTARTS:
-                    continue
                 self.loop_restarts[addr] = restarts + 1
                 self.loops[addr] = self.client.submit(
-                    compute_loop, self.job, coordinator, shards, plan, self.schedule,
+                    compute_loop, self.job, coordinator, shards, plan, self.layout, self.schedule,
                     key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-compute-{addr}-{restarts}",
                     workers=[addr], allow_other_workers=False, pure=False,
                 )  # fmt: skip
@@ -343,7 +343,15 @@ class _Run:
         if loop.status == "finished":
             self.loop_stats.append(loop.result())
         elif loop.status == "error":
-            log.warning("job %s: compute loop on %s ended with %r", self.job.job_id, addr, loop.exception())
+            error = loop.exception()
+            log.warning("job %s: compute loop on %s ended with %r", self.job.job_id, addr, error)
+            if self.loop_restarts.get(addr, 0) > MAX_LOOP_RESTARTS:
+                # An error that survives restarts (the model does not import there, a version mismatch)
+                # would otherwise keep the worker a member that never trains.
+                raise FatalError(
+                    f"the compute loop on {addr} failed {self.loop_restarts[addr]} times; last error: "
+                    f"{type(error).__name__}: {error}"
+                )
 
     def _failure(self, progress: Progress) -> FatalError:
         message = progress.failure or "training failed"
@@ -381,6 +389,21 @@ class _Run:
             self.actor_futures.clear()
         if self.registered:
             try:
-                self.client.set_metadata(["prefect-elastic", "jobs", self.job.job_id], None)
+                self.client.run_on_scheduler(_release_job, key=self._job_key(), run=self.run_id)
             except Exception as exc:
                 log.debug("unregistering job: %s", exc)
+
+
+def _claim_job(dask_scheduler: Any, key: list[str], claim: dict[str, str]) -> dict[str, str] | None:
+    """On the scheduler: register `claim` under `key` unless a connected controller holds it already."""
+    holder = dask_scheduler.get_metadata(keys=key, default=None)
+    if holder is not None and holder.get("client") in dask_scheduler.clients:
+        return dict(holder)
+    dask_scheduler.set_metadata(keys=key, value={**claim, "started": time.time()})
+    return None
+
+
+def _release_job(dask_scheduler: Any, key: list[str], run: str) -> None:
+    holder = dask_scheduler.get_metadata(keys=key, default=None)
+    if holder is not None and holder.get("run") == run:
+        dask_scheduler.set_metadata(keys=key, value=None)

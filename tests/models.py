@@ -79,3 +79,27 @@ class _PacedMlp(nn.Sequential):
 
 def paced_mlp() -> nn.Module:
     return _PacedMlp(*mlp())
+
+
+class _TiedDropout(nn.Module):
+    """Tied weights, dropout and a non-persistent buffer: features that trip up a parameter server."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(64, 16)
+        self.hidden = nn.Linear(16, 16)
+        self.again = nn.Linear(16, 16, bias=False)
+        self.again.weight = self.hidden.weight  # tied
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(16, 10)
+        self.register_buffer("scale", torch.tensor(0.5), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x.flatten(1)))
+        h = self.drop(torch.relu(self.hidden(h)))
+        h = torch.relu(self.again(h)) * self.scale
+        return self.out(h)
+
+
+def tied_dropout() -> nn.Module:
+    return _TiedDropout()

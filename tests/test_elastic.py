@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 
 import pytest
+import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.cluster import LocalElasticCluster
@@ -170,6 +171,24 @@ def test_batchnorm_buffers_stay_equal(
     assert int(result.state_dict[buffers[-1]]) == result.total_steps, "a step counts once"
     initial = job.initial_state()
     assert not all(ts_equal(result.state_dict[k], initial[k]) for k in buffers), "running stats moved"
+
+
+def test_tied_weights_dropout_and_tiny_shards(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """Tied weights are trained once, dropout draws per batch id, and a shard may hold very little."""
+    top_up(cluster, 2)
+    job = make_job(digits_url, "reassign", model="tests.models:tied_dropout", data_servers=4, job_id="tied")
+    faults = FaultSchedule(seed=7).kill_worker(at_step=5).add_worker(at_step=6)
+    result = train(job, cluster=cluster, faults=faults)
+    expected = reference(job)
+    check_run(result, expected, "reassign")
+    assert result.state_dict["again.weight"] is result.state_dict["hidden.weight"], "exported tied"
+    initial = job.initial_state()
+    assert not torch.equal(result.state_dict["hidden.weight"], initial["hidden.weight"]), (
+        "the tied weight trained"
+    )
+    assert "scale" not in result.state_dict
 
 
 def ts_equal(a: object, b: object) -> bool:

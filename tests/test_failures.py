@@ -89,8 +89,8 @@ def test_batch_larger_than_a_partition(digits_url: str) -> None:
 def test_compute_worker_holds_no_parameters(digits_url: str) -> None:
     """Invariant 3: the compute worker's model has shapes only; values come from each pull."""
     j = job(digits_url, model="tests.models:cnn_bn")
-    plan = [list(j.initial_state())]
-    trainer = MicroBatchTrainer(j, plan, torch.device("cpu"))
+    layout, tensors = j.initial_tensors()
+    trainer = MicroBatchTrainer(j, [list(tensors)], layout, torch.device("cpu"))
     assert all(t.is_meta for t in trainer.model.state_dict().values())
     state = j.initial_state()
     params = {n: state[n].clone().requires_grad_(True) for n in trainer.param_names}

@@ -99,3 +99,18 @@ def test_plan_shards_is_balanced_deterministic_and_complete() -> None:
     # Within a shard the model's own order is kept.
     for names in plan:
         assert names == [n for n in state if n in names]
+
+
+def test_state_layout_holds_tied_weights_once() -> None:
+    from prefect_elastic.job import state_layout
+    from tests.models import tied_dropout
+
+    model = tied_dropout()
+    layout = state_layout(model)
+    assert layout.aliases == {"again.weight": "hidden.weight"}
+    assert "again.weight" not in layout.params and "hidden.weight" in layout.params
+    assert "scale" in layout.buffers and "scale" not in layout.exported
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    exported = layout.export(tensors)
+    assert list(exported) == list(model.state_dict())
+    assert exported["again.weight"] is exported["hidden.weight"]
