@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -73,6 +73,10 @@ class Progress:
     failure_kind: str | None = None
     failure_step: int | None = None
     failure_batch: int | None = None
+    holding: tuple[tuple[str, int], ...] = ()  # (worker, micro-batches handed to it, not yet reported)
+
+    def holds(self, worker: str) -> int:
+        return dict(self.holding).get(worker, 0)
 
 
 @dataclass
@@ -93,8 +97,10 @@ class Coordinator:
         min_workers: int,
         min_workers_timeout: float,
         call_timeout: float,
+        lease: float,
     ) -> None:
         self.job_id = job_id
+        self._lease = lease  # seconds a worker may hold a batch before it is handed to another
         self._schedule = schedule
         self._policy: Policy = policy
         self._min_workers = min_workers
@@ -109,7 +115,7 @@ class Coordinator:
         self._suspended = True
         self._waiting = False
         self._queue: deque[int] = deque(schedule.step_batches(0)) if schedule.total_steps else deque()
-        self._assigned: dict[int, str] = {}
+        self._assigned: dict[int, tuple[str, float]] = {}  # batch id -> (worker, when it was handed out)
         self._losses: dict[int, float] = {}  # batch id -> loss, for the step in flight
         self._history: list[float] = []
         self._events: list[MembershipEvent] = []
@@ -120,6 +126,7 @@ class Coordinator:
             "rollbacks": 0,
             "reassigns": 0,
             "snapshots": 0,
+            "leases_expired": 0,
         }
         self._lock: asyncio.Lock | None = None
         self._work_ready: asyncio.Condition | None = None
@@ -154,6 +161,8 @@ class Coordinator:
                 return Assignment(self.generation, self._ledger.committed_steps, (), stop=True)
             if not self._suspended and worker in self._workers:
                 self._requeue_orphans(worker)
+                if not self._queue:
+                    self._requeue_overdue(worker)
                 if self._queue:
                     return self._assign(worker)
             remaining = deadline - time.monotonic()
@@ -166,16 +175,30 @@ class Coordinator:
     def _requeue_orphans(self, worker: str) -> None:
         # A worker asks for work only when it holds none, so anything still assigned to it was lost
         # with a loop that died (its process survived); hand it out again.
-        orphans = sorted(b for b, w in self._assigned.items() if w == worker)
+        orphans = sorted(b for b, (w, _) in self._assigned.items() if w == worker)
         for b in reversed(orphans):
             del self._assigned[b]
             self._queue.appendleft(b)
 
+    def _requeue_overdue(self, worker: str) -> None:
+        # A frozen worker (SIGSTOP, a hung GPU) stays in the scheduler until its worker-ttl, minutes later;
+        # its batches go to an idle worker once their lease is up. Should the frozen one wake and push too,
+        # its gradients are bitwise the same and overwrite the others; the step still commits once.
+        now = time.monotonic()
+        overdue = sorted(
+            b for b, (w, since) in self._assigned.items() if w != worker and now - since > self._lease
+        )
+        for b in overdue:
+            del self._assigned[b]
+            self._queue.append(b)
+        self._counters["leases_expired"] += len(overdue)
+
     def _assign(self, worker: str) -> Assignment:
         share = math.ceil(len(self._schedule.step_batches(self._ledger.committed_steps)) / len(self._workers))
         ids = tuple(self._queue.popleft() for _ in range(min(share, len(self._queue))))
+        now = time.monotonic()
         for b in ids:
-            self._assigned[b] = worker
+            self._assigned[b] = (worker, now)
         self._counters["assignments"] += 1
         return Assignment(self.generation, self._ledger.committed_steps, ids)
 
@@ -203,12 +226,7 @@ class Coordinator:
         self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str
     ) -> None:
         """A failure that no retry fixes (the model raised, a NaN loss): the job stops."""
-        if self._failure is None:
-            self._failure = (kind, message, step, batch_id)
-            self._record("failed", reason=f"{kind} on {worker}: {message}")
-            log.error(
-                "job %s failed at step %s batch %s on %s: %s", self.job_id, step, batch_id, worker, message
-            )
+        self._fail(kind, f"{message} (on {worker})", step, batch_id)
         await self._notify()
 
     async def _commit_step(self, step: int) -> None:
@@ -409,6 +427,7 @@ class Coordinator:
             failure_kind=kind,
             failure_step=step,
             failure_batch=batch,
+            holding=tuple(sorted(Counter(w for w, _ in self._assigned.values()).items())),
         )
 
     async def outcome(self) -> Outcome:

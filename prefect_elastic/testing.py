@@ -24,7 +24,7 @@ from .coordinator import Progress
 
 log = logging.getLogger(__name__)
 
-FaultKind = Literal["kill", "restart", "retire", "add"]
+FaultKind = Literal["kill", "restart", "retire", "add", "freeze"]
 
 
 @dataclass
@@ -54,6 +54,7 @@ class FaultSchedule:
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
         self._background: list[threading.Thread] = []
+        self._freezing: tuple[Fault, str] | None = None
 
     # -- building --------------------------------------------------------------------------------
 
@@ -70,6 +71,19 @@ class FaultSchedule:
         """Kill the worker process only; its nanny starts it again (a new address, the same name)."""
         self.faults.append(Fault(at_step, "restart", 1, worker, sig))
         return self
+
+    def freeze_worker(self, at_step: int) -> FaultSchedule:
+        """SIGSTOP a compute worker while it holds micro-batches (nanny and worker). The scheduler keeps it
+        for its worker-ttl; `thaw()` or a kill ends the freeze."""
+        self.faults.append(Fault(at_step, "freeze", 1, None, signal.SIGSTOP))
+        return self
+
+    def thaw(self) -> None:
+        """SIGKILL what this schedule froze (a frozen process cannot be stopped any other way)."""
+        assert self.cluster is not None
+        for record in self.log:
+            if record.kind == "freeze":
+                self.cluster.kill_worker(record.target)
 
     def retire_worker(self, at_step: int, worker: str | None = None) -> FaultSchedule:
         """Retire a compute worker gracefully (`Client.retire_workers`)."""
@@ -115,6 +129,8 @@ class FaultSchedule:
     def apply(self, progress: Progress) -> None:
         if self.cluster is None:
             raise RuntimeError("FaultSchedule needs a LocalElasticCluster: train(..., cluster=...) binds it")
+        if self._freezing is not None:
+            self._check_freeze(progress)
         due = [f for f in self.faults if f.at_step <= progress.committed_steps]
         for fault in due:
             self.faults.remove(fault)
@@ -131,6 +147,14 @@ class FaultSchedule:
         assert cluster is not None
         if fault.kind == "add":
             target = cluster.add_worker(wait=False)
+        elif fault.kind == "freeze":
+            picked = self._pick(progress, holding_only=True)
+            if picked is None:
+                self.faults.append(fault)  # nobody holds a batch right now; try at the next poll
+                return
+            cluster.kill_worker(picked, sig=signal.SIGSTOP)
+            self._freezing = (fault, picked)
+            return  # recorded once a fresh progress shows it froze while holding batches
         else:
             picked = fault.worker or self._pick(progress)
             if picked is None:
@@ -152,11 +176,25 @@ class FaultSchedule:
         self.log.append(record)
         log.info("fault: %s %s at step %d", fault.kind, target, progress.committed_steps)
 
-    def _pick(self, progress: Progress) -> str | None:
-        # Prefer compute workers the coordinator counts as members; never one this schedule already hit
-        # (a killed worker stays in the scheduler's list for a few milliseconds).
+    def _check_freeze(self, progress: Progress) -> None:
+        # The progress that chose the worker is a few ms old: it may have reported its batches since. A
+        # stopped process cannot report, so the first progress after the stop tells for sure.
+        assert self._freezing is not None and self.cluster is not None
+        fault, target = self._freezing
+        self._freezing = None
+        if progress.holds(target):
+            self.log.append(FaultRecord(progress.committed_steps, "freeze", target, time.time()))
+            log.info("fault: froze %s holding %d micro-batches", target, progress.holds(target))
+        else:
+            self.cluster.kill_worker(target, sig=signal.SIGCONT)
+            self.faults.append(fault)
+
+    def _pick(self, progress: Progress, holding_only: bool = False) -> str | None:
+        # Prefer compute workers that hold micro-batches (a fault mid-step), then other members; never
+        # one this schedule already hit (a killed worker stays in the scheduler's list for a few ms).
         hit = {r.target for r in self.log if r.kind != "add"}
         live = [w for w in (self.cluster.elastic_addresses() if self.cluster else []) if w not in hit]
+        holders = [w for w in live if progress.holds(w)]
         members = [w for w in sorted(progress.workers) if w in live]
-        candidates = members or sorted(live)
+        candidates = holders if holding_only else holders or members or sorted(live)
         return self._rng.choice(candidates) if candidates else None

@@ -249,7 +249,7 @@ class _Run:
         self.actor_futures.append(
             self.client.submit(
                 Coordinator, job.job_id, self.schedule, job.on_membership_change, job.min_workers,
-                job.min_workers_timeout, job.call_timeout,
+                job.min_workers_timeout, job.call_timeout, job.assignment_lease,
                 actor=True, workers=[static[0]], allow_other_workers=False, key=f"{prefix}-coordinator",
                 pure=False,
             )
@@ -278,8 +278,10 @@ class _Run:
                 self.worker_event.clear()
                 live = self._live_elastic_workers()
                 self._ensure_loops(live, coordinator, shards, plan)
+                # It may wait for a commit in progress, then call every shard: each bounded by call_timeout.
                 event = self._call(
-                    coordinator.survival_check(live, "worker event" if triggered else "interval")
+                    coordinator.survival_check(live, "worker event" if triggered else "interval"),
+                    timeout=3 * job.call_timeout,
                 )
                 next_check = time.monotonic() + job.liveness_interval
                 if event is not None and self.on_event is not None:

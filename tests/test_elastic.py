@@ -157,6 +157,25 @@ def test_random_kills_and_joins(
     assert len(processes) >= 6, f"at least six worker processes took part: {sorted(processes)}"
 
 
+def test_frozen_worker_loses_its_batches_to_a_live_one(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """Invariant 4: a SIGSTOPped worker stays in the scheduler for minutes (worker-ttl), but its batches
+    go to a live worker once their lease is up, so training does not wait for it."""
+    top_up(cluster, 2)
+    job = make_job(digits_url, "reassign", call_timeout=2.0, job_id="frozen")
+    faults = FaultSchedule(seed=8).freeze_worker(at_step=6)
+    try:
+        result = train(job, cluster=cluster, faults=faults)
+    finally:
+        faults.thaw()
+    assert [r.kind for r in faults.log] == ["freeze"]
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    assert result.counters["leases_expired"] > 0
+    assert faults.log[0].target not in lost_workers(result), "the scheduler never noticed the freeze"
+
+
 def test_batchnorm_buffers_stay_equal(
     cluster: LocalElasticCluster, reference: References, digits_url: str
 ) -> None:
