@@ -117,6 +117,7 @@ class Coordinator:
         self._queue: deque[int] = deque(schedule.step_batches(0)) if schedule.total_steps else deque()
         self._assigned: dict[int, tuple[str, float]] = {}  # batch id -> (worker, when it was handed out)
         self._losses: dict[int, float] = {}  # batch id -> loss, for the step in flight
+        self._reporters: dict[int, str] = {}  # batch id -> the worker that reported it
         self._history: list[float] = []
         self._events: list[MembershipEvent] = []
         self._failure: tuple[str, str, int | None, int | None] | None = None
@@ -216,6 +217,7 @@ class Coordinator:
             for b, loss in losses.items():
                 self._assigned.pop(b, None)
                 self._losses[b] = loss
+                self._reporters[b] = worker
             committed = len(self._losses) == len(self._schedule.step_batches(step))
             if committed:
                 await self._commit_step(step)
@@ -233,7 +235,7 @@ class Coordinator:
         ids = sorted(self._losses)
         try:
             await self._on_shards(lambda s: s.apply(self.generation, step, ids))
-            self._ledger.commit(ids, step, self.generation)
+            self._ledger.commit(ids, step, self.generation, self._reporters)
         except DataServerLostError as exc:
             self._fail("data-server-lost", str(exc), step)
             return
@@ -243,6 +245,7 @@ class Coordinator:
             return
         self._history.append(sum(self._losses[b] for b in ids) / len(ids))
         self._losses.clear()
+        self._reporters.clear()
         self._assigned.clear()
         self._queue.clear()
         if not self._finished:
@@ -343,6 +346,7 @@ class Coordinator:
 
     def _requeue_step(self) -> None:
         self._losses.clear()
+        self._reporters.clear()
         self._assigned.clear()
         self._queue.clear()
         if not self._finished:

@@ -19,6 +19,7 @@ class LedgerEntry:
     batch_id: int
     step: int
     generation: int
+    worker: str = ""  # the compute worker whose gradient was applied
 
 
 class Ledger:
@@ -29,7 +30,9 @@ class Ledger:
         self.dropped_batches = 0  # committed, then dropped by a rollback
         self.dropped_steps = 0
 
-    def commit(self, batch_ids: Iterable[int], step: int, generation: int) -> None:
+    def commit(
+        self, batch_ids: Iterable[int], step: int, generation: int, workers: dict[int, str] | None = None
+    ) -> None:
         if step != self.committed_steps:
             raise FatalError(f"ledger: step {step} committed out of order (next is {self.committed_steps})")
         ids = list(batch_ids)
@@ -38,7 +41,8 @@ class Ledger:
             # Exactly-once is the invariant the whole system exists for; a breach is a bug, never ignored.
             raise FatalError(f"ledger: batch ids {twice} committed twice (step {step})")
         for b in ids:
-            self._entries[b] = LedgerEntry(batch_id=b, step=step, generation=generation)
+            worker = (workers or {}).get(b, "")
+            self._entries[b] = LedgerEntry(batch_id=b, step=step, generation=generation, worker=worker)
         self.committed_steps += 1
 
     def mark_snapshot(self) -> None:

@@ -83,6 +83,7 @@ def assert_ledger_exactly_once(result: TrainResult) -> None:
     ids = [e.batch_id for e in result.ledger]
     assert ids == list(range(result.total_batches)), "every batch id of the schedule, each once"
     assert len(ids) == len(set(ids))
+    assert all(e.worker for e in result.ledger), "each entry names the worker whose gradient was applied"
     # The ledger agrees with the parameter version: committed steps are exactly 0..version-1.
     assert {e.step for e in result.ledger} == set(range(total_steps))
     assert all(e.step == e.batch_id // job.micro_batches for e in result.ledger)
