@@ -1,5 +1,6 @@
 """prefect-elastic: elastic PyTorch training on Dask clusters whose workers come and go."""
 
+from .checkpoint import CheckpointMismatchError
 from .coordinator import MembershipEvent, Progress
 from .errors import (
     DataServerLostError,
@@ -10,12 +11,14 @@ from .errors import (
     RecoverableError,
     StaleGenerationError,
     TrainingFailedError,
+    TrainingStopped,
 )
 from .job import ElasticJob
 from .ledger import LedgerEntry
 from .training import TrainResult, train
 
 __all__ = [
+    "CheckpointMismatchError",
     "DataServerLostError",
     "ElasticError",
     "ElasticJob",
@@ -29,5 +32,6 @@ __all__ = [
     "StaleGenerationError",
     "TrainResult",
     "TrainingFailedError",
+    "TrainingStopped",
     "train",
 ]

@@ -62,6 +62,10 @@ def dask_setup(server):
 '''
 
 
+def _status_name(dask_worker: Any) -> str:
+    return str(dask_worker.status.name)
+
+
 def _log_tail(path: Path, lines: int = 40) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -267,6 +271,30 @@ class LocalElasticCluster:
                 self._worker_pids[addr] = pid
         return pid
 
+    def _wait_nanny_started(self, name_or_address: str) -> None:
+        # A worker registers with the scheduler a moment before its nanny has finished starting; killing
+        # the worker in that moment makes the nanny give up ("Nanny failed to start") instead of restarting.
+        addr, _ = self._resolve_live(name_or_address)
+        client = self._get_client()
+        deadline = time.monotonic() + _RPC_TIMEOUT_S
+        while True:
+            status = client.sync(
+                client._run, _status_name, workers=[addr], nanny=True, callback_timeout=_RPC_TIMEOUT_S
+            )
+            if "running" in status.values():
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the nanny of {name_or_address} did not finish starting: {status}")
+            time.sleep(_POLL_S)
+
+    def wait_for_pending(self, timeout: float | None = None) -> None:
+        """Wait until every worker process this cluster started and that still runs has registered (a
+        worker added with `wait=False` joins a few seconds later)."""
+        with self._lock:
+            running = [name for name, proc in self._workers.items() if proc.poll() is None]
+        known = {str(info["name"]) for info in self.workers_info().values()}
+        self.wait_for_workers([n for n in running if n not in known], timeout)
+
     def pid_of(self, name: str) -> int | None:
         """The pid of the spawned process of that worker: the nanny's, or the worker's without a nanny."""
         with self._lock:
@@ -295,6 +323,7 @@ class LocalElasticCluster:
         if restart:
             if not self.nanny:
                 raise ValueError("kill_worker(restart=True) needs a cluster started with nanny=True")
+            self._wait_nanny_started(name_or_address)
             os.kill(self.worker_pid(name_or_address), sig)
             return
         name = self._resolve_name(name_or_address)

@@ -79,6 +79,16 @@ class Progress:
         return dict(self.holding).get(worker, 0)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a job restarts from (a persistent checkpoint)."""
+
+    generation: int
+    committed_steps: int
+    ledger: list[LedgerEntry]
+    history: list[float]
+
+
 @dataclass
 class Outcome:
     ledger: list[LedgerEntry]
@@ -98,6 +108,7 @@ class Coordinator:
         min_workers_timeout: float,
         call_timeout: float,
         lease: float,
+        resume: Resume | None = None,
     ) -> None:
         self.job_id = job_id
         self._lease = lease  # seconds a worker may hold a batch before it is handed to another
@@ -114,11 +125,17 @@ class Coordinator:
         # Nothing is handed out until the first survival check has seen workers.
         self._suspended = True
         self._waiting = False
-        self._queue: deque[int] = deque(schedule.step_batches(0)) if schedule.total_steps else deque()
+        self._history: list[float] = []
+        if resume is not None:
+            self._ledger.restore(resume.ledger, resume.committed_steps)
+            self.generation = resume.generation
+            self._history = list(resume.history)
+        self._queue: deque[int] = deque()
+        if not self._ledger.committed_steps >= schedule.total_steps:
+            self._queue.extend(schedule.step_batches(self._ledger.committed_steps))
         self._assigned: dict[int, tuple[str, float]] = {}  # batch id -> (worker, when it was handed out)
         self._losses: dict[int, float] = {}  # batch id -> loss, for the step in flight
         self._reporters: dict[int, str] = {}  # batch id -> the worker that reported it
-        self._history: list[float] = []
         self._events: list[MembershipEvent] = []
         self._failure: tuple[str, str, int | None, int | None] | None = None
         self._counters = {
@@ -452,6 +469,27 @@ class Coordinator:
         """Stop handing out work (the controller is shutting the job down)."""
         self._fail("stopped", reason, self._ledger.committed_steps)
         await self._notify()
+
+    async def snapshot_now(self) -> int:
+        """Snapshot the committed state at once (at the end, or before stopping); returns its step."""
+        lock, _ = self._sync_primitives()
+        async with lock:
+            if self._ledger.committed_steps > self._ledger.snapshot_step:
+                await self._on_shards(lambda s: s.snapshot(self.generation))
+                self._ledger.mark_snapshot()
+                self._counters["snapshots"] += 1
+                self._record("snapshot", reason="requested by the controller")
+            return self._ledger.snapshot_step
+
+    async def snapshot_record(self) -> Resume:
+        """The coordinator's part of the last snapshot, for a persistent checkpoint."""
+        step = self._ledger.snapshot_step
+        return Resume(
+            generation=self.generation,
+            committed_steps=step,
+            ledger=[e for e in self._ledger.entries() if e.step < step],
+            history=self._history[:step],
+        )
 
 
 def event_as_dict(event: MembershipEvent) -> dict[str, Any]:

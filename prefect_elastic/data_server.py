@@ -71,6 +71,8 @@ class DataServer:
         schedule: Schedule,
         params: Tensors,
         buffers: Tensors,
+        optimizer_state: dict[str, Any] | None = None,
+        version: int = 0,
     ) -> None:
         self.index = index
         self.job_id = job.job_id
@@ -82,8 +84,10 @@ class DataServer:
         self._params = {n: t.detach().clone() for n, t in params.items()}
         self._buffers = {n: t.detach().clone() for n, t in buffers.items()}
         self._optimizer = job.build_optimizer(list(self._params.values())) if self._params else None
+        if optimizer_state and self._optimizer is not None:
+            self._optimizer.load_state_dict(optimizer_state)  # resuming from a checkpoint
         self.generation = 0
-        self.version = 0  # number of steps applied
+        self.version = version  # number of steps applied
         self._applying = False
         self._grads: dict[int, Tensors] = {}  # batch id -> gradient of this shard's params
         self._updated_buffers: dict[int, Tensors] = {}  # batch id -> buffers after its forward pass
@@ -203,6 +207,15 @@ class DataServer:
                 self._optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
             self.version = snap.version
         return self.version
+
+    async def export_snapshot(self) -> dict[str, Any]:
+        """The last snapshot, for a persistent checkpoint."""
+        snap = self._snapshot
+        return {
+            "version": snap.version,
+            "tensors": {**snap.params, **snap.buffers},
+            "optimizer": snap.optimizer,
+        }
 
     async def state(self) -> Tensors:
         return {n: t.detach().clone() for n, t in {**self._params, **self._buffers}.items()}

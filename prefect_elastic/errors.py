@@ -51,6 +51,18 @@ class TrainingFailedError(FatalError):
         return (type(self), (str(self), self.step, self.batch_id))
 
 
+class TrainingStopped(FatalError):
+    """The controller was asked to stop (a cancelled flow run); a final checkpoint was written if the job
+    has a checkpoint URL, and a new run of the same job resumes from it."""
+
+    def __init__(self, message: str, checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.checkpoint))
+
+
 class NotEnoughWorkersError(FatalError):
     """Fewer than `min_workers` compute workers were alive for longer than `min_workers_timeout`."""
 

@@ -51,6 +51,8 @@ _AT_LEAST_ONE = {
     "data_servers": "each data server holds one partition and one parameter shard",
     "threads_per_worker": "torch threads of each compute worker",
     "min_workers": "compute workers training needs to go on",
+    "checkpoint_every": "snapshots between two persistent checkpoints",
+    "checkpoint_keep": "persistent checkpoints kept before older ones are pruned",
 }
 _POSITIVE_SECONDS = {
     "liveness_interval": "how often survival detection runs",
@@ -119,6 +121,9 @@ class ElasticJob(BaseModel):
     job_id: str = "prefect-elastic"
     call_timeout: float = 30.0
     static_resource: str = "static"
+    checkpoint: str | None = None  # fsspec URL of a folder for persistent checkpoints; None: none
+    checkpoint_every: int = 10  # snapshots between two checkpoints (one is always written at the end)
+    checkpoint_keep: int = 3  # checkpoints kept; older ones are pruned
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -338,6 +343,12 @@ class ElasticJob(BaseModel):
                 "must take no arguments and return the model",
             )
         return module
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The fields that decide the trained parameters: a checkpoint only resumes a job that agrees on
+        all of them. (Workers, timeouts, the policy and the job id do not change the result.)"""
+        keys = ("model", "dataset", "loss", "optimizer", "batch_size", "micro_batches", "epochs")
+        return {k: getattr(self, k) for k in (*keys, "data_servers", "seed")}
 
     @property
     def assignment_lease(self) -> float:

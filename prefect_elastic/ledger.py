@@ -45,6 +45,15 @@ class Ledger:
             self._entries[b] = LedgerEntry(batch_id=b, step=step, generation=generation, worker=worker)
         self.committed_steps += 1
 
+    def restore(self, entries: Iterable[LedgerEntry], committed_steps: int) -> None:
+        """Start from a checkpoint: its entries are committed and part of the snapshot."""
+        self._entries = {e.batch_id: e for e in entries}
+        if {e.step for e in self._entries.values()} != set(range(committed_steps)):
+            raise FatalError(
+                f"ledger of the checkpoint does not cover steps 0..{committed_steps - 1} exactly"
+            )
+        self.committed_steps = self.snapshot_step = committed_steps
+
     def mark_snapshot(self) -> None:
         self.snapshot_step = self.committed_steps
 

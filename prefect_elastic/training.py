@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from distributed import Client, Future
 
+from .checkpoint import Persistence
 from .compute import LoopStats, compute_loop
 from .coordinator import Coordinator, MembershipEvent, Outcome, Progress
 from .data_server import DataServer, plan_shards
@@ -35,6 +36,7 @@ from .errors import (
     JobConfigError,
     NotEnoughWorkersError,
     TrainingFailedError,
+    TrainingStopped,
 )
 from .job import ElasticJob
 from .ledger import LedgerEntry
@@ -70,6 +72,8 @@ class TrainResult:
     total_steps: int  # of the schedule
     total_batches: int
     loops: list[LoopStats] = field(default_factory=list)
+    checkpoint: str | None = None  # the last persistent checkpoint written
+    resumed_from: str | None = None  # the checkpoint this run started from
 
     @property
     def steps(self) -> int:
@@ -110,25 +114,30 @@ def train(
     on_progress: Callable[[Progress], None] | None = None,
     on_event: Callable[[MembershipEvent], None] | None = None,
     faults: FaultInjector | None = None,
+    stop: threading.Event | None = None,
 ) -> TrainResult:
     """Train `job` on the Dask cluster at `address` (or the `cluster` object) and return the result.
 
     Raises `JobConfigError` before any cluster work for an impossible job, `TrainingFailedError` when the
     model raises or the loss is not finite, `NotEnoughWorkersError` when fewer than `min_workers` compute
     workers stay alive for longer than `min_workers_timeout`, `DataServerLostError` when a static worker
-    holding a data server or the coordinator dies.
+    holding a data server or the coordinator dies, `TrainingStopped` when `stop` is set (after a final
+    checkpoint), `CheckpointMismatchError` when `job.checkpoint` holds a checkpoint of another job or model.
+    With `job.checkpoint` set, a run resumes from the latest checkpoint there.
     """
     if not isinstance(job, ElasticJob):
         job = ElasticJob.from_yaml(Path(job))
     dataset = job.check_inputs()
     schedule = build_schedule(job, dataset)
+    layout, initial = job.initial_tensors()
+    persistence = Persistence(job, layout, initial)
     if (address is None) == (cluster is None):
         raise JobConfigError("address", address, "give exactly one of address= or cluster=")
     target = address if address is not None else cluster.scheduler_address
     if faults is not None and cluster is not None:
         faults.bind(cluster)
     with Client(target, set_as_default=False, timeout=job.call_timeout) as client:
-        run = _Run(client, job, dataset, schedule, on_progress, on_event, faults)
+        run = _Run(client, job, dataset, schedule, persistence, on_progress, on_event, faults, stop)
         # Actor handles bind to the current client on first use; make it ours, not a global default.
         with client.as_current():
             try:
@@ -144,14 +153,19 @@ class _Run:
         job: ElasticJob,
         dataset: DatasetInfo,
         schedule: Schedule,
+        persistence: Persistence,
         on_progress: Callable[[Progress], None] | None,
         on_event: Callable[[MembershipEvent], None] | None,
         faults: FaultInjector | None,
+        stop: threading.Event | None,
     ) -> None:
         self.client = client
         self.job = job
         self.dataset = dataset
         self.schedule = schedule
+        self.persistence = persistence
+        self.layout = persistence.layout
+        self.stop = stop
         self.on_progress = on_progress
         self.on_event = on_event
         self.faults = faults
@@ -162,6 +176,7 @@ class _Run:
         self.loop_stats: list[LoopStats] = []
         self.registered = False
         self.worker_event = threading.Event()
+        self._stopping = False
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -180,7 +195,21 @@ class _Run:
             self.job.on_membership_change,
         )
         progress = self._supervise(coordinator, shards, plan)
-        outcome: Outcome = coordinator.outcome().result(timeout=self.job.call_timeout)
+        timeout = self.job.call_timeout
+        if progress.state == "done" or (progress.state == "running" and self._stopping):
+            # The last checkpoint holds the end (or, when stopped, every committed step).
+            self._call(coordinator.snapshot_now(), timeout=3 * timeout)
+            if self._stopping:
+                self._call(coordinator.stop("stopped by the controller"))
+            self.persistence.write(coordinator, shards, timeout)
+        if self._stopping:
+            self._stop_loops()
+            raise TrainingStopped(
+                f"job {self.job.job_id} stopped at step {progress.committed_steps} of {progress.total_steps}"
+                + (f"; checkpoint {self.persistence.last_written}" if self.persistence.last_written else ""),
+                checkpoint=self.persistence.last_written,
+            )
+        outcome: Outcome = coordinator.outcome().result(timeout=timeout)
         if progress.state == "failed":
             raise self._failure(progress)
         state: dict[str, torch.Tensor] = {}
@@ -199,6 +228,8 @@ class _Run:
             total_steps=self.schedule.total_steps,
             total_batches=self.schedule.total_batches,
             loops=self.loop_stats,
+            checkpoint=self.persistence.last_written,
+            resumed_from=self.persistence.resumed_from,
         )
 
     def _register(self) -> None:
@@ -231,17 +262,15 @@ class _Run:
 
     def _start_servers(self) -> tuple[Any, list[Any], list[list[str]]]:
         job = self.job
-        self.layout, initial = job.initial_tensors()
-        param_names = set(self.layout.params)
-        plan = plan_shards(initial, job.data_servers)
+        plan = plan_shards(self.persistence.initial, job.data_servers)
         static = self._static_workers()
         prefix = f"prefect-elastic-{job.job_id}-{self.run_id}"
         for i, names in enumerate(plan):
-            params = {n: initial[n] for n in names if n in param_names}
-            buffers = {n: initial[n] for n in names if n not in param_names}
+            start = self.persistence.shard_start(i, names)
             self.actor_futures.append(
                 self.client.submit(
-                    DataServer, i, job, self.dataset, self.schedule, params, buffers,
+                    DataServer, i, job, self.dataset, self.schedule, start.params, start.buffers,
+                    start.optimizer_state, start.version,
                     actor=True, workers=[static[i % len(static)]], allow_other_workers=False,
                     key=f"{prefix}-data-server-{i}", pure=False,
                 )
@@ -249,7 +278,7 @@ class _Run:
         self.actor_futures.append(
             self.client.submit(
                 Coordinator, job.job_id, self.schedule, job.on_membership_change, job.min_workers,
-                job.min_workers_timeout, job.call_timeout, job.assignment_lease,
+                job.min_workers_timeout, job.call_timeout, job.assignment_lease, self.persistence.resume(),
                 actor=True, workers=[static[0]], allow_other_workers=False, key=f"{prefix}-coordinator",
                 pure=False,
             )
@@ -284,12 +313,17 @@ class _Run:
                     timeout=3 * job.call_timeout,
                 )
                 next_check = time.monotonic() + job.liveness_interval
+                if event is not None and event.kind == "snapshot":
+                    self.persistence.after_snapshot(coordinator, shards, job.call_timeout)
                 if event is not None and self.on_event is not None:
                     self.on_event(event)
             progress: Progress = self._call(coordinator.progress())
             if self.on_progress is not None:
                 self.on_progress(progress)
             if progress.state in ("done", "failed"):
+                return progress
+            if self.stop is not None and self.stop.is_set():
+                self._stopping = True
                 return progress
             if self.faults is not None:
                 self.faults.apply(progress)

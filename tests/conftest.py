@@ -63,6 +63,8 @@ def reference(reference_cluster: LocalElasticCluster) -> References:
 
 def top_up(cluster: LocalElasticCluster, elastic: int) -> None:
     """Start elastic workers until `elastic` are alive (earlier tests may have killed some)."""
+    # Workers a previous test added without waiting would otherwise join in the middle of this one.
+    cluster.wait_for_pending()
     missing = elastic - len(cluster.elastic_addresses())
     names = [cluster.add_worker(wait=False) for _ in range(max(0, missing))]
     cluster.wait_for_workers(names)

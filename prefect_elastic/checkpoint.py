@@ -1,0 +1,276 @@
+"""Persistent checkpoints on any fsspec URL: what makes "loses nothing" true for the whole job.
+
+A checkpoint is one file holding the parameters, buffers and optimizer state of every shard as of one
+snapshot, the ledger up to that snapshot, the loss history, the generation, and a fingerprint of the job
+and the model. It is written with `torch.save` and read with `torch.load(weights_only=True)` (tensors,
+numbers, strings, lists and dicts only: never plain pickle).
+
+Writes are atomic for a reader: the bytes go to a temporary name that no reader looks at, then move to the
+final name (an atomic rename on a file system, an atomic object creation on an object store). Readers only
+consider final names, newest first. Old checkpoints are pruned to `keep`.
+
+Owned by the controller: it decides when to write and what to restore; shards and the coordinator only
+export and import their parts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+
+from .coordinator import Resume
+from .errors import FatalError, JobConfigError
+from .job import ElasticJob, StateLayout
+from .ledger import LedgerEntry
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+
+
+class CheckpointMismatchError(FatalError):
+    """The checkpoint at the URL belongs to another job or another model."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    job_id: str
+    fingerprint: dict[str, Any]  # job fields and model layout; see `fingerprint`
+    generation: int
+    committed_steps: int
+    ledger: list[LedgerEntry]
+    history: list[float]
+    tensors: dict[str, torch.Tensor]  # parameters and buffers, each once (see StateLayout)
+    optimizers: list[dict[str, Any]]  # one optimizer state_dict per shard
+
+    def to_bytes(self) -> bytes:
+        payload = {
+            "format": FORMAT,
+            "job_id": self.job_id,
+            "fingerprint": json.dumps(self.fingerprint, sort_keys=True),
+            "generation": self.generation,
+            "committed_steps": self.committed_steps,
+            "ledger": torch.tensor(
+                [[e.batch_id, e.step, e.generation] for e in self.ledger], dtype=torch.int64
+            ).reshape(-1, 3),
+            "ledger_workers": [e.worker for e in self.ledger],
+            "history": torch.tensor(self.history, dtype=torch.float64),
+            "tensors": self.tensors,
+            "optimizers": self.optimizers,
+        }
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Checkpoint:
+        try:
+            payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            if payload.get("format") != FORMAT:
+                raise ValueError(f"format {payload.get('format')!r}, expected {FORMAT}")
+            rows = payload["ledger"].tolist()
+            workers = payload["ledger_workers"]
+            return cls(
+                job_id=payload["job_id"],
+                fingerprint=json.loads(payload["fingerprint"]),
+                generation=int(payload["generation"]),
+                committed_steps=int(payload["committed_steps"]),
+                ledger=[LedgerEntry(b, s, g, w) for (b, s, g), w in zip(rows, workers, strict=True)],
+                history=[float(v) for v in payload["history"].tolist()],
+                tensors=dict(payload["tensors"]),
+                optimizers=list(payload["optimizers"]),
+            )
+        except Exception as exc:
+            raise FatalError(
+                f"checkpoint {where} cannot be read ({type(exc).__name__}: {exc}); it is not a "
+                "prefect-elastic checkpoint of this version, or it was damaged; move it away to start afresh"
+            ) from exc
+
+
+def fingerprint(job: ElasticJob, layout: StateLayout, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What a checkpoint must agree on to resume a job: the job fields that decide the result, and the
+    model's tensors (names, shapes, dtypes)."""
+    model = {n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()}
+    return {
+        "job": json.loads(json.dumps(job.fingerprint_fields(), sort_keys=True, default=str)),
+        "model": model,
+        "model_digest": hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:16],
+        "aliases": dict(sorted(layout.aliases.items())),
+    }
+
+
+def check_compatible(found: Checkpoint, expected: dict[str, Any], where: str) -> None:
+    if found.fingerprint.get("model") != expected["model"]:
+        theirs, ours = found.fingerprint.get("model", {}), expected["model"]
+        differ = sorted(set(theirs) ^ set(ours)) or sorted(k for k in ours if theirs.get(k) != ours[k])
+        raise CheckpointMismatchError(
+            f"checkpoint {where} holds another model: its tensors differ from this job's model in "
+            f"{', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''}; point `checkpoint` at another "
+            "folder, or remove that checkpoint to start afresh"
+        )
+    theirs_job, ours_job = found.fingerprint.get("job", {}), expected["job"]
+    fields = sorted(k for k in ours_job if theirs_job.get(k) != ours_job[k])
+    if fields:
+        detail = "; ".join(f"{k}: checkpoint {theirs_job.get(k)!r}, job {ours_job[k]!r}" for k in fields)
+        raise CheckpointMismatchError(
+            f"checkpoint {where} belongs to another job ({detail}); resuming would not give the same "
+            "model. Point `checkpoint` at another folder, or remove that checkpoint to start afresh"
+        )
+
+
+class CheckpointStore:
+    """The checkpoints of one job in one folder (any fsspec URL)."""
+
+    def __init__(self, url: str, keep: int = 3) -> None:
+        self.url = url.rstrip("/")
+        self.keep = keep
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+
+    def check_writable(self) -> None:
+        """Fails before training starts if the folder cannot be written."""
+        probe = f"{self.root}/.prefect-elastic-probe-{uuid.uuid4().hex}"
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(probe, b"ok")
+            self.fs.rm_file(probe)
+        except Exception as exc:
+            raise JobConfigError(
+                "checkpoint",
+                self.url,
+                f"cannot write there ({type(exc).__name__}: {exc}); give a folder URL this process and the "
+                "flow can write",
+            ) from exc
+
+    def names(self) -> list[str]:
+        try:
+            found = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+        return sorted(n for n in names if _NAME.match(n))
+
+    def write(self, checkpoint: Checkpoint) -> str:
+        data = checkpoint.to_bytes()
+        final = f"{self.root}/ckpt-{checkpoint.committed_steps:09d}.pt"
+        temporary = f"{self.root}/.tmp-{uuid.uuid4().hex}.pt"
+        self.fs.makedirs(self.root, exist_ok=True)
+        self.fs.pipe_file(temporary, data)
+        self.fs.mv(temporary, final)
+        self.prune()
+        log.info("checkpoint written: %s (step %d, %d bytes)", final, checkpoint.committed_steps, len(data))
+        return self._url_of(final)
+
+    def prune(self) -> None:
+        for name in self.names()[: -self.keep]:
+            self.fs.rm_file(f"{self.root}/{name}")
+
+    def latest(self) -> tuple[Checkpoint, str] | None:
+        """The newest checkpoint and its URL; None when the folder holds none."""
+        names = self.names()
+        if not names:
+            return None
+        path = f"{self.root}/{names[-1]}"
+        return Checkpoint.from_bytes(self.fs.cat_file(path), self._url_of(path)), self._url_of(path)
+
+    def _url_of(self, path: str) -> str:
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        return path if protocol == "file" else f"{protocol}://{path}"
+
+
+@dataclass(frozen=True)
+class ShardStart:
+    """What one data server starts from: the job's initial values, or a checkpoint's."""
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any] | None
+    version: int
+
+
+class Persistence:
+    """The controller's use of checkpoints in one run: what it resumes from and when it writes.
+
+    Opened before any cluster work, so that an unwritable URL or a checkpoint of another job or model
+    fails the run at once.
+    """
+
+    def __init__(self, job: ElasticJob, layout: StateLayout, initial: dict[str, torch.Tensor]) -> None:
+        self.job = job
+        self.layout = layout
+        self.initial = initial
+        self.expected = fingerprint(job, layout, initial)
+        self.store = CheckpointStore(job.checkpoint, job.checkpoint_keep) if job.checkpoint else None
+        self.resumed: Checkpoint | None = None
+        self.resumed_from: str | None = None
+        self.last_written: str | None = None
+        self.written_step = -1
+        self._snapshots = 0
+        if self.store is not None:
+            self.store.check_writable()
+            found = self.store.latest()
+            if found is not None:
+                checkpoint, where = found
+                check_compatible(checkpoint, self.expected, where)
+                self.resumed, self.resumed_from = checkpoint, where
+                log.info("job %s resumes from %s at step %d", job.job_id, where, checkpoint.committed_steps)
+
+    def shard_start(self, index: int, names: list[str]) -> ShardStart:
+        source = self.resumed.tensors if self.resumed else self.initial
+        params = {n: source[n] for n in names if n in self.layout.params}
+        buffers = {n: source[n] for n in names if n not in self.layout.params}
+        if self.resumed is None:
+            return ShardStart(params, buffers, None, 0)
+        return ShardStart(params, buffers, self.resumed.optimizers[index], self.resumed.committed_steps)
+
+    def resume(self) -> Resume | None:
+        if self.resumed is None:
+            return None
+        r = self.resumed
+        return Resume(r.generation, r.committed_steps, r.ledger, r.history)
+
+    def after_snapshot(self, coordinator: Any, shards: list[Any], timeout: float) -> str | None:
+        """Count a snapshot; every `checkpoint_every`-th is written."""
+        self._snapshots += 1
+        if self.store is None or self._snapshots % self.job.checkpoint_every:
+            return None
+        return self.write(coordinator, shards, timeout)
+
+    def write(self, coordinator: Any, shards: list[Any], timeout: float) -> str | None:
+        """Write the last snapshot (coordinator and shards hold it until the next survival check)."""
+        if self.store is None:
+            return None
+        record: Resume = coordinator.snapshot_record().result(timeout=timeout)
+        if self.written_step == record.committed_steps:
+            return self.last_written
+        parts = [f.result(timeout=timeout) for f in [s.export_snapshot() for s in shards]]
+        if {p["version"] for p in parts} != {record.committed_steps}:
+            raise FatalError(
+                f"snapshot versions {[p['version'] for p in parts]} differ from the ledger's "
+                f"{record.committed_steps}; no checkpoint written"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for p in parts:
+            tensors.update(p["tensors"])
+        checkpoint = Checkpoint(
+            job_id=self.job.job_id,
+            fingerprint=self.expected,
+            generation=record.generation,
+            committed_steps=record.committed_steps,
+            ledger=record.ledger,
+            history=record.history,
+            tensors=tensors,
+            optimizers=[p["optimizer"] for p in parts],
+        )
+        self.last_written = self.store.write(checkpoint)
+        self.written_step = record.committed_steps
+        return self.last_written
