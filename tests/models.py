@@ -6,7 +6,9 @@ something broken that an error path must report.
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -103,3 +105,20 @@ class _TiedDropout(nn.Module):
 
 def tied_dropout() -> nn.Module:
     return _TiedDropout()
+
+
+# While this file exists, every forward pass waits (at most two minutes): a test holds training at a step
+# of its choosing until something it waits for (a new worker joining) has happened.
+GATE = Path(tempfile.gettempdir()) / "prefect-elastic-test-gate"
+
+
+class _GatedMlp(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        deadline = time.monotonic() + 120
+        while GATE.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return super().forward(x)
+
+
+def gated_mlp() -> nn.Module:
+    return _GatedMlp(*mlp())

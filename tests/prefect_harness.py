@@ -53,6 +53,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM the server if the process that started it dies (even by SIGKILL)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _clean_environ() -> dict[str, str]:
     """The inherited environment without any PREFECT_* setting (a developer's profile must not leak in)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -163,6 +171,9 @@ class PrefectServer:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # own process group: stop() kills uvicorn and everything it started
+            # Orphan guard: PR_SET_PDEATHSIG fires when the *thread* that started the server exits, so
+            # start servers from the main thread (pytest fixtures are) or the server goes with the thread.
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
         try:
             self._wait_healthy(started)

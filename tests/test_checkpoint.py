@@ -1,0 +1,181 @@
+"""Persistent checkpoints: atomic, loadable without pickle, refused for another job or model; a job whose
+controller was SIGKILLed resumes from its last checkpoint with the same final parameters."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefect_elastic import CheckpointMismatchError, ElasticJob, JobConfigError, TrainingStopped, train
+from prefect_elastic.checkpoint import Checkpoint, CheckpointStore, fingerprint
+from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.errors import FatalError
+from prefect_elastic.ledger import LedgerEntry
+
+from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up
+
+NOWHERE = "tcp://127.0.0.1:9"
+
+
+def job(digits_url: str, tmp_path: Path, **overrides: object) -> ElasticJob:
+    fields: dict[str, object] = {
+        "model": "tests.models:slow_mlp",
+        "dataset": digits_url,
+        "batch_size": 16,
+        "epochs": 2,
+        "optimizer": {"name": "adam", "lr": 0.01},
+        "liveness_interval": 0.3,
+        "checkpoint": f"file://{tmp_path}/ckpt",
+        "checkpoint_every": 2,
+        "checkpoint_keep": 2,
+        "job_id": "ckpt",
+    }
+    fields.update(overrides)
+    return ElasticJob(**fields)  # type: ignore[arg-type]
+
+
+def sample(j: ElasticJob, step: int) -> Checkpoint:
+    layout, tensors = j.initial_tensors()
+    return Checkpoint(
+        job_id=j.job_id,
+        fingerprint=fingerprint(j, layout, tensors),
+        generation=3,
+        committed_steps=step,
+        ledger=[LedgerEntry(b, b // 4, 3, "w") for b in range(4 * step)],
+        history=[1.0 / (s + 1) for s in range(step)],
+        tensors=tensors,
+        optimizers=[{"state": {}, "param_groups": []}],
+    )
+
+
+def test_checkpoint_round_trip_and_pruning(digits_url: str, tmp_path: Path) -> None:
+    j = job(digits_url, tmp_path)
+    store = CheckpointStore(str(j.checkpoint), keep=2)
+    for step in (2, 5, 9):
+        store.write(sample(j, step))
+    assert store.names() == ["ckpt-000000005.pt", "ckpt-000000009.pt"], "pruned to keep=2"
+    assert not [p for p in os.listdir(tmp_path / "ckpt") if not p.startswith("ckpt-")], "no temporary left"
+    found = store.latest()
+    assert found is not None
+    loaded, where = found
+    assert where.endswith("ckpt-000000009.pt")
+    original = sample(j, 9)
+    assert loaded.ledger == original.ledger and loaded.history == original.history
+    assert all(torch.equal(loaded.tensors[k], original.tensors[k]) for k in original.tensors)
+
+
+def test_a_pickle_is_never_loaded(digits_url: str, tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+
+    class Boom:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    (folder / "ckpt-000000001.pt").write_bytes(pickle.dumps({"format": 1, "x": Boom()}))
+    with pytest.raises(FatalError, match="cannot be read"):
+        CheckpointStore(f"file://{folder}").latest()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_unwritable_checkpoint_url_fails_before_cluster_work(digits_url: str, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(JobConfigError) as err:
+        train(job(digits_url, tmp_path, checkpoint=f"file://{blocker}/ckpt"), address=NOWHERE)
+    assert err.value.field == "checkpoint" and "a-file" in str(err.value)
+
+
+def test_checkpoint_of_another_model_or_job_is_refused(digits_url: str, tmp_path: Path) -> None:
+    j = job(digits_url, tmp_path)
+    CheckpointStore(str(j.checkpoint)).write(sample(j, 3))
+    with pytest.raises(CheckpointMismatchError, match="another model"):
+        train(job(digits_url, tmp_path, model="tests.models:cnn_bn"), address=NOWHERE)
+    with pytest.raises(CheckpointMismatchError, match="batch_size"):
+        train(job(digits_url, tmp_path, batch_size=8), address=NOWHERE)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_stopped_job_resumes_to_the_same_parameters(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, tmp_path: Path
+) -> None:
+    top_up(cluster, 2)
+    j = job(digits_url, tmp_path)
+    stop = threading.Event()
+    with pytest.raises(TrainingStopped) as stopped:
+        train(j, cluster=cluster, stop=stop, on_progress=lambda p: p.committed_steps >= 15 and stop.set())
+    assert stopped.value.checkpoint is not None and os.path.exists(stopped.value.checkpoint)
+    result = train(j, cluster=cluster)
+    assert result.resumed_from == stopped.value.checkpoint
+    assert_same_parameters(result, reference(j))
+    assert_ledger_exactly_once(result)
+    assert result.history == reference(j).history
+    assert result.checkpoint is not None and result.checkpoint.endswith(f"ckpt-{result.total_steps:09d}.pt")
+
+
+CONTROLLER = textwrap.dedent(
+    """
+    import sys
+    from prefect_elastic import ElasticJob, train
+    job = ElasticJob.from_yaml(sys.argv[1])
+    train(job, address=sys.argv[2], on_progress=lambda p: print("step", p.committed_steps, flush=True))
+    """
+)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_controller_sigkilled_then_run_again_resumes(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, tmp_path: Path
+) -> None:
+    """The whole controller process dies (as a flow process would); the same job run again picks up at
+    its last checkpoint, trains no committed batch twice, and ends with the same parameters."""
+    top_up(cluster, 2)
+    j = job(digits_url, tmp_path, job_id="ckpt-killed")
+    spec = tmp_path / "job.yaml"
+    spec.write_text(j.to_yaml())
+    script = tmp_path / "controller.py"
+    script.write_text(CONTROLLER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(spec), cluster.scheduler_address],
+        stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    store = CheckpointStore(str(j.checkpoint))
+    for line in proc.stdout:
+        if line.startswith("step") and int(line.split()[1]) >= 20 and store.names():
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    written = store.latest()
+    assert written is not None
+    resumed_at = written[0].committed_steps
+    assert resumed_at > 0
+
+    deadline = time.monotonic() + 60
+    while True:  # the dead controller's client leaves the scheduler within its heartbeat
+        try:
+            result = train(j, cluster=cluster)
+            break
+        except FatalError as exc:
+            if "already training" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    assert result.resumed_from == written[1]
+    assert_same_parameters(result, reference(j))
+    assert_ledger_exactly_once(result)
+    assert min(e.step for e in result.ledger if e.generation > written[0].generation) >= resumed_at, (
+        "batches committed before the checkpoint were not trained again"
+    )
