@@ -122,7 +122,13 @@ class PrefectServer:
 
     @contextlib.contextmanager
     def settings(self) -> Iterator[None]:
-        """Point Prefect in *this* process at the server (flows, clients, artifacts, events)."""
+        """Point Prefect in *this* process at the server (flows, clients, artifacts, events).
+
+        Both layers are needed: `temporary_settings` covers the current thread (Prefect's settings live
+        in a context variable), and `os.environ` covers threads started without that context (a thread
+        with no settings context builds `Settings()` from the environment; without PREFECT_API_URL there
+        it would silently start a temporary server of its own).
+        """
         from prefect.settings import (
             PREFECT_API_URL,
             PREFECT_HOME,
@@ -130,10 +136,24 @@ class PrefectServer:
             temporary_settings,
         )
 
-        with temporary_settings(
-            updates={PREFECT_API_URL: self.api_url, PREFECT_HOME: str(self.home), PREFECT_UI_URL: self.ui_url}
-        ):
-            yield
+        env = self.env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with temporary_settings(
+                updates={
+                    PREFECT_API_URL: self.api_url,
+                    PREFECT_HOME: str(self.home),
+                    PREFECT_UI_URL: self.ui_url,
+                }
+            ):
+                yield
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def log_tail(self, lines: int = 40) -> str:
         try:
