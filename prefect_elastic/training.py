@@ -125,46 +125,67 @@ def train(
     checkpoint), `CheckpointMismatchError` when `job.checkpoint` holds a checkpoint of another job or model.
     With `job.checkpoint` set, a run resumes from the latest checkpoint there.
     """
-    if not isinstance(job, ElasticJob):
-        job = ElasticJob.from_yaml(Path(job))
-    dataset = job.check_inputs()
-    schedule = build_schedule(job, dataset)
-    layout, initial = job.initial_tensors()
-    persistence = Persistence(job, layout, initial)
+    prepared = prepare(job)
     if (address is None) == (cluster is None):
         raise JobConfigError("address", address, "give exactly one of address= or cluster=")
     target = address if address is not None else cluster.scheduler_address
     if faults is not None and cluster is not None:
         faults.bind(cluster)
-    with Client(target, set_as_default=False, timeout=job.call_timeout) as client:
-        run = _Run(client, job, dataset, schedule, persistence, on_progress, on_event, faults, stop)
+    with Client(target, set_as_default=False, timeout=prepared.job.call_timeout) as client:
+        run = TrainingRun(
+            client, prepared, on_progress=on_progress, on_event=on_event, faults=faults, stop=stop
+        )
         # Actor handles bind to the current client on first use; make it ours, not a global default.
         with client.as_current():
             try:
-                return run.execute()
+                run.start()
+                return run.finish(run.supervise())
             finally:
                 run.release()
 
 
-class _Run:
+@dataclass(frozen=True)
+class Prepared:
+    """A job checked and ready: everything decided before any cluster work."""
+
+    job: ElasticJob
+    dataset: DatasetInfo
+    schedule: Schedule
+    persistence: Persistence
+
+
+def prepare(job: ElasticJob | str | os.PathLike[str]) -> Prepared:
+    """Validate the job's inputs (model, loss, dataset, checkpoint folder) before touching a cluster."""
+    if not isinstance(job, ElasticJob):
+        job = ElasticJob.from_yaml(Path(job))
+    dataset = job.check_inputs()
+    schedule = build_schedule(job, dataset)
+    layout, initial = job.initial_tensors()
+    return Prepared(job, dataset, schedule, Persistence(job, layout, initial))
+
+
+class TrainingRun:
+    """One run of a job on a connected client, in phases: `start`, `supervise`, `finish`, `release`.
+
+    `train()` runs them in a row; the Prefect flow runs each as a task, so the UI shows the phase.
+    """
+
     def __init__(
         self,
         client: Client,
-        job: ElasticJob,
-        dataset: DatasetInfo,
-        schedule: Schedule,
-        persistence: Persistence,
-        on_progress: Callable[[Progress], None] | None,
-        on_event: Callable[[MembershipEvent], None] | None,
-        faults: FaultInjector | None,
-        stop: threading.Event | None,
+        prepared: Prepared,
+        *,
+        on_progress: Callable[[Progress], None] | None = None,
+        on_event: Callable[[MembershipEvent], None] | None = None,
+        faults: FaultInjector | None = None,
+        stop: threading.Event | None = None,
     ) -> None:
         self.client = client
-        self.job = job
-        self.dataset = dataset
-        self.schedule = schedule
-        self.persistence = persistence
-        self.layout = persistence.layout
+        self.job = prepared.job
+        self.dataset = prepared.dataset
+        self.schedule = prepared.schedule
+        self.persistence = prepared.persistence
+        self.layout = prepared.persistence.layout
         self.stop = stop
         self.on_progress = on_progress
         self.on_event = on_event
@@ -177,13 +198,18 @@ class _Run:
         self.registered = False
         self.worker_event = threading.Event()
         self._stopping = False
+        self.started = time.monotonic()
+        self.coordinator: Any = None
+        self.shards: list[Any] = []
+        self.plan: list[list[str]] = []
 
     # -- setup -----------------------------------------------------------------------------------
 
-    def execute(self) -> TrainResult:
-        started = time.monotonic()
+    def start(self) -> None:
+        """Register the job id, start the data servers and the coordinator, watch the scheduler."""
+        self.started = time.monotonic()
         self._register()
-        coordinator, shards, plan = self._start_servers()
+        self.coordinator, self.shards, self.plan = self._start_servers()
         self.client.subscribe_topic("all", self._on_scheduler_event)
         log.info(
             "job %s: %d steps of %d micro-batches of %d, %d data servers, policy %s",
@@ -194,7 +220,14 @@ class _Run:
             self.job.data_servers,
             self.job.on_membership_change,
         )
-        progress = self._supervise(coordinator, shards, plan)
+
+    def supervise(self) -> Progress:
+        """Run survival detection and compute loops until the job is done, failed or asked to stop."""
+        return self._supervise(self.coordinator, self.shards, self.plan)
+
+    def finish(self, progress: Progress) -> TrainResult:
+        """Write the last checkpoint and collect the result; raise what ended a failed or stopped run."""
+        coordinator, shards = self.coordinator, self.shards
         timeout = self.job.call_timeout
         if progress.state == "done" or (progress.state == "running" and self._stopping):
             # The last checkpoint holds the end (or, when stopped, every committed step).
@@ -224,7 +257,7 @@ class _Run:
             history=outcome.history,
             generation=outcome.generation,
             counters=outcome.counters,
-            elapsed=time.monotonic() - started,
+            elapsed=time.monotonic() - self.started,
             total_steps=self.schedule.total_steps,
             total_batches=self.schedule.total_batches,
             loops=self.loop_stats,

@@ -61,6 +61,16 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def _drain_prefect_workers() -> None:
+    """Send the events and logs this process has queued (synchronous callers only)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    with contextlib.suppress(RuntimeError):
+        APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)
+
+
 def _clean_environ() -> dict[str, str]:
     """The inherited environment without any PREFECT_* setting (a developer's profile must not leak in)."""
     return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
@@ -122,32 +132,39 @@ class PrefectServer:
 
     @contextlib.contextmanager
     def settings(self) -> Iterator[None]:
-        """Point Prefect in *this* process at the server (flows, clients, artifacts, events).
+        """Point Prefect in *this* (synchronous) process at the server: flows, clients, artifacts, events.
 
-        Both layers are needed: `temporary_settings` covers the current thread (Prefect's settings live
-        in a context variable), and `os.environ` covers threads started without that context (a thread
-        with no settings context builds `Settings()` from the environment; without PREFECT_API_URL there
-        it would silently start a temporary server of its own).
+        Three layers, as `prefect.testing.utilities.prefect_test_harness` does it: `os.environ` (for
+        subprocesses and fresh `Settings()`), `temporary_settings` (the current thread's context), and
+        the process-global settings context, which is what threads started without a copied context see
+        (a `threading.Thread` that calls `emit_event` would otherwise use the settings from import time
+        and, with no PREFECT_API_URL there, silently start a temporary server of its own). On exit,
+        queued events and logs are sent before the settings are restored.
         """
-        from prefect.settings import (
-            PREFECT_API_URL,
-            PREFECT_HOME,
-            PREFECT_UI_URL,
-            temporary_settings,
-        )
+        import prefect.context
+        from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_UI_URL, temporary_settings
 
         env = self.env()
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            with temporary_settings(
-                updates={
-                    PREFECT_API_URL: self.api_url,
-                    PREFECT_HOME: str(self.home),
-                    PREFECT_UI_URL: self.ui_url,
-                }
-            ):
-                yield
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(
+                    temporary_settings(
+                        updates={
+                            PREFECT_API_URL: self.api_url,
+                            PREFECT_HOME: str(self.home),
+                            PREFECT_UI_URL: self.ui_url,
+                        }
+                    )
+                )
+                swap = getattr(prefect.context, "_temporary_global_settings_context", None)
+                if swap is not None:
+                    stack.enter_context(swap(prefect.context.get_settings_context()))
+                try:
+                    yield
+                finally:
+                    _drain_prefect_workers()
         finally:
             for key, value in saved.items():
                 if value is None:
