@@ -18,6 +18,8 @@ from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.cluster import LocalElasticCluster
 from prefect_elastic.dataset import digits_dataset
 
+from .prefect_harness import prefect_server  # noqa: F401  (a session fixture: a real Prefect server)
+
 logging.getLogger("prefect_elastic").setLevel(logging.INFO)
 
 

@@ -1,0 +1,105 @@
+"""Connecting a job to a Dask cluster the way prefect-dask users give one, and keeping static workers.
+
+A cluster is given as an address, as a `cluster_class` (an import path or a class, such as
+`distributed.LocalCluster` or `dask_jobqueue.SLURMCluster`) with `cluster_kwargs` and optional adaptive
+bounds (`adapt_kwargs`), or not at all, which starts a `LocalElasticCluster` of real local processes.
+
+Adaptive scale-down retires workers that hold actors anyway; `KeepStaticWorkers`, a scheduler plugin,
+takes static workers (those with the static resource) out of every scale-down, so the data servers and
+the coordinator are never retired by it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from distributed import Client
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from .cluster import LocalElasticCluster
+from .errors import JobConfigError
+
+log = logging.getLogger(__name__)
+
+
+class KeepStaticWorkers(SchedulerPlugin):
+    """Scheduler plugin: adaptive scale-down may only pick workers without the static resource."""
+
+    name = "prefect-elastic-keep-static-workers"
+
+    def __init__(self, resource: str = "static") -> None:
+        self.resource = resource
+
+    def valid_workers_downscaling(self, scheduler: Any, workers: list[Any]) -> list[Any]:
+        return [ws for ws in workers if self.resource not in (ws.resources or {})]
+
+
+@dataclass
+class Connection:
+    """Where the job runs: the scheduler address, and the cluster object when this process made it."""
+
+    address: str
+    cluster: Any = None
+    made_here: bool = False
+
+
+def resolve_cluster_class(spec: str | type) -> type:
+    if not isinstance(spec, str):
+        return spec
+    module, _, name = spec.replace(":", ".").rpartition(".")
+    try:
+        found: type = getattr(importlib.import_module(module), name)
+        return found
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise JobConfigError(
+            "cluster_class",
+            spec,
+            f"cannot be imported ({exc}); give an import path such as distributed.LocalCluster",
+        ) from exc
+
+
+@contextlib.contextmanager
+def connect(
+    address: str | None = None,
+    cluster_class: str | type | None = None,
+    cluster_kwargs: dict[str, Any] | None = None,
+    adapt_kwargs: dict[str, Any] | None = None,
+    *,
+    static_resource: str = "static",
+    local_static_workers: int = 2,
+    local_elastic_workers: int = 2,
+) -> Iterator[Connection]:
+    """Yield a `Connection`; a cluster made here is closed on exit."""
+    if address is not None and cluster_class is not None:
+        raise JobConfigError("address", address, "give either an address or a cluster_class, not both")
+    if address is not None:
+        connection = Connection(address)
+        cluster = None
+    elif cluster_class is not None:
+        cluster = resolve_cluster_class(cluster_class)(**(cluster_kwargs or {}))
+        connection = Connection(cluster.scheduler_address, cluster, made_here=True)
+    else:
+        cluster = LocalElasticCluster(
+            static_workers=local_static_workers,
+            elastic_workers=local_elastic_workers,
+            static_resource=static_resource,
+        ).start()
+        connection = Connection(cluster.scheduler_address, cluster, made_here=True)
+    try:
+        with Client(connection.address, set_as_default=False) as client:
+            client.register_plugin(KeepStaticWorkers(static_resource), name=KeepStaticWorkers.name)
+        if adapt_kwargs:
+            if cluster is None or not hasattr(cluster, "adapt"):
+                raise JobConfigError(
+                    "adapt_kwargs", adapt_kwargs, "adaptive scaling needs a cluster_class with adapt()"
+                )
+            cluster.adapt(**adapt_kwargs)
+        yield connection
+    finally:
+        if cluster is not None:
+            cluster.close()

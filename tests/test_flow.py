@@ -1,0 +1,202 @@
+"""The Prefect flow against a real `prefect server start` (SQLite): phases as tasks, artifacts and events
+read back over the REST API, cancellation with a final checkpoint. The flow runs in its own process, as
+it would under a deployment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from prefect_elastic import ElasticJob
+from prefect_elastic.checkpoint import CheckpointStore
+from prefect_elastic.cluster import LocalElasticCluster
+
+from .conftest import top_up
+from .models import GATE
+from .prefect_harness import PrefectServer
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+RUN_FLOW = textwrap.dedent(
+    """
+    import sys
+    from prefect_elastic.flows import elastic_training
+    job, address, name, output = sys.argv[1:5]
+    named = elastic_training.with_options(flow_run_name=name)
+    state = named(job, address=address, output=output, return_state=True)
+    print("STATE", state.type.value, flush=True)
+    """
+)
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = probe()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.3)
+
+
+class FlowRun:
+    """A flow run of `elastic_training` in a subprocess, and what the Prefect API says about it."""
+
+    def __init__(self, server: PrefectServer, job: ElasticJob, address: str, tmp_path: Path) -> None:
+        self.api = httpx.Client(base_url=server.api_url, timeout=30)
+        self.name = f"test-{uuid.uuid4().hex[:8]}"
+        spec = tmp_path / "job.yaml"
+        spec.write_text(job.to_yaml())
+        script = tmp_path / "run_flow.py"
+        script.write_text(RUN_FLOW)
+        self.output = tmp_path / "model.pt"
+        env = {**server.subprocess_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), str(spec), address, self.name, str(self.output)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )  # fmt: skip
+        self.id: str = wait_for("the flow run to be created", self._find)
+
+    def _find(self) -> str | None:
+        runs = self.api.post("/flow_runs/filter", json={"flow_runs": {"name": {"any_": [self.name]}}}).json()
+        return runs[0]["id"] if runs else None
+
+    def state(self) -> str:
+        return str(self.api.get(f"/flow_runs/{self.id}").json()["state"]["type"])
+
+    def events(self, prefix: str = "prefect-elastic.") -> list[dict[str, Any]]:
+        body = {
+            "filter": {
+                "any_resource": {"id": [f"prefect.flow-run.{self.id}"]},
+                "event": {"prefix": [prefix]},
+                "order": "ASC",
+            },
+            "limit": 50,  # the most the API gives in one page
+        }
+        reply = self.api.post("/events/filter", json=body)
+        reply.raise_for_status()
+        page = reply.json()
+        events = list(page["events"])
+        while page.get("next_page"):
+            page = self.api.get(page["next_page"]).json()
+            events += page["events"]
+        return events
+
+    def artifacts(self) -> dict[str, dict[str, Any]]:
+        body = {"artifacts": {"flow_run_id": {"any_": [self.id]}}}
+        return {a["key"]: a for a in self.api.post("/artifacts/latest/filter", json=body).json()}
+
+    def task_names(self) -> list[str]:
+        body = {"flow_runs": {"id": {"any_": [self.id]}}}
+        return sorted(
+            {t["name"].rsplit("-", 1)[0] for t in self.api.post("/task_runs/filter", json=body).json()}
+        )
+
+    def finish(self, timeout: float = 180) -> str:
+        out, _ = self.proc.communicate(timeout=timeout)
+        assert self.proc.returncode == 0, out[-3000:]
+        return out
+
+
+def workers_in(events: list[dict[str, Any]], name: str) -> set[str]:
+    return {e["payload"]["worker"] for e in events if e["event"] == name}
+
+
+def flow_job(digits_url: str, **overrides: object) -> ElasticJob:
+    fields: dict[str, object] = {
+        "model": "tests.models:gated_mlp",
+        "dataset": digits_url,
+        "batch_size": 16,
+        "epochs": 1,
+        "liveness_interval": 0.5,
+        "job_id": f"flow-{uuid.uuid4().hex[:6]}",
+    }
+    fields.update(overrides)
+    return ElasticJob(**fields)  # type: ignore[arg-type]
+
+
+def test_flow_run_with_a_worker_killed_and_one_added(
+    prefect_server: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
+) -> None:
+    top_up(cluster, 2)
+    GATE.touch()  # training waits at its first step until the membership changes below are recorded
+    try:
+        run = FlowRun(prefect_server, flow_job(digits_url), cluster.scheduler_address, tmp_path)
+        first = wait_for(
+            "both workers to join",
+            lambda: len(workers_in(run.events(), "prefect-elastic.worker.joined")) >= 2,
+        )
+        victim = sorted(workers_in(run.events(), "prefect-elastic.worker.joined"))[0]
+        cluster.kill_worker(victim)
+        newcomer = cluster.address_of(cluster.add_worker())
+        wait_for(
+            "the loss to reach Prefect",
+            lambda: victim in workers_in(run.events(), "prefect-elastic.worker.lost"),
+        )
+        wait_for(
+            "the join to reach Prefect",
+            lambda: newcomer in workers_in(run.events(), "prefect-elastic.worker.joined"),
+        )
+        assert first
+    finally:
+        GATE.unlink(missing_ok=True)
+    out = run.finish()
+    assert "STATE COMPLETED" in out, out[-3000:]
+
+    events = run.events()
+    kinds = [e["event"] for e in events]
+    assert "prefect-elastic.rollback" in kinds
+    for e in events:  # every event names the flow run as a related resource
+        assert any(r["prefect.resource.id"] == f"prefect.flow-run.{run.id}" for r in e["related"])
+
+    artifacts = run.artifacts()
+    progress = next(a for k, a in artifacts.items() if k.endswith("-progress"))
+    assert progress["type"] == "progress" and float(progress["data"]) == 100.0
+    table = json.loads(next(a for k, a in artifacts.items() if k.endswith("-membership"))["data"])
+    assert any(victim in row["lost"] for row in table) and any(newcomer in row["joined"] for row in table)
+    summary = next(a for k, a in artifacts.items() if k.endswith("-summary"))["data"]
+    assert "failures survived" in summary and "1 workers lost" in summary
+
+    tasks = run.task_names()
+    for phase in ("validate job", "restore", "start data servers and coordinator", "supervise", "export"):
+        assert phase in tasks, tasks
+    state = torch.load(run.output, weights_only=True)
+    assert set(state) == {"1.weight", "1.bias", "3.weight", "3.bias"}
+
+
+def test_cancelled_flow_run_ends_cancelled_with_a_final_checkpoint(
+    prefect_server: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
+) -> None:
+    top_up(cluster, 1)
+    job = flow_job(digits_url, model="tests.models:paced_mlp", epochs=3, checkpoint=f"file://{tmp_path}/ckpt")
+    run = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path)
+
+    def some_progress() -> bool:
+        progress = [a for k, a in run.artifacts().items() if k.endswith("-progress")]
+        return bool(progress) and float(progress[0]["data"] or 0) > 5.0
+
+    wait_for("training to make progress", some_progress)
+    reply = run.api.post(
+        f"/flow_runs/{run.id}/set_state", json={"state": {"type": "CANCELLING", "message": "test"}}
+    )
+    assert reply.json()["status"] == "ACCEPT"
+    out = run.finish()
+    assert "STATE CANCELLED" in out, out[-3000:]
+    assert run.state() == "CANCELLED"
+    written = CheckpointStore(str(job.checkpoint)).latest()
+    assert written is not None and written[0].committed_steps > 0
+    assert not run.output.exists(), "a cancelled run exports no model"
+    assert os.path.basename(written[1]).startswith("ckpt-")
