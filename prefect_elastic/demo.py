@@ -12,10 +12,14 @@ to the reference.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
-from typing import TextIO
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
 
 import numpy as np
 import torch
@@ -26,7 +30,6 @@ from .coordinator import MembershipEvent, Progress
 from .dataset import digits_dataset
 from .job import ElasticJob
 from .testing import FaultSchedule
-from .training import TrainResult, train
 
 
 def digits_cnn() -> nn.Module:
@@ -102,13 +105,15 @@ class ProgressLine:
             self.out.write("\n")
 
 
-def run_demo(policy: str = "rollback", epochs: int = 6, out: TextIO = sys.stdout) -> bool:
+def run_demo(
+    policy: str = "rollback", epochs: int = 6, keep_server: bool = False, out: TextIO = sys.stdout
+) -> bool:
     def say(text: str) -> None:
         out.write(text + "\n")
         out.flush()
 
-    workdir = tempfile.mkdtemp(prefix="prefect-elastic-demo-")
-    dataset = digits_dataset(workdir, shards=2)
+    workdir = Path(tempfile.mkdtemp(prefix="prefect-elastic-demo-"))
+    dataset = digits_dataset(str(workdir / "digits"), shards=2)
     job = ElasticJob(
         model="prefect_elastic.demo:digits_cnn",
         dataset=dataset,
@@ -122,55 +127,109 @@ def run_demo(policy: str = "rollback", epochs: int = 6, out: TextIO = sys.stdout
         job_id="digits-demo",
     )
     say(f"prefect-elastic demo: {job.model} on the digits ({dataset}), policy {policy}")
-    say("starting a local cluster: a scheduler, 2 static workers (data servers), 1 elastic worker ...")
-    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
-        say(f"cluster at {cluster.scheduler_address}, logs in {cluster.log_dir}")
-        say("\n1) the reference: one compute worker, no failures")
-        reference = _train(job, cluster, "reference", None)
-        say("\n2) elastic: a second worker joins, one is SIGKILLed mid-step, another is added")
-        cluster.add_worker()
-        steps = reference.total_steps
-        faults = FaultSchedule(seed=0).kill_worker(at_step=steps // 4).add_worker(at_step=steps // 4 + 1)
-        result = _train(job, cluster, "elastic  ", faults)
-
-    same = all(torch.equal(result.state_dict[k], reference.state_dict[k]) for k in reference.state_dict)
-    ids = [e.batch_id for e in result.ledger]
-    say("\nwhat happened to the membership:")
-    for e in result.events:
-        if e.kind != "snapshot":
-            say(
-                f"  {time.strftime('%H:%M:%S', time.localtime(e.time))} {e.kind:<9} gen {e.generation:<2} "
-                f"step {e.step:<4} workers {len(e.workers)}  {e.reason}"
+    with prefect_api(say, keep_server) as ui_url:
+        say("starting a local Dask cluster: a scheduler, 2 static workers (data servers), 1 elastic ...")
+        with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
+            say(f"cluster at {cluster.scheduler_address}, logs in {cluster.log_dir}")
+            say("\n1) the reference: one compute worker, no failures")
+            reference = _run_flow(
+                job, cluster, "reference", FaultSchedule(), workdir / "reference.pt", ui_url, say
             )
+            say("\n2) elastic: a second worker joins, one is SIGKILLed mid-step, another is added")
+            cluster.add_worker()
+            steps = reference.summary["total_steps"]
+            faults = FaultSchedule(seed=0).kill_worker(at_step=steps // 4).add_worker(at_step=steps // 4 + 1)
+            elastic = _run_flow(job, cluster, "elastic  ", faults, workdir / "elastic.pt", ui_url, say)
+
+    summary = elastic.summary
+    same = all(torch.equal(elastic.state[k], reference.state[k]) for k in reference.state)
+    say("\nwhat happened to the membership:")
+    for e in summary["events"]:
+        when = time.strftime("%H:%M:%S", time.localtime(float(e["time"])))
+        where = f"gen {e['generation']:<2} step {e['step']:<4} workers {len(e['workers'])}"
+        say(f"  {when} {e['kind']:<9} {where}  {e['reason']}")
     say(f"  faults injected: {', '.join(f'{r.kind} {r.target} at step {r.step}' for r in faults.log)}")
-    say(f"  snapshots taken: {result.counters['snapshots']}, committed steps undone: {result.steps_lost}, "
-        f"in-flight micro-batches re-queued: {result.batches_dropped}")  # fmt: skip
+    say(f"  snapshots taken: {summary['snapshots']}, committed steps undone: {summary['steps_lost']}, "
+        f"in-flight micro-batches re-queued: {summary['batches_dropped']}")  # fmt: skip
     say("\nresult:")
-    say(f"  accuracy on the digits: reference {accuracy(job, reference.state_dict):.3f}, "
-        f"elastic {accuracy(job, result.state_dict):.3f}")  # fmt: skip
-    say(f"  final loss {result.history[-1]:.4f} after {result.steps} steps in {result.elapsed:.1f} s "
-        f"(reference: {reference.elapsed:.1f} s on one worker)")  # fmt: skip
-    say(f"  ledger: {len(ids)} batch ids, each exactly once: {ids == list(range(result.total_batches))}")
+    say(f"  accuracy on the digits: reference {accuracy(job, reference.state):.3f}, "
+        f"elastic {accuracy(job, elastic.state):.3f}")  # fmt: skip
+    took, ref_took = summary["elapsed"], reference.summary["elapsed"]
+    say(f"  final loss {summary['final_loss']:.4f} after {summary['steps']} steps "
+        f"in {took:.1f} s (reference: {ref_took:.1f} s, one worker)")  # fmt: skip
+    say(f"  ledger: {summary['batches_committed']} batch ids, each exactly once: {summary['exactly_once']}")
     say(f"  parameters bitwise equal to the no-failure run: {'YES' if same else 'NO'}")
-    return same and ids == list(range(result.total_batches))
+    say(f"  the flow runs in the Prefect UI: {reference.url}\n                                 {elastic.url}")
+    return same and bool(summary["exactly_once"])
 
 
-def _train(
-    job: ElasticJob, cluster: LocalElasticCluster, label: str, faults: FaultSchedule | None
-) -> TrainResult:
+@dataclass
+class FlowOutcome:
+    summary: dict[str, Any]
+    state: dict[str, torch.Tensor]
+    url: str
+
+
+def _run_flow(
+    job: ElasticJob,
+    cluster: LocalElasticCluster,
+    label: str,
+    faults: FaultSchedule,
+    output: Path,
+    ui_url: str,
+    say: Callable[[str], None],
+) -> FlowOutcome:
+    from .flows import elastic_training
+
     line = ProgressLine(label)
+    done = faults.watch(cluster, job.job_id, on_progress=line)
     try:
-        return train(job, cluster=cluster, on_progress=line, on_event=line.event, faults=faults)
+        state = elastic_training(
+            job, address=cluster.scheduler_address, output=str(output), return_state=True
+        )
     finally:
+        done.set()
+        faults.wait()
         line.close()
+    url = f"{ui_url.rstrip('/')}/runs/flow-run/{state.state_details.flow_run_id}"
+    if not state.is_completed():
+        raise RuntimeError(f"the flow run ended {state.type.value}: {state.message} ({url})")
+    say(f"  flow run: {url}")
+    summary: dict[str, Any] = state.result()  # type: ignore[assignment]
+    return FlowOutcome(summary, torch.load(output, weights_only=True), url)
+
+
+@contextlib.contextmanager
+def prefect_api(say: Callable[[str], None], keep: bool) -> Iterator[str]:
+    """The Prefect API the demo reports to: the configured one, or a local server started for it."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+
+    if PREFECT_API_URL.value():
+        say(f"reporting to the configured Prefect API at {PREFECT_API_URL.value()}")
+        yield str(PREFECT_UI_URL.value() or PREFECT_API_URL.value()).removesuffix("/api")
+        return
+    from .prefect_server import PrefectServer
+
+    say("no Prefect API is configured: starting a local Prefect server (SQLite) ...")
+    with PrefectServer() as server:
+        say(f"Prefect UI at {server.ui_url} (started in {server.startup_seconds:.0f} s)")
+        with server.settings():
+            yield server.ui_url
+        if keep:
+            say(f"\nthe Prefect server stays up at {server.ui_url}; press Enter to stop it")
+            with contextlib.suppress(EOFError):
+                input()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefect-elastic demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", choices=["rollback", "reassign"], default="rollback")
     parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument(
+        "--keep-server", action="store_true", help="keep the local Prefect server up at the end"
+    )
     args = parser.parse_args(argv)
-    return 0 if run_demo(args.policy, args.epochs) else 1
+    return 0 if run_demo(args.policy, args.epochs, args.keep_server) else 1
 
 
 if __name__ == "__main__":

@@ -305,6 +305,12 @@ def elastic_training(
         "steps_lost": result.steps_lost,
         "checkpoint": result.checkpoint,
         "output": written,
+        "elapsed": result.elapsed,
+        "total_steps": result.total_steps,
+        "batches_committed": len(result.ledger),
+        "exactly_once": [e.batch_id for e in result.ledger] == list(range(result.total_batches)),
+        "snapshots": result.counters.get("snapshots", 0),
+        "batches_dropped": result.batches_dropped,
         "events": json.loads(json.dumps([e.__dict__ for e in result.membership_events()], default=str)),
     }
 

@@ -16,6 +16,7 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -136,6 +137,37 @@ class FaultSchedule:
             self.faults.remove(fault)
             for _ in range(fault.count):
                 self._run(fault, progress)
+
+    def watch(
+        self,
+        cluster: LocalElasticCluster,
+        job_id: str,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> threading.Event:
+        """Apply the schedule from a thread, following the progress that the controller of `job_id`
+        publishes on the cluster (for a controller that runs elsewhere, such as a Prefect flow). Set the
+        returned event to stop watching; it stops by itself when the job ends."""
+        from .training import read_progress
+
+        self.bind(cluster)
+        done = threading.Event()
+
+        def follow() -> None:
+            with cluster.client() as client:
+                while not done.wait(0.05):
+                    progress = read_progress(client, job_id)
+                    if progress is None:
+                        continue
+                    if on_progress is not None:
+                        on_progress(progress)
+                    if progress.state in ("done", "failed"):
+                        return
+                    self.apply(progress)
+
+        thread = threading.Thread(target=follow, name=f"fault-schedule-{job_id}", daemon=True)
+        thread.start()
+        self._background.append(thread)
+        return done
 
     def wait(self, timeout: float = 60.0) -> None:
         """Wait for background actions (graceful retires) to finish."""

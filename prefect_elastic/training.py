@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 # How often the controller polls progress between survival checks; bounds how late a fault schedule or a
 # progress display sees a step.
 PROGRESS_POLL_SECONDS = 0.02
+# How often the controller publishes its progress to the scheduler's metadata (see `read_progress`).
+PUBLISH_SECONDS = 0.2
 # A compute loop that keeps failing on a live worker is restarted at most this many times.
 MAX_LOOP_RESTARTS = 5
 
@@ -198,6 +200,7 @@ class TrainingRun:
         self.registered = False
         self.worker_event = threading.Event()
         self._stopping = False
+        self._published = 0.0
         self.started = time.monotonic()
         self.coordinator: Any = None
         self.shards: list[Any] = []
@@ -351,6 +354,7 @@ class TrainingRun:
                 if event is not None and self.on_event is not None:
                     self.on_event(event)
             progress: Progress = self._call(coordinator.progress())
+            self._publish(progress)
             if self.on_progress is not None:
                 self.on_progress(progress)
             if progress.state in ("done", "failed"):
@@ -363,6 +367,15 @@ class TrainingRun:
             self.worker_event.wait(
                 timeout=max(0.0, min(PROGRESS_POLL_SECONDS, next_check - time.monotonic()))
             )
+
+    def _publish(self, progress: Progress) -> None:
+        # Anyone with a client to the cluster can follow the job (`read_progress`), at a cost of one small
+        # scheduler call every PUBLISH_SECONDS.
+        now = time.monotonic()
+        if now - self._published < PUBLISH_SECONDS and progress.state == "running":
+            return
+        self._published = now
+        self.client.set_metadata([*self._job_key(), "progress"], asdict(progress))
 
     def _call(self, future: Any, timeout: float | None = None) -> Any:
         try:
@@ -476,3 +489,16 @@ def _release_job(dask_scheduler: Any, key: list[str], run: str) -> None:
     holder = dask_scheduler.get_metadata(keys=key, default=None)
     if holder is not None and holder.get("run") == run:
         dask_scheduler.set_metadata(keys=key, value=None)
+
+
+def read_progress(client: Client, job_id: str) -> Progress | None:
+    """The latest progress the controller of `job_id` published on this cluster (None before it starts)."""
+    try:
+        found = client.get_metadata(["prefect-elastic", "jobs", job_id, "progress"], default=None)
+    except (KeyError, TypeError):  # the job's entry is None between runs
+        return None
+    if not found:
+        return None
+    found["workers"] = tuple(found["workers"])
+    found["holding"] = tuple(tuple(h) for h in found["holding"])
+    return Progress(**found)

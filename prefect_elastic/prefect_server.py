@@ -1,0 +1,283 @@
+"""A local Prefect API server: `prefect server start` on 127.0.0.1, SQLite, its own PREFECT_HOME.
+
+Used by the demo when no Prefect API is configured, and by the tests (which must run against a real server).
+
+`PrefectServer` starts the server as a subprocess in its own process group, with a temporary PREFECT_HOME
+(the SQLite database, profiles, UI build and local result storage all live there), analytics and
+promotional UI content off, and waits (bounded) until `GET /api/health` answers. On exit it terminates
+the whole process group (SIGTERM, then SIGKILL) so no uvicorn or service process is left behind.
+
+Client processes get the server through `server.env()` (merge it into a subprocess environment); code in
+the test process itself uses `with server.settings(): ...` (Prefect reads its settings once at import, so
+changing `os.environ` afterwards does not reach it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+# Settings given to the server process and to every client process.
+_COMMON_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # the telemetry service posts to sens-o-matic.prefect.io
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "PREFECT_TELEMETRY_ENABLE_RESOURCE_METRICS": "false",  # no resource-metric events from flow runs
+    "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+}
+
+# Server-only settings: write received events to the database quickly (default flush interval is 5 s),
+# so tests that read events back over the REST API wait less.
+_SERVER_ENV = {
+    "PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL": "0.5",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL": "0.5",
+}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM the server if the process that started it dies (even by SIGKILL)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _drain_prefect_workers() -> None:
+    """Send the events and logs this process has queued (synchronous callers only)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    with contextlib.suppress(RuntimeError):
+        APILogWorker.drain_all(timeout=10)
+    EventsWorker.drain_all(timeout=10)
+
+
+def _clean_environ() -> dict[str, str]:
+    """The inherited environment without any PREFECT_* setting (a developer's profile must not leak in)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+
+
+class PrefectServer:
+    """`prefect server start` on 127.0.0.1:<port> with SQLite in `home`; use as a context manager."""
+
+    def __init__(
+        self,
+        home: str | os.PathLike[str] | None = None,
+        *,
+        port: int | None = None,
+        ui: bool = True,
+        startup_timeout: float = 120.0,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self._own_home = home is None
+        self.home = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="prefect-home-"))
+        self.port = port if port is not None else free_port()
+        self.ui = ui
+        self.startup_timeout = startup_timeout
+        self.extra_env = dict(extra_env or {})
+        self.log_path = self.home / "server.log"
+        self.startup_seconds: float | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/api"
+
+    @property
+    def ui_url(self) -> str:
+        return self.url
+
+    @property
+    def database_url(self) -> str:
+        return f"sqlite+aiosqlite:///{self.home / 'prefect.db'}"
+
+    def env(self) -> dict[str, str]:
+        """The PREFECT_* variables a client process needs (merge into `os.environ` copies)."""
+        return {
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_PROFILES_PATH": str(self.home / "profiles.toml"),
+            "PREFECT_API_URL": self.api_url,
+            "PREFECT_UI_URL": self.ui_url,
+            **_COMMON_ENV,
+            **self.extra_env,
+        }
+
+    def subprocess_env(self) -> dict[str, str]:
+        """A full environment for `subprocess` calls: the inherited one minus PREFECT_*, plus `env()`."""
+        return {**_clean_environ(), **self.env()}
+
+    @contextlib.contextmanager
+    def settings(self) -> Iterator[None]:
+        """Point Prefect in *this* (synchronous) process at the server: flows, clients, artifacts, events.
+
+        Three layers, as `prefect.testing.utilities.prefect_test_harness` does it: `os.environ` (for
+        subprocesses and fresh `Settings()`), `temporary_settings` (the current thread's context), and
+        the process-global settings context, which is what threads started without a copied context see
+        (a `threading.Thread` that calls `emit_event` would otherwise use the settings from import time
+        and, with no PREFECT_API_URL there, silently start a temporary server of its own). On exit,
+        queued events and logs are sent before the settings are restored.
+        """
+        import prefect.context
+        from prefect.settings import PREFECT_API_URL, PREFECT_HOME, PREFECT_UI_URL, temporary_settings
+
+        env = self.env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(
+                    temporary_settings(
+                        updates={
+                            PREFECT_API_URL: self.api_url,
+                            PREFECT_HOME: str(self.home),
+                            PREFECT_UI_URL: self.ui_url,
+                        }
+                    )
+                )
+                swap = getattr(prefect.context, "_temporary_global_settings_context", None)
+                if swap is not None:
+                    stack.enter_context(swap(prefect.context.get_settings_context()))
+                try:
+                    yield
+                finally:
+                    _drain_prefect_workers()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no server log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def start(self) -> PrefectServer:
+        if self._proc is not None:
+            raise RuntimeError("the Prefect server is already started")
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {
+            **self.subprocess_env(),
+            **_SERVER_ENV,
+            "PREFECT_SERVER_API_HOST": "127.0.0.1",
+            "PREFECT_SERVER_API_PORT": str(self.port),
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": self.database_url,
+            "PREFECT_SERVER_UI_ENABLED": "true" if self.ui else "false",
+            "PREFECT_SERVER_UI_API_URL": self.api_url,
+            "PREFECT_SERVER_UI_STATIC_DIRECTORY": str(self.home / "ui_build"),
+            **self.extra_env,
+        }
+        prefect_cli = Path(sys.executable).with_name("prefect")
+        cmd = [str(prefect_cli)] if prefect_cli.exists() else [sys.executable, "-m", "prefect"]
+        cmd += ["server", "start", "--host", "127.0.0.1", "--port", str(self.port), "--analytics-off"]
+        cmd += ["--ui"] if self.ui else ["--no-ui"]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        started = time.monotonic()
+        self._proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=self.home,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # own process group: stop() kills uvicorn and everything it started
+            # Orphan guard: PR_SET_PDEATHSIG fires when the *thread* that started the server exits, so
+            # start servers from the main thread (pytest fixtures are) or the server goes with the thread.
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        try:
+            self._wait_healthy(started)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_seconds = time.monotonic() - started
+        return self
+
+    def _wait_healthy(self, started: float) -> None:
+        assert self._proc is not None
+        deadline = started + self.startup_timeout
+        last_error: str = "no answer yet"
+        with httpx.Client(timeout=2.0, trust_env=False) as http:
+            while True:
+                code = self._proc.poll()
+                if code is not None:
+                    raise RuntimeError(
+                        f"prefect server exited with code {code} before answering {self.api_url}/health; "
+                        f"log tail ({self.log_path}):\n{self.log_tail()}"
+                    )
+                try:
+                    response = http.get(f"{self.api_url}/health")
+                    if response.status_code == 200:
+                        return
+                    last_error = f"HTTP {response.status_code}: {response.text[:200]}"
+                except httpx.HTTPError as exc:
+                    last_error = repr(exc)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"prefect server did not answer {self.api_url}/health within "
+                        f"{self.startup_timeout:.0f} s (last: {last_error}); log tail ({self.log_path}):\n"
+                        f"{self.log_tail()}"
+                    )
+                time.sleep(0.2)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            # The group may still hold children after the leader exited; SIGKILL whatever is left.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_home:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def __enter__(self) -> PrefectServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
