@@ -1,0 +1,44 @@
+"""Connecting to clusters: static workers are never candidates for adaptive scale-down."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.connect import KeepStaticWorkers, connect, resolve_cluster_class
+from prefect_elastic.errors import JobConfigError
+
+from .conftest import top_up
+
+
+def _scale_down_candidates(dask_scheduler: Any) -> list[str]:
+    # The scheduler's own choice when asked to shrink to nothing, after every plugin had its say.
+    return list(dask_scheduler.workers_to_close(target=0))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_static_workers_are_never_scaled_down(cluster: LocalElasticCluster) -> None:
+    top_up(cluster, 2)
+    with cluster.client() as client:
+        before = set(client.run_on_scheduler(_scale_down_candidates))
+        assert set(cluster.static_addresses()) <= before, "without the plugin, static workers are candidates"
+        with connect(cluster.scheduler_address) as where:
+            assert where.address == cluster.scheduler_address and not where.made_here
+        after = set(client.run_on_scheduler(_scale_down_candidates))
+        assert after, "elastic workers can still be retired"
+        assert not after & set(cluster.static_addresses())
+        assert after <= set(cluster.elastic_addresses())
+        client.unregister_scheduler_plugin(KeepStaticWorkers.name)
+
+
+def test_bad_cluster_class_is_named() -> None:
+    with pytest.raises(JobConfigError, match=r"no_such_module\.Cluster"):
+        resolve_cluster_class("no_such_module.Cluster")
+    with (
+        pytest.raises(JobConfigError, match="address"),
+        connect("tcp://127.0.0.1:9", cluster_class="distributed.LocalCluster"),
+    ):
+        pass
