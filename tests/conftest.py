@@ -49,12 +49,12 @@ class References:
         self._cache: dict[str, TrainResult] = {}
 
     def __call__(self, job: ElasticJob) -> TrainResult:
-        key = job.model_copy(
-            update={"job_id": "reference", "on_membership_change": "rollback"}
-        ).model_dump_json()
+        # No checkpoint folder: a reference run must neither resume from nor write the tested run's files.
+        solo = job.model_copy(update={"job_id": "reference", "checkpoint": None})
+        key = solo.model_copy(update={"on_membership_change": "rollback"}).model_dump_json()
         if key not in self._cache:
             assert len(self.cluster.elastic_addresses()) == 1
-            self._cache[key] = train(job.model_copy(update={"job_id": "reference"}), cluster=self.cluster)
+            self._cache[key] = train(solo, cluster=self.cluster)
         return self._cache[key]
 
 

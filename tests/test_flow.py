@@ -23,7 +23,7 @@ from prefect_elastic import ElasticJob
 from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.cluster import LocalElasticCluster
 
-from .conftest import top_up
+from .conftest import References, top_up
 from .models import GATE
 from .prefect_harness import PrefectServer
 
@@ -58,6 +58,7 @@ class FlowRun:
     def __init__(self, server: PrefectServer, job: ElasticJob, address: str, tmp_path: Path) -> None:
         self.api = httpx.Client(base_url=server.api_url, timeout=30)
         self.name = f"test-{uuid.uuid4().hex[:8]}"
+        tmp_path.mkdir(parents=True, exist_ok=True)
         spec = tmp_path / "job.yaml"
         spec.write_text(job.to_yaml())
         script = tmp_path / "run_flow.py"
@@ -200,3 +201,43 @@ def test_cancelled_flow_run_ends_cancelled_with_a_final_checkpoint(
     assert written is not None and written[0].committed_steps > 0
     assert not run.output.exists(), "a cancelled run exports no model"
     assert os.path.basename(written[1]).startswith("ckpt-")
+
+
+def test_flow_process_sigkilled_then_run_again_resumes(
+    prefect_server: PrefectServer,
+    cluster: LocalElasticCluster,
+    reference: References,
+    digits_url: str,
+    tmp_path: Path,
+) -> None:
+    top_up(cluster, 2)
+    job = flow_job(
+        digits_url,
+        model="tests.models:slow_mlp",
+        epochs=2,
+        liveness_interval=0.3,
+        checkpoint=f"file://{tmp_path}/ckpt",
+        checkpoint_every=2,
+    )
+    store = CheckpointStore(str(job.checkpoint))
+
+    def checkpoint_past_step_10() -> bool:
+        found = store.latest()
+        return found is not None and found[0].committed_steps >= 10
+
+    first = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path / "first")
+    wait_for("a checkpoint past step 10", checkpoint_past_step_10)
+    first.proc.kill()  # SIGKILL: no finally block runs, no final checkpoint is written
+    first.proc.wait(30)
+    at = store.latest()
+    assert at is not None
+
+    second = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path / "second")
+    out = second.finish()
+    assert "STATE COMPLETED" in out, out[-3000:]
+    expected = reference(job)
+    state = torch.load(second.output, weights_only=True)
+    differing = [k for k in expected.state_dict if not torch.equal(state[k], expected.state_dict[k])]
+    assert not differing, differing
+    summary = next(a for k, a in second.artifacts().items() if k.endswith("-summary"))["data"]
+    assert at[1] in summary, "the summary names the checkpoint it resumed from"
