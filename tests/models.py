@@ -122,3 +122,21 @@ class _GatedMlp(nn.Sequential):
 
 def gated_mlp() -> nn.Module:
     return _GatedMlp(*mlp())
+
+
+# While this file exists, the next forward pass removes it and raises: a failure that a retry outlives.
+FAIL_ONCE = Path(tempfile.gettempdir()) / "prefect-elastic-test-fail-once"
+
+
+class _FailsOnce(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            FAIL_ONCE.unlink()
+        except FileNotFoundError:
+            time.sleep(0.004)
+            return super().forward(x)
+        raise RuntimeError("a transient failure, injected by the test")
+
+
+def fails_once() -> nn.Module:
+    return _FailsOnce(*mlp())

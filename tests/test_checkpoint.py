@@ -74,6 +74,18 @@ def test_checkpoint_round_trip_and_pruning(digits_url: str, tmp_path: Path) -> N
     assert all(torch.equal(loaded.tensors[k], original.tensors[k]) for k in original.tensors)
 
 
+def test_checkpoints_on_an_object_store_like_filesystem(digits_url: str) -> None:
+    """fsspec's in-memory filesystem has no directories and no atomic rename, like an object store."""
+    j = job(digits_url, Path("/unused"), checkpoint=f"memory://ckpt-{os.getpid()}/job")
+    store = CheckpointStore(str(j.checkpoint), keep=2)
+    store.check_writable()
+    for step in (1, 4, 6):
+        store.write(sample(j, step))
+    assert store.names() == ["ckpt-000000004.pt", "ckpt-000000006.pt"]
+    found = store.latest()
+    assert found is not None and found[0].committed_steps == 6 and found[1].startswith("memory://")
+
+
 def test_a_pickle_is_never_loaded(digits_url: str, tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     folder.mkdir()

@@ -24,7 +24,7 @@ from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.cluster import LocalElasticCluster
 
 from .conftest import References, top_up
-from .models import GATE
+from .models import FAIL_ONCE, GATE
 from .prefect_harness import PrefectServer
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -33,8 +33,8 @@ RUN_FLOW = textwrap.dedent(
     """
     import sys
     from prefect_elastic.flows import elastic_training
-    job, address, name, output = sys.argv[1:5]
-    named = elastic_training.with_options(flow_run_name=name)
+    job, address, name, output, retries = sys.argv[1:6]
+    named = elastic_training.with_options(flow_run_name=name, retries=int(retries), retry_delay_seconds=0)
     state = named(job, address=address, output=output, return_state=True)
     print("STATE", state.type.value, flush=True)
     """
@@ -55,7 +55,9 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
 class FlowRun:
     """A flow run of `elastic_training` in a subprocess, and what the Prefect API says about it."""
 
-    def __init__(self, server: PrefectServer, job: ElasticJob, address: str, tmp_path: Path) -> None:
+    def __init__(
+        self, server: PrefectServer, job: ElasticJob, address: str, tmp_path: Path, retries: int = 0
+    ) -> None:
         self.api = httpx.Client(base_url=server.api_url, timeout=30)
         self.name = f"test-{uuid.uuid4().hex[:8]}"
         tmp_path.mkdir(parents=True, exist_ok=True)
@@ -66,7 +68,7 @@ class FlowRun:
         self.output = tmp_path / "model.pt"
         env = {**server.subprocess_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.proc = subprocess.Popen(
-            [sys.executable, str(script), str(spec), address, self.name, str(self.output)],
+            [sys.executable, str(script), str(spec), address, self.name, str(self.output), str(retries)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
         self.id: str = wait_for("the flow run to be created", self._find)
@@ -241,3 +243,37 @@ def test_flow_process_sigkilled_then_run_again_resumes(
     assert not differing, differing
     summary = next(a for k, a in second.artifacts().items() if k.endswith("-summary"))["data"]
     assert at[1] in summary, "the summary names the checkpoint it resumed from"
+
+
+def test_flow_run_retried_by_prefect_resumes_from_the_checkpoint(
+    prefect_server: PrefectServer,
+    cluster: LocalElasticCluster,
+    reference: References,
+    digits_url: str,
+    tmp_path: Path,
+) -> None:
+    top_up(cluster, 2)
+    job = flow_job(
+        digits_url,
+        model="tests.models:fails_once",
+        epochs=2,
+        liveness_interval=0.3,
+        checkpoint=f"file://{tmp_path}/ckpt",
+        checkpoint_every=2,
+    )
+    store = CheckpointStore(str(job.checkpoint))
+    FAIL_ONCE.unlink(missing_ok=True)
+    run = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path, retries=1)
+    try:
+        wait_for("a checkpoint", lambda: bool(store.names()))
+        FAIL_ONCE.touch()  # the next forward pass raises: the first attempt fails, Prefect retries
+        out = run.finish()
+    finally:
+        FAIL_ONCE.unlink(missing_ok=True)
+    assert "STATE COMPLETED" in out, out[-3000:]
+    assert run.api.get(f"/flow_runs/{run.id}").json()["run_count"] == 2, "Prefect ran it twice"
+    state = torch.load(run.output, weights_only=True)
+    expected = reference(job)
+    assert all(torch.equal(state[k], expected.state_dict[k]) for k in expected.state_dict)
+    summary = next(a for k, a in run.artifacts().items() if k.endswith("-summary"))["data"]
+    assert "ckpt-" in summary.split("resumed from")[1].split("\n")[0], "the retry resumed from a checkpoint"
