@@ -42,3 +42,31 @@ def test_bad_cluster_class_is_named() -> None:
         connect("tcp://127.0.0.1:9", cluster_class="distributed.LocalCluster"),
     ):
         pass
+
+
+SPEC = {
+    "scheduler": {
+        "cls": "distributed.Scheduler",
+        "options": {"dashboard_address": ":0", "host": "127.0.0.1"},
+    },
+    "workers": {
+        "static-a": {"cls": "distributed.Nanny", "options": {"nthreads": 1, "resources": {"static": 1}}},
+        "elastic-a": {"cls": "distributed.Nanny", "options": {"nthreads": 1}},
+    },
+}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_cluster_class_with_kwargs_trains(digits_url: str) -> None:
+    """The prefect-dask way: a cluster class by import path and its keyword arguments (JSON-able, as a
+    Prefect parameter would be); the cluster is closed when the connection ends."""
+    from prefect_elastic import ElasticJob, train
+
+    job = ElasticJob(model="tests.models:mlp", dataset=digits_url, batch_size=32, job_id="spec")
+    with connect(cluster_class="distributed.SpecCluster", cluster_kwargs=SPEC) as where:
+        assert where.made_here
+        result = train(job, address=where.address)
+        cluster = where.cluster
+    assert result.steps == result.total_steps
+    assert cluster.status.name == "closed"
