@@ -147,7 +147,7 @@ class FaultSchedule:
         """Apply the schedule from a thread, following the progress that the controller of `job_id`
         publishes on the cluster (for a controller that runs elsewhere, such as a Prefect flow). Set the
         returned event to stop watching; it stops by itself when the job ends."""
-        from .training import read_progress
+        from .registry import read_progress
 
         self.bind(cluster)
         done = threading.Event()

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +40,7 @@ from .errors import (
 )
 from .job import ElasticJob
 from .ledger import LedgerEntry
+from .registry import claim_job, publish_progress, release_job
 from .schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -272,18 +273,13 @@ class TrainingRun:
         # Roles register under the job id (seed 003): a second live controller of the same job would
         # train the same batches twice, so it is refused; a key left by a controller that died is taken
         # over. Check and set run in one function on the scheduler, so two controllers cannot both pass.
-        holder = self.client.run_on_scheduler(
-            _claim_job, key=self._job_key(), claim={"client": self.client.id, "run": self.run_id}
-        )
+        holder = claim_job(self.client, self.job.job_id, self.run_id)
         if holder is not None:
             raise FatalError(
                 f"job_id={self.job.job_id!r} is already training on this cluster "
                 f"(controller {holder['client']}); give this job another job_id or wait for that one to end"
             )
         self.registered = True
-
-    def _job_key(self) -> list[str]:
-        return ["prefect-elastic", "jobs", self.job.job_id]
 
     def _static_workers(self) -> list[str]:
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -375,7 +371,7 @@ class TrainingRun:
         if now - self._published < PUBLISH_SECONDS and progress.state == "running":
             return
         self._published = now
-        self.client.set_metadata([*self._job_key(), "progress"], asdict(progress))
+        publish_progress(self.client, self.job.job_id, progress)
 
     def _call(self, future: Any, timeout: float | None = None) -> Any:
         try:
@@ -471,34 +467,6 @@ class TrainingRun:
             self.actor_futures.clear()
         if self.registered:
             try:
-                self.client.run_on_scheduler(_release_job, key=self._job_key(), run=self.run_id)
+                release_job(self.client, self.job.job_id, self.run_id)
             except Exception as exc:
                 log.debug("unregistering job: %s", exc)
-
-
-def _claim_job(dask_scheduler: Any, key: list[str], claim: dict[str, str]) -> dict[str, str] | None:
-    """On the scheduler: register `claim` under `key` unless a connected controller holds it already."""
-    holder = dask_scheduler.get_metadata(keys=key, default=None)
-    if holder is not None and holder.get("client") in dask_scheduler.clients:
-        return dict(holder)
-    dask_scheduler.set_metadata(keys=key, value={**claim, "started": time.time()})
-    return None
-
-
-def _release_job(dask_scheduler: Any, key: list[str], run: str) -> None:
-    holder = dask_scheduler.get_metadata(keys=key, default=None)
-    if holder is not None and holder.get("run") == run:
-        dask_scheduler.set_metadata(keys=key, value=None)
-
-
-def read_progress(client: Client, job_id: str) -> Progress | None:
-    """The latest progress the controller of `job_id` published on this cluster (None before it starts)."""
-    try:
-        found = client.get_metadata(["prefect-elastic", "jobs", job_id, "progress"], default=None)
-    except (KeyError, TypeError):  # the job's entry is None between runs
-        return None
-    if not found:
-        return None
-    found["workers"] = tuple(found["workers"])
-    found["holding"] = tuple(tuple(h) for h in found["holding"])
-    return Progress(**found)
