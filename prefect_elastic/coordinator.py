@@ -22,7 +22,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import DataServerLostError, RecoverableError, StaleGenerationError
@@ -490,7 +490,3 @@ class Coordinator:
             ledger=[e for e in self._ledger.entries() if e.step < step],
             history=self._history[:step],
         )
-
-
-def event_as_dict(event: MembershipEvent) -> dict[str, Any]:
-    return asdict(event)

@@ -16,7 +16,6 @@ import json
 import logging
 import threading
 import time
-from pathlib import Path
 from typing import Any
 from uuid import UUID
 
@@ -318,8 +317,3 @@ def elastic_training(
 def _log_connection(where: Connection) -> None:
     kind = type(where.cluster).__name__ if where.cluster is not None else "running cluster"
     get_run_logger().info("cluster: %s at %s", kind, where.address)
-
-
-def run_job_file(path: str | Path, **kwargs: Any) -> Any:
-    """`prefect-elastic train job.yaml`: run the flow on a job file."""
-    return elastic_training(str(path), **kwargs)
