@@ -70,16 +70,20 @@ def connect(
     cluster_kwargs: dict[str, Any] | None = None,
     adapt_kwargs: dict[str, Any] | None = None,
     *,
+    cluster: Any = None,
     static_resource: str = "static",
     local_static_workers: int = 2,
     local_elastic_workers: int = 2,
 ) -> Iterator[Connection]:
-    """Yield a `Connection`; a cluster made here is closed on exit."""
-    if address is not None and cluster_class is not None:
-        raise JobConfigError("address", address, "give either an address or a cluster_class, not both")
-    if address is not None:
+    """Yield a `Connection`; a cluster made here is closed on exit (a `cluster` object given is not)."""
+    choices = {"address": address, "cluster_class": cluster_class, "cluster": cluster}
+    given = [name for name, value in choices.items() if value is not None]
+    if len(given) > 1:
+        raise JobConfigError(given[1], choices[given[1]], f"give only one of {' and '.join(given)}")
+    if cluster is not None:
+        connection = Connection(cluster.scheduler_address, cluster)
+    elif address is not None:
         connection = Connection(address)
-        cluster = None
     elif cluster_class is not None:
         cluster = resolve_cluster_class(cluster_class)(**(cluster_kwargs or {}))
         connection = Connection(cluster.scheduler_address, cluster, made_here=True)
@@ -101,5 +105,5 @@ def connect(
             cluster.adapt(**adapt_kwargs)
         yield connection
     finally:
-        if cluster is not None:
-            cluster.close()
+        if connection.made_here:
+            connection.cluster.close()

@@ -263,11 +263,13 @@ def elastic_training(
     cluster_kwargs: dict[str, Any] | None = None,
     adapt_kwargs: dict[str, Any] | None = None,
     output: str | None = None,
+    cluster: Any = None,
 ) -> dict[str, Any] | State:
     """Train an `ElasticJob` (or the job in a YAML file) on a Dask cluster.
 
     The cluster: `address` of a running scheduler, or `cluster_class` (import path) with `cluster_kwargs`
     and `adapt_kwargs`, or nothing for a local cluster of 2 static and 2 elastic worker processes.
+    `cluster`: a Dask cluster object made by the caller (in-process runs only; it is not closed here).
     `output`: an fsspec URL where the final `state_dict` is written with `torch.save`.
     """
     prepared = validate_job(job)
@@ -275,7 +277,12 @@ def elastic_training(
     start_step = restore(prepared)
     reporter.start(start_step, prepared.schedule.total_steps)
     with connect(
-        address, cluster_class, cluster_kwargs, adapt_kwargs, static_resource=prepared.job.static_resource
+        address,
+        cluster_class,
+        cluster_kwargs,
+        adapt_kwargs,
+        cluster=cluster,
+        static_resource=prepared.job.static_resource,
     ) as where:
         _log_connection(where)
         with (

@@ -97,3 +97,9 @@ def assert_ledger_exactly_once(result: TrainResult) -> None:
 @pytest.fixture
 def tmp_dataset_dir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests that need the Prefect server last: the server's background services take most of a
+    core while it is up, and the engine's cluster tests are better off without that company."""
+    items.sort(key=lambda item: "prefect_server" in getattr(item, "fixturenames", ()))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +14,7 @@ from prefect_elastic.connect import KeepStaticWorkers, connect, resolve_cluster_
 from prefect_elastic.errors import JobConfigError
 
 from .conftest import top_up
+from .prefect_harness import PrefectServer
 
 
 def _scale_down_candidates(dask_scheduler: Any) -> list[str]:
@@ -70,3 +74,39 @@ def test_cluster_class_with_kwargs_trains(digits_url: str) -> None:
         cluster = where.cluster
     assert result.steps == result.total_steps
     assert cluster.status.name == "closed"
+
+
+def test_cli_reports_a_bad_job_file_before_starting_anything(tmp_path: Path) -> None:
+    bad = tmp_path / "job.yaml"
+    bad.write_text("model: tests.models:mlp\ndataset: /nowhere\nbatch_size: 0\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_elastic.cli", "train", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "batch_size=0" in done.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_cli_trains_a_job_file_through_the_flow(
+    prefect_server: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
+) -> None:
+    from prefect_elastic import ElasticJob
+
+    top_up(cluster, 1)
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        ElasticJob(model="tests.models:mlp", dataset=digits_url, batch_size=32, job_id="cli").to_yaml()
+    )
+    env = {**prefect_server.subprocess_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_elastic.cli", "train", str(spec),
+         "--address", cluster.scheduler_address, "--output", str(tmp_path / "model.pt")],
+        capture_output=True, text=True, timeout=200, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "COMPLETED" in done.stdout and f"{prefect_server.ui_url}/runs/flow-run/" in done.stdout
+    assert (tmp_path / "model.pt").exists()
