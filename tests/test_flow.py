@@ -131,6 +131,14 @@ def flow_job(digits_url: str, **overrides: object) -> ElasticJob:
     return ElasticJob(**fields)  # type: ignore[arg-type]
 
 
+def checkpointed_job(digits_url: str, model: str, tmp_path: Path) -> tuple[ElasticJob, CheckpointStore]:
+    folder = f"file://{tmp_path}/ckpt"
+    job = flow_job(
+        digits_url, model=model, epochs=2, liveness_interval=0.3, checkpoint=folder, checkpoint_every=2
+    )
+    return job, CheckpointStore(folder)
+
+
 def test_flow_run_with_a_worker_killed_and_one_added(
     prefect_server: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
 ) -> None:
@@ -213,15 +221,7 @@ def test_flow_process_sigkilled_then_run_again_resumes(
     tmp_path: Path,
 ) -> None:
     top_up(cluster, 2)
-    job = flow_job(
-        digits_url,
-        model="tests.models:slow_mlp",
-        epochs=2,
-        liveness_interval=0.3,
-        checkpoint=f"file://{tmp_path}/ckpt",
-        checkpoint_every=2,
-    )
-    store = CheckpointStore(str(job.checkpoint))
+    job, store = checkpointed_job(digits_url, "tests.models:slow_mlp", tmp_path)
 
     def checkpoint_past_step_10() -> bool:
         found = store.latest()
@@ -253,15 +253,7 @@ def test_flow_run_retried_by_prefect_resumes_from_the_checkpoint(
     tmp_path: Path,
 ) -> None:
     top_up(cluster, 2)
-    job = flow_job(
-        digits_url,
-        model="tests.models:fails_once",
-        epochs=2,
-        liveness_interval=0.3,
-        checkpoint=f"file://{tmp_path}/ckpt",
-        checkpoint_every=2,
-    )
-    store = CheckpointStore(str(job.checkpoint))
+    job, store = checkpointed_job(digits_url, "tests.models:fails_once", tmp_path)
     FAIL_ONCE.unlink(missing_ok=True)
     run = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path, retries=1)
     try:
