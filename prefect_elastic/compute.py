@@ -2,7 +2,8 @@
 
 Each turn it asks the coordinator for work, pulls the parameters of that step from every shard, fetches
 each batch from the data server that holds it, computes one gradient per micro-batch with torch, pushes
-every shard its slice tagged (generation, step, batch id), and reports the batch ids with their losses.
+every shard its slice tagged (generation, step, batch id), and reports the batch ids with their losses;
+the answer to a report is the next work, so asking costs no extra round trip.
 
 Stateless by construction: the model is built on torch's `meta` device, which holds shapes and no
 values, and each micro-batch runs through `torch.func.functional_call` with the tensors just pulled;
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.func import functional_call
 
+from .allocator import tune_allocator
 from .coordinator import Assignment
 from .errors import RecoverableError
 from .job import ElasticJob, StateLayout
@@ -53,6 +55,11 @@ class LoopStats:
     stale: int = 0
     call_errors: int = 0
     device: str = "cpu"
+    # Seconds spent in each phase of the loop, summed over the run (see docs/benchmarks.md).
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
 
 def compute_loop(
@@ -69,16 +76,20 @@ def compute_loop(
     worker = get_worker()
     # Leave the worker's thread slot free: this task runs for the whole job, beside other jobs' loops.
     secede()
+    tune_allocator()
     torch.set_num_threads(job.threads_per_worker)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     trainer = MicroBatchTrainer(job, plan, layout, device)
     stats = LoopStats(worker=worker.address, device=str(device))
     request_errors = step_errors = 0
+    handed: Assignment | None = None  # the next work, when the coordinator gave it with a report
     while worker.status.name in ("running", "paused"):
         try:
-            work: Assignment | None = coordinator.request_work(worker.address).result(
-                timeout=job.call_timeout
-            )
+            asked = time.perf_counter()
+            work, handed = handed, None
+            if work is None:
+                work = coordinator.request_work(worker.address).result(timeout=job.call_timeout)
+                stats.add("wait", time.perf_counter() - asked)
             request_errors = 0
         except Exception as exc:
             request_errors += 1
@@ -93,7 +104,7 @@ def compute_loop(
         if work.stop:
             break
         try:
-            losses = trainer.run(work, coordinator, shards, schedule, worker.address)
+            losses, handed = trainer.run(work, coordinator, shards, schedule, worker.address, stats)
             step_errors = 0
         except ModelFailure as failure:
             coordinator.report_failure(
@@ -139,9 +150,24 @@ class MicroBatchTrainer:
         self.shard_of = {name: i for i, names in enumerate(plan) for name in names}
 
     def run(
-        self, work: Assignment, coordinator: Any, shards: list[Any], schedule: Schedule, worker: str
-    ) -> dict[int, float]:
+        self,
+        work: Assignment,
+        coordinator: Any,
+        shards: list[Any],
+        schedule: Schedule,
+        worker: str,
+        stats: LoopStats,
+    ) -> tuple[dict[int, float], Assignment | None]:
+        """Train one assignment; returns the losses and the next work the coordinator handed back."""
         timeout = self.job.call_timeout
+        clock = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            stats.add(phase, now - clock)
+            clock = now
+
         gen, step = work.generation, work.step
         # Issue every read at once, then wait: the calls overlap on the wire.
         pulls = [s.pull(gen, step) for s in shards]
@@ -149,6 +175,7 @@ class MicroBatchTrainer:
         state: Tensors = {}
         for f in pulls:
             state.update(f.result(timeout=timeout))
+        lap("pull")
         params = {n: state[n].to(self.device).requires_grad_(True) for n in self.param_names}
         buffers = {n: t for n, t in state.items() if n not in params}
 
@@ -157,19 +184,23 @@ class MicroBatchTrainer:
         losses: dict[int, float] = {}
         for b in work.batch_ids:
             x, y = fetches[b].result(timeout=timeout)
+            lap("fetch")
             loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
             losses[b] = loss
             for name, t in g.items():
                 grads[self.shard_of[name]].setdefault(b, {})[name] = t
             for name, t in bufs.items():
                 new_buffers[self.shard_of[name]].setdefault(b, {})[name] = t
+            lap("compute")
         # Every shard hears of every batch id, also a shard that holds no parameters or no buffers.
         ids = list(work.batch_ids)
         pushes = [s.push(gen, step, ids, grads[i], new_buffers[i]) for i, s in enumerate(shards)]
         for f in pushes:
             f.result(timeout=timeout)
-        coordinator.report(gen, worker, step, losses).result(timeout=timeout)
-        return losses
+        lap("push")
+        handed: Assignment | None = coordinator.report(gen, worker, step, losses).result(timeout=timeout)
+        lap("report")
+        return losses, handed
 
     def gradient(
         self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int

@@ -96,6 +96,7 @@ class Outcome:
     history: list[float]
     generation: int
     counters: dict[str, int] = field(default_factory=dict)
+    commit_times: list[float] = field(default_factory=list)  # wall time each committed step committed
 
 
 class Coordinator:
@@ -126,10 +127,12 @@ class Coordinator:
         self._suspended = True
         self._waiting = False
         self._history: list[float] = []
+        self._commit_times: list[float] = []  # parallel to _history; steps resumed from a checkpoint get nan
         if resume is not None:
             self._ledger.restore(resume.ledger, resume.committed_steps)
             self.generation = resume.generation
             self._history = list(resume.history)
+            self._commit_times = [math.nan] * len(self._history)
         self._queue: deque[int] = deque()
         if not self._ledger.committed_steps >= schedule.total_steps:
             self._queue.extend(schedule.step_batches(self._ledger.committed_steps))
@@ -172,6 +175,9 @@ class Coordinator:
 
     async def request_work(self, worker: str) -> Assignment | None:
         """Batch ids of the step in flight for `worker`, `None` when there is nothing for it yet."""
+        return await self._next_work(worker)
+
+    async def _next_work(self, worker: str) -> Assignment | None:
         _, ready = self._sync_primitives()
         deadline = time.monotonic() + WORK_POLL_SECONDS
         while True:
@@ -220,8 +226,14 @@ class Coordinator:
         self._counters["assignments"] += 1
         return Assignment(self.generation, self._ledger.committed_steps, ids)
 
-    async def report(self, generation: int, worker: str, step: int, losses: dict[int, float]) -> None:
-        """`worker` pushed the gradients of these batch ids to every shard."""
+    async def report(
+        self, generation: int, worker: str, step: int, losses: dict[int, float]
+    ) -> Assignment | None:
+        """`worker` pushed the gradients of these batch ids to every shard; returns its next work.
+
+        The answer is what `request_work` would give next (waiting for it the same way), so a worker
+        makes one round trip between computing a step and knowing its next one.
+        """
         lock, _ = self._sync_primitives()
         async with lock:
             if generation != self.generation:
@@ -240,6 +252,7 @@ class Coordinator:
                 await self._commit_step(step)
         if committed:
             await self._notify()
+        return await self._next_work(worker)
 
     async def report_failure(
         self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str
@@ -261,6 +274,7 @@ class Coordinator:
             self._fail("internal", f"committing step {step} failed: {type(exc).__name__}: {exc}", step)
             return
         self._history.append(sum(self._losses[b] for b in ids) / len(ids))
+        self._commit_times.append(time.time())
         self._losses.clear()
         self._reporters.clear()
         self._assigned.clear()
@@ -323,6 +337,7 @@ class Coordinator:
                 self._ledger.drop_after_snapshot()
                 steps_lost = before - self._ledger.committed_steps
                 del self._history[self._ledger.committed_steps :]
+                del self._commit_times[self._ledger.committed_steps :]
                 self._counters["rollbacks"] += 1
             else:
                 self._counters["reassigns"] += 1
@@ -456,6 +471,7 @@ class Coordinator:
             ledger=self._ledger.entries(),
             events=list(self._events),
             history=list(self._history),
+            commit_times=list(self._commit_times),
             generation=self.generation,
             counters={
                 **self._counters,

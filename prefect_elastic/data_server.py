@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .allocator import tune_allocator
 from .dataset import DatasetInfo, load_partition, partition_bounds
 from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
@@ -74,6 +75,7 @@ class DataServer:
         optimizer_state: dict[str, Any] | None = None,
         version: int = 0,
     ) -> None:
+        tune_allocator()  # pulls, pushes and snapshots allocate megabytes every step; see allocator.py
         self.index = index
         self.job_id = job.job_id
         self._schedule = schedule

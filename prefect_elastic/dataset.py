@@ -54,6 +54,8 @@ class DatasetInfo:
 class _Header:
     shape: tuple[int, ...]
     dtype: np.dtype[Any]
+    fortran: bool = False
+    data_start: int = 0  # offset of the first byte of data in the .npy member
 
 
 def _fail(url: str, problem: str) -> JobConfigError:
@@ -63,14 +65,14 @@ def _fail(url: str, problem: str) -> JobConfigError:
 def _read_header(member: IO[bytes]) -> _Header:
     version = npy_format.read_magic(member)
     if version == (1, 0):
-        shape, _fortran, dtype = npy_format.read_array_header_1_0(member)
+        shape, fortran, dtype = npy_format.read_array_header_1_0(member)
     elif version == (2, 0):
-        shape, _fortran, dtype = npy_format.read_array_header_2_0(member)
+        shape, fortran, dtype = npy_format.read_array_header_2_0(member)
     else:
         # Version 3.0 only differs by a utf-8 header, which numpy writes just for exotic structured dtypes
         # that a training sample never has; refusing it keeps us off numpy's private reader.
         raise ValueError(f"npy format version {version[0]}.{version[1]} is not supported")
-    return _Header(shape=tuple(int(n) for n in shape), dtype=np.dtype(dtype))
+    return _Header(tuple(int(n) for n in shape), np.dtype(dtype), bool(fortran), member.tell())
 
 
 def _read_headers(fs: Any, path: str, url: str, shown: str) -> dict[str, _Header]:
@@ -215,57 +217,67 @@ def partition_bounds(total: int, parts: int, index: int) -> tuple[int, int]:
 
 
 def load_partition(info: DatasetInfo, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-    """`x` and `y` of the global samples `[start, stop)`, reading only the files that overlap them."""
+    """`x` and `y` of the global samples `[start, stop)`, reading only those rows of the files they span.
+
+    The arrays are allocated once at their final size and each file's rows are read straight into them,
+    so a data server's memory peaks at its partition, not at the whole file (docs/benchmarks.md).
+    """
     if not 0 <= start <= stop <= info.total:
         raise ValueError(f"sample range [{start}, {stop}) is outside the dataset's [0, {info.total})")
-    xs: list[np.ndarray] = []
-    ys: list[np.ndarray] = []
+    x_out = np.empty((stop - start, *info.x_shape), dtype=np.dtype(info.x_dtype))
+    y_out = np.empty((stop - start, *info.y_shape), dtype=np.dtype(info.y_dtype))
     offset = 0
     for file_url, count in zip(info.files, info.counts, strict=True):
         lo, hi = max(start, offset), min(stop, offset + count)
         if lo < hi:
-            x, y = _load_file(info, file_url, count)
-            xs.append(x[lo - offset : hi - offset])
-            ys.append(y[lo - offset : hi - offset])
+            _read_rows(info, file_url, count, lo - offset, x_out[lo - start : hi - start], "x")
+            _read_rows(info, file_url, count, lo - offset, y_out[lo - start : hi - start], "y")
         offset += count
         if offset >= stop:
             break
-    if not xs:
-        return (
-            np.empty((0, *info.x_shape), dtype=np.dtype(info.x_dtype)),
-            np.empty((0, *info.y_shape), dtype=np.dtype(info.y_dtype)),
-        )
-    # Copy even a single slice so the partition does not pin the whole shard in memory.
-    x_out = np.concatenate(xs) if len(xs) > 1 else xs[0].copy()
-    y_out = np.concatenate(ys) if len(ys) > 1 else ys[0].copy()
     return x_out, y_out
 
 
-def _load_file(info: DatasetInfo, file_url: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+def _read_rows(info: DatasetInfo, file_url: str, count: int, first: int, out: np.ndarray, key: str) -> None:
+    """Fill `out` with rows `first, first + len(out)` of array `key` of one npz file."""
+    expected = info.x_shape if key == "x" else info.y_shape
     try:
-        with fsspec.open(file_url, "rb") as raw, np.load(raw, allow_pickle=False) as archive:
-            x = archive["x"]
-            y = archive["y"]
+        with (
+            fsspec.open(file_url, "rb") as raw,
+            zipfile.ZipFile(raw) as archive,
+            archive.open(f"{key}.npy") as member,
+        ):
+            header = _read_header(member)
+            if header.shape[0] != count or header.shape[1:] != expected or header.dtype != out.dtype:
+                raise _fail(
+                    info.url,
+                    f"{file_url} now holds {key!r} of shape {header.shape} and dtype {header.dtype}, but had "
+                    f"{count} samples of shape {expected} and dtype {out.dtype} when the dataset was "
+                    "inspected; leave the dataset untouched while a job trains on it",
+                )
+            if header.fortran:
+                # Column-major rows are not contiguous in the file: read the whole array (rare).
+                member.seek(0)
+                out[...] = npy_format.read_array(member, allow_pickle=False)[first : first + len(out)]
+                return
+            # Seeking a stored (uncompressed) member is a file seek; a compressed one decompresses up to
+            # there without keeping what it skips.
+            member.seek(header.data_start + first * (out[0:1].nbytes if len(out) else 0))
+            view = out.reshape(-1).view(np.uint8).data
+            filled = 0
+            while filled < len(view):
+                n = member.readinto(view[filled:])  # type: ignore[attr-defined]  # a ZipExtFile
+                if not n:
+                    raise EOFError(f"{key}.npy ends after {filled} of {len(view)} bytes")
+                filled += n
+    except JobConfigError:
+        raise
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as exc:
         raise _fail(
             info.url,
             f"{file_url} could not be read any more ({type(exc).__name__}: {exc}); it changed or vanished "
             "after the dataset was inspected; leave the dataset untouched while a job trains on it",
         ) from exc
-    if len(x) != count or len(y) != count:
-        raise _fail(
-            info.url,
-            f"{file_url} now holds {len(x)} samples in 'x' and {len(y)} in 'y', but had {count} when the "
-            "dataset was inspected; leave the dataset untouched while a job trains on it",
-        )
-    if x.shape[1:] != info.x_shape or y.shape[1:] != info.y_shape:
-        raise _fail(
-            info.url,
-            f"{file_url} now has samples of shape {x.shape[1:]} / {y.shape[1:]}, but had {info.x_shape} / "
-            f"{info.y_shape} when the dataset was inspected; leave the dataset untouched while a job "
-            "trains on it",
-        )
-    return x, y
 
 
 def write_npz(url_or_path: str, x: np.ndarray, y: np.ndarray) -> None:

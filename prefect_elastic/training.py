@@ -75,6 +75,7 @@ class TrainResult:
     total_steps: int  # of the schedule
     total_batches: int
     loops: list[LoopStats] = field(default_factory=list)
+    commit_times: list[float] = field(default_factory=list)  # wall time of each step in `history`
     checkpoint: str | None = None  # the last persistent checkpoint written
     resumed_from: str | None = None  # the checkpoint this run started from
 
@@ -265,6 +266,7 @@ class TrainingRun:
             total_steps=self.schedule.total_steps,
             total_batches=self.schedule.total_batches,
             loops=self.loop_stats,
+            commit_times=outcome.commit_times,
             checkpoint=self.persistence.last_written,
             resumed_from=self.persistence.resumed_from,
         )

@@ -111,6 +111,21 @@ def test_load_partition_reads_only_overlapping_files(tmp_path: Path) -> None:
     np.testing.assert_array_equal(got_x, x[:7])
 
 
+@pytest.mark.parametrize("layout", ["compressed", "fortran"])
+def test_load_partition_reads_rows_of_any_npz(tmp_path: Path, layout: str) -> None:
+    # Rows are read by seeking inside the .npy member; a compressed member and a column-major array take
+    # the other paths and must give the same rows.
+    x, y = _arrays(10)
+    if layout == "fortran":
+        x = np.asfortranarray(x)
+    save = np.savez_compressed if layout == "compressed" else np.savez
+    save(tmp_path / "one.npz", x=x, y=y)
+    info = inspect_dataset(str(tmp_path / "one.npz"))
+    got_x, got_y = load_partition(info, 3, 8)
+    np.testing.assert_array_equal(got_x, x[3:8])
+    np.testing.assert_array_equal(got_y, y[3:8])
+
+
 def test_load_partition_out_of_range(tmp_path: Path) -> None:
     url, _, _ = _sharded(tmp_path, [4])
     info = inspect_dataset(url)

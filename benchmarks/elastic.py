@@ -1,0 +1,328 @@
+"""prefect-elastic runs for the benchmark suite: a real LocalElasticCluster, real processes, real kills."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from prefect_elastic import ElasticJob
+from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.coordinator import Progress
+from prefect_elastic.data_server import plan_shards
+from prefect_elastic.dataset import partition_bounds
+from prefect_elastic.training import TrainResult, train
+
+from .workloads import BATCH, LR, MOMENTUM, THREADS, WORKLOADS
+
+
+def make_job(
+    workload: str,
+    data: str,
+    *,
+    micro_batches: int = 1,
+    epochs: int = 1,
+    liveness_interval: float = 1.0,
+    policy: str = "rollback",
+    job_id: str = "bench",
+) -> ElasticJob:
+    # batch_size is per micro-batch: one micro-batch of 128 is exactly the plain loop's step.
+    return ElasticJob(
+        job_id=job_id,
+        model=WORKLOADS[workload].model,
+        dataset=f"file://{data}",
+        optimizer={"name": "sgd", "lr": LR, "momentum": MOMENTUM},
+        batch_size=BATCH,
+        micro_batches=micro_batches,
+        epochs=epochs,
+        data_servers=2,
+        liveness_interval=liveness_interval,
+        on_membership_change=policy,  # type: ignore[arg-type]
+        threads_per_worker=THREADS,
+        min_workers=1,
+    )
+
+
+@dataclass
+class Watch:
+    """Called on every progress poll of the controller: records (time, committed steps, workers) and runs
+    the actions due (kills, joins) from the controller's thread, so their times are exact."""
+
+    actions: list[tuple[Callable[[Progress], bool], Callable[[], None]]] = field(default_factory=list)
+    samples: list[tuple[float, int, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, progress: Progress) -> None:
+        self.samples.append((time.time(), progress.committed_steps, len(progress.workers)))
+        for i, (due, act) in enumerate(list(self.actions)):
+            if due(progress):
+                self.actions.pop(i)
+                act()
+                break
+
+
+def run(
+    cluster: LocalElasticCluster, job: ElasticJob, watch: Watch | None = None
+) -> tuple[TrainResult, float]:
+    """Train `job` on `cluster`; returns the result and the wall time the call took."""
+    started = time.time()
+    result = train(job, cluster=cluster, on_progress=watch)
+    return result, time.time() - started
+
+
+def steady_throughput(result: TrainResult, skip: int = 5) -> float:
+    """Samples per second between the `skip`-th committed step and the last one."""
+    times = result.commit_times
+    steps = len(times) - 1 - skip
+    if steps < 1:
+        raise ValueError(f"too few steps ({len(times)}) for a steady-state figure")
+    samples = result.job.batch_size * result.job.micro_batches
+    return steps * samples / (times[-1] - times[skip])
+
+
+def step_gaps(result: TrainResult) -> list[float]:
+    return [b - a for a, b in zip(result.commit_times, result.commit_times[1:], strict=False)]
+
+
+def summary(values: list[float]) -> dict[str, Any]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "values": values,
+    }
+
+
+class SchedulerWatch:
+    """Times at which the scheduler registered and removed workers, from its own event log."""
+
+    def __init__(self, cluster: LocalElasticCluster) -> None:
+        self.client = cluster.client(set_as_default=False)
+        self.added: list[tuple[float, str]] = []
+        self.removed: list[tuple[float, str]] = []
+        self.client.subscribe_topic("all", self._on_event)
+
+    def _on_event(self, event: Any) -> None:
+        stamp, msg = event if isinstance(event, tuple) else (time.time(), event)
+        if not isinstance(msg, dict):
+            return
+        if msg.get("action") == "add-worker":
+            self.added.append((float(stamp), str(msg.get("worker"))))
+        elif msg.get("action") == "remove-worker":
+            self.removed.append((float(stamp), str(msg.get("worker"))))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.unsubscribe_topic("all")
+
+
+def first_commit_of(result: TrainResult, worker: str, after: float) -> float | None:
+    """When the first step holding a batch that `worker` computed committed (after `after`)."""
+    steps = sorted({e.step for e in result.ledger if e.worker == worker})
+    for step in steps:
+        if step < len(result.commit_times) and result.commit_times[step] >= after:
+            return result.commit_times[step]
+    return None
+
+
+def next_commit(result: TrainResult, after: float) -> float | None:
+    later = [t for t in result.commit_times if t > after]
+    return min(later) if later else None
+
+
+def steady(workload: str, data: str, epochs: int, liveness_interval: float) -> dict[str, Any]:
+    """One compute worker, sync mode, micro-batch of 128: the step of the plain loop, plus the framework."""
+    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
+        job = make_job(workload, data, epochs=epochs, liveness_interval=liveness_interval, job_id="steady")
+        result, wall = run(cluster, job)
+    phases = result.loops[0].phases if result.loops else {}
+    steps = max(1, result.loops[0].steps) if result.loops else 1
+    return {
+        "system": "prefect-elastic",
+        "workload": workload,
+        "workers": 1,
+        "liveness_interval": liveness_interval,
+        "steps": result.steps,
+        "samples_per_s": steady_throughput(result),
+        "snapshots": result.counters.get("snapshots", 0),
+        "phase_ms": {k: 1000 * v / steps for k, v in phases.items()},
+        "wall_s": wall,
+    }
+
+
+def scaling(workload: str, data: str, workers: int, epochs: int) -> dict[str, Any]:
+    """Throughput with `workers` compute workers; a step is 4 micro-batches of 128 whatever the count."""
+    with LocalElasticCluster(static_workers=2, elastic_workers=workers) as cluster:
+        job = make_job(workload, data, micro_batches=4, epochs=epochs, job_id=f"scale-{workers}")
+        result, wall = run(cluster, job)
+    return {
+        "workload": workload,
+        "workers": workers,
+        "samples_per_s": steady_throughput(result),
+        "steps": result.steps,
+        "wall_s": wall,
+    }
+
+
+def recovery(
+    workload: str, data: str, policy: str, kills: int, epochs: int, settle_steps: int = 20
+) -> dict[str, Any]:
+    """Two compute workers; `kills` times SIGKILL one (its nanny starts it again, so it rejoins).
+
+    Measures, per kill: seconds from the kill to the next committed step (recovery), and for the worker
+    that comes back, seconds from its registration with the scheduler to its first committed batch
+    (scale-up). The run uses micro_batches=2, so each worker computes one micro-batch of 128 per step.
+    """
+    with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
+        sched = SchedulerWatch(cluster)
+        kill_times: list[float] = []
+        # Kill when both workers have trained together for `settle_steps` steps since the last one came back.
+        together_since: int | None = None
+
+        def on_progress(p: Progress) -> None:
+            nonlocal together_since
+            if len(p.workers) < 2 or p.state != "running":
+                together_since = None
+                return
+            if together_since is None:
+                together_since = p.committed_steps
+            if len(kill_times) < kills and p.committed_steps >= together_since + settle_steps:
+                victim = sorted(cluster.elastic_addresses())[len(kill_times) % 2]
+                kill_times.append(time.time())
+                cluster.kill_worker(victim, restart=True)  # its nanny starts it again: it rejoins
+                together_since = None
+
+        job = make_job(workload, data, micro_batches=2, epochs=epochs, policy=policy, job_id=f"rec-{policy}")
+        started = time.time()
+        result = train(job, cluster=cluster, on_progress=on_progress)
+        wall = time.time() - started
+        sched.close()
+    recoveries = [nc - k for k in kill_times if (nc := next_commit(result, k)) is not None]
+    joins = [(t, w) for t, w in sched.added if t > started]
+    scale_up = [fc - t for t, w in joins if (fc := first_commit_of(result, w, t)) is not None]
+    step_s = statistics.median(step_gaps(result))
+    losses = [e for e in result.membership_events() if e.left]
+    # Work redone per failure: committed steps undone, plus the dropped micro-batches of the step in flight
+    # (each a 1/micro_batches share of a step); in seconds at the median step time.
+    lost = [e.steps_lost + e.batches_dropped / job.micro_batches for e in losses]
+    return {
+        "workload": workload,
+        "policy": policy,
+        "kills": len(kill_times),
+        "recovery_s": summary(recoveries) if recoveries else None,
+        "scale_up_s": summary(scale_up) if scale_up else None,
+        "liveness_interval": job.liveness_interval,
+        "median_step_s": step_s,
+        "steps_lost": [e.steps_lost for e in losses],
+        "batches_dropped": [e.batches_dropped for e in losses],
+        "lost_steps_per_failure": statistics.mean(lost) if lost else 0.0,
+        "lost_seconds_per_failure": step_s * statistics.mean(lost) if lost else 0.0,
+        "steps": result.steps,
+        "wall_s": wall,
+    }
+
+
+def timeline(workload: str, data: str, epochs: int, kill_at: float, join_at: float) -> dict[str, Any]:
+    """Two compute workers; one SIGKILLed for good at `kill_at` s, a new one started at `join_at` s.
+
+    Returns every committed step (time from the start of training, loss) and the events with their times,
+    for the plot beside torchrun's run of the same kill and join.
+    """
+    with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
+        sched = SchedulerWatch(cluster)
+        marks: list[dict[str, Any]] = []
+        first: list[float] = []
+
+        def on_progress(p: Progress) -> None:
+            if p.committed_steps == 0:
+                return
+            if not first:
+                first.append(time.time())
+            elapsed = time.time() - first[0]
+            if not any(m["kind"] == "kill" for m in marks) and elapsed >= kill_at:
+                victim = sorted(cluster.elastic_addresses())[0]
+                marks.append({"kind": "kill", "t": time.time(), "worker": victim})
+                cluster.kill_worker(victim)
+            if not any(m["kind"] == "join" for m in marks) and elapsed >= join_at:
+                marks.append({"kind": "join", "t": time.time()})
+                cluster.add_worker(wait=False)
+
+        job = make_job(workload, data, micro_batches=2, epochs=epochs, job_id="timeline")
+        result = train(job, cluster=cluster, on_progress=on_progress)
+        sched.close()
+    t0 = first[0] if first else result.commit_times[0]
+    marks += [{"kind": "registered", "t": t, "worker": w} for t, w in sched.added if t > t0]
+    marks += [
+        {"kind": e.kind, "t": e.time, "steps_lost": e.steps_lost, "batches_dropped": e.batches_dropped}
+        for e in result.membership_events()
+    ]
+    samples = job.batch_size * job.micro_batches
+    return {
+        "system": "prefect-elastic",
+        "workload": workload,
+        "steps": [
+            {"t": t - t0, "step": i, "loss": loss, "samples": samples}
+            for i, (t, loss) in enumerate(zip(result.commit_times, result.history, strict=True))
+        ],
+        "events": sorted(({**m, "t": m["t"] - t0} for m in marks), key=lambda m: m["t"]),
+        "policy": job.on_membership_change,
+    }
+
+
+def _rss(pid: int) -> tuple[int, int]:
+    """(current, peak) resident bytes of a process, from /proc (Linux)."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def memory(workload: str, data: str, epochs: int) -> dict[str, Any]:
+    """Peak memory of each data server's worker process over the bytes the data server must hold.
+
+    Baseline: the worker's resident memory before the job (Python, torch, Dask). Peak: its high-water
+    mark at the end. Must hold: data partition + parameter slice + optimizer state (momentum, one more
+    copy) + snapshot (parameters and momentum again).
+    """
+    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
+        # Data server i (and, with server 0, the coordinator) lives on static-i.
+        static = [cluster.address_of(f"static-{i}") for i in range(2)]
+        pids = [cluster.worker_pid(str(addr)) for addr in static]
+        before = [_rss(pid)[0] for pid in pids]
+        job = make_job(workload, data, epochs=epochs, job_id="memory")
+        result, _ = run(cluster, job)
+        peaks = [_rss(pid)[1] for pid in pids]
+    plan = plan_shards(result.state_dict, job.data_servers)
+    with np.load(data) as arrays:
+        per_sample = (arrays["x"].nbytes + arrays["y"].nbytes) // len(arrays["y"])
+        total = len(arrays["y"])
+    servers = []
+    for i, names in enumerate(plan):
+        start, stop = partition_bounds(total, job.data_servers, i)
+        params = sum(result.state_dict[n].numel() * result.state_dict[n].element_size() for n in names)
+        must_hold = (stop - start) * per_sample + 3 * params
+        grown = peaks[i] - before[i]
+        servers.append(
+            {
+                "server": i,
+                "holds_coordinator": i == 0,
+                "baseline_rss": before[i],
+                "peak_rss": peaks[i],
+                "growth": grown,
+                "data_bytes": (stop - start) * per_sample,
+                "param_bytes": params,
+                "must_hold": must_hold,
+                "ratio": grown / must_hold,
+            }
+        )
+    return {"workload": workload, "servers": servers}

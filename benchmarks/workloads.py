@@ -1,0 +1,96 @@
+"""The two workloads every system is measured on, fixed here so that all of them train the same thing.
+
+- `cnn`: compute-bound; a small CNN on 28x28 images, batch 128 (most of a step is convolution).
+- `mlp`: communication-bound; 784-512-512-10 (669,706 parameters, 2.68 MB of float32), batch 128 (a
+  step moves the parameters and their gradient, and computes little).
+
+The data is synthetic and MNIST-shaped (1x28x28 float32, 10 classes), made from a seed, so every system
+reads the very same samples without a download. It is learnable: each class is a fixed random pattern,
+each sample that pattern scaled and buried in noise
+(twice the pattern's spread), so the loss keeps falling for several epochs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+BATCH = 128  # samples per optimizer step (one micro-batch of 128, or micro-batches summing to it)
+LR = 0.05
+MOMENTUM = 0.9
+THREADS = 1  # torch threads of every training process, in every system
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 16, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32 * 7 * 7, 10),
+    )
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(784, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str  # import path, as an ElasticJob names it
+    kind: str  # compute-bound | communication-bound
+
+    def make(self) -> nn.Module:
+        torch.manual_seed(0)
+        return {"cnn": cnn, "mlp": mlp}[self.name]()
+
+    def param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.make().parameters())
+
+
+WORKLOADS = {
+    "cnn": Workload("cnn", "benchmarks.workloads:cnn", "compute-bound"),
+    "mlp": Workload("mlp", "benchmarks.workloads:mlp", "communication-bound"),
+}
+
+
+def synthetic_images(samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`samples` MNIST-shaped images (float32, (N, 1, 28, 28)) and labels (int64, 10 classes)."""
+    rng = np.random.default_rng(seed)
+    prototypes = rng.normal(0.0, 1.0, size=(10, 1, 28, 28)).astype(np.float32)
+    y = rng.integers(0, 10, size=samples).astype(np.int64)
+    scale = rng.uniform(0.5, 1.5, size=(samples, 1, 1, 1)).astype(np.float32)
+    x = prototypes[y] * scale + rng.normal(0.0, 2.0, size=(samples, 1, 28, 28)).astype(np.float32)
+    return x, y
+
+
+def write_dataset(path: str | Path, samples: int, seed: int = 0) -> str:
+    """Write the synthetic dataset as one .npz (arrays `x`, `y`) and return its path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        x, y = synthetic_images(samples, seed)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, x=x, y=y)
+        tmp.rename(path)
+    return str(path)
+
+
+def load_dataset(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    with np.load(path) as data:
+        return torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
