@@ -6,7 +6,7 @@ import contextlib
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ def make_job(
         epochs=epochs,
         data_servers=2,
         liveness_interval=liveness_interval,
-        on_membership_change=policy,  # type: ignore[arg-type]
+        on_membership_change=policy,
         threads_per_worker=THREADS,
         min_workers=1,
     )
@@ -67,6 +67,32 @@ class Watch:
                 break
 
 
+class ClusterPool:
+    """One LocalElasticCluster shared by the scenarios (2 static workers), resized to the compute workers
+    each needs: starting a cluster costs seconds that the suite would otherwise pay per scenario."""
+
+    def __init__(self) -> None:
+        self.cluster: LocalElasticCluster | None = None
+
+    @contextlib.contextmanager
+    def elastic(self, workers: int) -> Iterator[LocalElasticCluster]:
+        if self.cluster is None:
+            self.cluster = LocalElasticCluster(static_workers=2, elastic_workers=workers).start()
+        cluster = self.cluster
+        cluster.wait_for_pending()  # a worker added by the last scenario may still be starting
+        names = cluster.worker_names(static=False)
+        for name in names[workers:]:
+            cluster.retire_worker(name)
+        for _ in range(workers - len(names)):
+            cluster.add_worker()
+        yield cluster
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+            self.cluster = None
+
+
 def run(
     cluster: LocalElasticCluster, job: ElasticJob, watch: Watch | None = None
 ) -> tuple[TrainResult, float]:
@@ -79,6 +105,7 @@ def run(
 def steady_throughput(result: TrainResult, skip: int = 5) -> float:
     """Samples per second between the `skip`-th committed step and the last one."""
     times = result.commit_times
+    skip = min(skip, (len(times) - 2) // 2)  # tiny (smoke) runs skip less
     steps = len(times) - 1 - skip
     if steps < 1:
         raise ValueError(f"too few steps ({len(times)}) for a steady-state figure")
@@ -121,6 +148,7 @@ class SchedulerWatch:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.client.unsubscribe_topic("all")
+        self.client.close()
 
 
 def first_commit_of(result: TrainResult, worker: str, after: float) -> float | None:
@@ -137,9 +165,11 @@ def next_commit(result: TrainResult, after: float) -> float | None:
     return min(later) if later else None
 
 
-def steady(workload: str, data: str, epochs: int, liveness_interval: float) -> dict[str, Any]:
+def steady(
+    pool: ClusterPool, workload: str, data: str, epochs: int, liveness_interval: float
+) -> dict[str, Any]:
     """One compute worker, sync mode, micro-batch of 128: the step of the plain loop, plus the framework."""
-    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
+    with pool.elastic(1) as cluster:
         job = make_job(workload, data, epochs=epochs, liveness_interval=liveness_interval, job_id="steady")
         result, wall = run(cluster, job)
     phases = result.loops[0].phases if result.loops else {}
@@ -157,9 +187,9 @@ def steady(workload: str, data: str, epochs: int, liveness_interval: float) -> d
     }
 
 
-def scaling(workload: str, data: str, workers: int, epochs: int) -> dict[str, Any]:
+def scaling(pool: ClusterPool, workload: str, data: str, workers: int, epochs: int) -> dict[str, Any]:
     """Throughput with `workers` compute workers; a step is 4 micro-batches of 128 whatever the count."""
-    with LocalElasticCluster(static_workers=2, elastic_workers=workers) as cluster:
+    with pool.elastic(workers) as cluster:
         job = make_job(workload, data, micro_batches=4, epochs=epochs, job_id=f"scale-{workers}")
         result, wall = run(cluster, job)
     return {
@@ -172,7 +202,7 @@ def scaling(workload: str, data: str, workers: int, epochs: int) -> dict[str, An
 
 
 def recovery(
-    workload: str, data: str, policy: str, kills: int, epochs: int, settle_steps: int = 20
+    pool: ClusterPool, workload: str, data: str, policy: str, kills: int, epochs: int, settle_steps: int = 20
 ) -> dict[str, Any]:
     """Two compute workers; `kills` times SIGKILL one (its nanny starts it again, so it rejoins).
 
@@ -180,7 +210,7 @@ def recovery(
     that comes back, seconds from its registration with the scheduler to its first committed batch
     (scale-up). The run uses micro_batches=2, so each worker computes one micro-batch of 128 per step.
     """
-    with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
+    with pool.elastic(2) as cluster:
         sched = SchedulerWatch(cluster)
         kill_times: list[float] = []
         # Kill when both workers have trained together for `settle_steps` steps since the last one came back.
@@ -229,13 +259,15 @@ def recovery(
     }
 
 
-def timeline(workload: str, data: str, epochs: int, kill_at: float, join_at: float) -> dict[str, Any]:
+def timeline(
+    pool: ClusterPool, workload: str, data: str, epochs: int, kill_at: float, join_at: float
+) -> dict[str, Any]:
     """Two compute workers; one SIGKILLed for good at `kill_at` s, a new one started at `join_at` s.
 
     Returns every committed step (time from the start of training, loss) and the events with their times,
     for the plot beside torchrun's run of the same kill and join.
     """
-    with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
+    with pool.elastic(2) as cluster:
         sched = SchedulerWatch(cluster)
         marks: list[dict[str, Any]] = []
         first: list[float] = []

@@ -133,9 +133,24 @@ def test_nanny_restarts_killed_worker(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
 ) -> None:
     top_up(cluster, 2)
-    job = make_job(digits_url, policy, epochs=3)
+    job = make_job(digits_url, policy, model="tests.models:gated_mlp", epochs=3)
     faults = FaultSchedule(seed=4).restart_worker(at_step=6)
-    result = train(job, cluster=cluster, faults=faults)
+    first: set[str] = set()
+
+    def hold_until_back(p: Progress) -> None:
+        # After the kill, training waits in the forward pass until the restarted process is a member,
+        # so it rejoins mid-run however fast the rest of the job goes.
+        if not first:
+            first.update(p.workers)
+        if faults.log and not set(p.workers) - first:
+            GATE.touch()
+        else:
+            GATE.unlink(missing_ok=True)
+
+    try:
+        result = train(job, cluster=cluster, faults=faults, on_progress=hold_until_back)
+    finally:
+        GATE.unlink(missing_ok=True)
     check_run(result, reference(job), policy)
     assert faults.log[0].target in lost_workers(result)
     # The nanny's new process comes back under a new address and joins as a new member.

@@ -1,0 +1,229 @@
+"""Run the benchmark suite: `python -m benchmarks.run [--smoke]`.
+
+Every figure of docs/benchmarks.md, measured in this one invocation on this machine: the plain PyTorch
+loop, prefect-elastic, and torchrun elastic on the same two workloads (benchmarks/workloads.py). Writes
+the raw results as JSON (`--raw`) and the table and plots into `--docs`. `--smoke` runs every scenario at
+tiny sizes (the test suite does, to keep this code working); its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import dask
+import torch
+
+from . import elastic, report
+from .plain import plain_loop
+from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Sizes:
+    samples: int = 16384  # 128 steps of 128 per epoch
+    memory_samples: int = 60000  # a data server must hold 94 MB of it
+    steady_epochs: int = 2
+    repeats: int = 2  # runs of each steady-state figure, interleaved; the median is reported
+    kills: int = 5
+    recovery_epochs: int = 8
+    scaling_workers: tuple[int, ...] = (1, 2, 4)
+    scaling_epochs: int = 3
+    timeline_epochs: int = 6
+    kill_at: float = 4.0
+    join_at: float = 8.0
+    torchrun_duration: float = 40.0
+
+
+SMOKE = Sizes(
+    samples=2048,
+    memory_samples=2048,
+    steady_epochs=1,
+    repeats=1,
+    kills=1,
+    recovery_epochs=4,
+    scaling_workers=(1, 2),
+    scaling_epochs=2,
+    timeline_epochs=3,
+    kill_at=0.3,
+    join_at=0.6,
+    torchrun_duration=20.0,
+)
+
+
+def machine() -> dict[str, Any]:
+    model = platform.processor() or "unknown CPU"
+    if Path("/proc/cpuinfo").exists():
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "memory_gib": pages / 2**30,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dask": dask.__version__,
+    }
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def attempt(results: dict[str, Any], name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run one scenario; a failure is recorded in the results (and shown) instead of ending the suite."""
+    say(f"{name} ...")
+    started = time.monotonic()
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as exc:
+        traceback.print_exc()
+        results.setdefault("errors", {})[name] = f"{type(exc).__name__}: {exc}"
+        say(f"{name} FAILED: {exc}")
+        return None
+    say(f"{name} done in {time.monotonic() - started:.1f} s")
+    return value
+
+
+def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str, sizes: Sizes) -> None:
+    """Plain loop vs one compute worker (snapshots every 1 s), and the same without snapshots."""
+    for w in WORKLOADS:
+        plain: list[float] = []
+        with_snap: list[float] = []
+        without: list[float] = []
+        runs: list[dict[str, Any]] = []
+        epochs = sizes.steady_epochs
+        steps = epochs * (sizes.samples // BATCH)
+        for i in range(sizes.repeats):
+            p = attempt(results, f"plain {w} #{i}", plain_loop, w, data, steps)
+            a = attempt(
+                results, f"elastic {w} snapshots 1 s #{i}", elastic.steady, pool, w, data, epochs, 1.0
+            )
+            # A liveness interval longer than the run: survival detection only runs on worker events.
+            b = attempt(results, f"elastic {w} no snapshots #{i}", elastic.steady, pool, w, data, epochs, 1e6)
+            if p and a and b:
+                plain.append(p["samples_per_s"])
+                with_snap.append(a["samples_per_s"])
+                without.append(b["samples_per_s"])
+                runs += [p, a, b]
+        if not plain:
+            continue
+        results["steady"][w] = {
+            "plain": statistics.median(plain),
+            "elastic": statistics.median(with_snap),
+            "ratio": statistics.median(with_snap) / statistics.median(plain),
+            "runs": runs,
+        }
+        results["snapshot"][w] = {
+            "with": statistics.median(with_snap),
+            "without": statistics.median(without),
+            "overhead": 1 - statistics.median(with_snap) / statistics.median(without),
+            "snapshots": max(r.get("snapshots", 0) for r in runs),
+        }
+
+
+def run_elastic(
+    results: dict[str, Any], pool: elastic.ClusterPool, data: str, big: str, sizes: Sizes
+) -> None:
+    steady_figures(results, pool, data, sizes)
+    for policy in ("reassign", "rollback"):
+        results["recovery"][policy] = attempt(
+            results, f"elastic recovery ({policy})", elastic.recovery, pool, "cnn", data, policy, sizes.kills,
+            sizes.recovery_epochs,
+        )  # fmt: skip
+    for w in WORKLOADS:
+        runs = [
+            attempt(results, f"elastic {w} x{n}", elastic.scaling, pool, w, data, n, sizes.scaling_epochs)
+            for n in sizes.scaling_workers
+        ]
+        results["scaling"][w] = [x for x in runs if x]
+    results["memory"] = attempt(results, "data server memory", elastic.memory, "mlp", big, 1)
+    results["timeline"] = attempt(
+        results, "elastic timeline", elastic.timeline, pool, "cnn", data, sizes.timeline_epochs,
+        sizes.kill_at, sizes.join_at,
+    )  # fmt: skip
+
+
+def torchrun_figures(results: dict[str, Any], data: str, workdir: Path, sizes: Sizes) -> None:
+    from . import torchrun_bench
+
+    rec = attempt(
+        results, "torchrun recovery", torchrun_bench.recovery, "cnn", data, workdir / "torchrun-recovery",
+        kills=sizes.kills,
+    )  # fmt: skip
+    tl = attempt(
+        results, "torchrun timeline", torchrun_bench.timeline, "cnn", data, workdir / "torchrun-timeline",
+        kill_at=sizes.kill_at, join_at=sizes.join_at, duration=sizes.torchrun_duration,
+    )  # fmt: skip
+    results["torchrun"] = {"recovery": rec, "timeline": tl}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the code, not the speed")
+    parser.add_argument("--data-dir", default="/tmp/prefect-elastic-bench", help="datasets and scratch")
+    parser.add_argument("--raw", default=str(ROOT / "docs" / "benchmarks" / "results.json"))
+    parser.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
+    parser.add_argument("--no-torchrun", action="store_true", help="leave out the torchrun baseline")
+    args = parser.parse_args(argv)
+    sizes = SMOKE if args.smoke else Sizes()
+    workdir = Path(args.data_dir)
+    raw, docs = Path(args.raw), Path(args.docs)
+    data = write_dataset(workdir / f"synthetic-{sizes.samples}.npz", sizes.samples)
+    big = write_dataset(workdir / f"synthetic-{sizes.memory_samples}.npz", sizes.memory_samples)
+    command = "python -m benchmarks.run" + (" --smoke" if args.smoke else "")
+    results: dict[str, Any] = {
+        "command": command,
+        "started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "smoke": args.smoke,
+        "machine": machine(),
+        "threads": THREADS,
+        "batch": BATCH,
+        "workloads": {w.name: w.kind for w in WORKLOADS.values()},
+        "sizes": sizes.__dict__,
+        "steady": {},
+        "snapshot": {},
+        "recovery": {},
+        "scaling": {},
+        "timeline_workload": "cnn",
+    }
+    say(f"benchmarks on {results['machine']['cpus']} cores; dataset {data}")
+    pool = elastic.ClusterPool()
+    try:
+        run_elastic(results, pool, data, big, sizes)
+    finally:
+        pool.close()
+    if not args.no_torchrun:
+        torchrun_figures(results, data, workdir, sizes)
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    results["raw_rel"] = os.path.relpath(raw, docs.parent)
+    raw.write_text(json.dumps(results, indent=1, default=str))
+    report.write(results, docs, docs.parent / "img")
+    say(f"wrote {raw} and {docs}")
+    for row in report.figures(results):
+        print(" | ".join(row))
+    if results.get("errors"):
+        say(f"{len(results['errors'])} scenario(s) failed: {', '.join(results['errors'])}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
