@@ -83,6 +83,7 @@ def compute_loop(
     stats = LoopStats(worker=worker.address, device=str(device))
     request_errors = step_errors = 0
     handed: Assignment | None = None  # the next work, when the coordinator gave it with a report
+    ahead: PullAhead | None = None  # the parameters of the step after the last one, asked for early
     while worker.status.name in ("running", "paused"):
         try:
             asked = time.perf_counter()
@@ -104,7 +105,9 @@ def compute_loop(
         if work.stop:
             break
         try:
-            losses, handed = trainer.run(work, coordinator, shards, schedule, worker.address, stats)
+            losses, handed, ahead = trainer.run(
+                work, coordinator, shards, schedule, worker.address, stats, ahead
+            )
             step_errors = 0
         except ModelFailure as failure:
             coordinator.report_failure(
@@ -112,6 +115,7 @@ def compute_loop(
             ).result(timeout=job.call_timeout)
             break
         except RecoverableError as exc:
+            ahead = None
             stats.stale += 1
             log.debug("compute %s: step %d dropped: %s", worker.address, work.step, exc)
             continue
@@ -119,6 +123,7 @@ def compute_loop(
             # A shard or the coordinator did not answer in time, or its worker is gone: the step is
             # dropped here and survival detection decides what happens to it. An error that comes back
             # every time ends the loop instead, and the controller reports it.
+            ahead = None
             step_errors += 1
             stats.call_errors += 1
             log.warning(
@@ -130,6 +135,18 @@ def compute_loop(
         stats.steps += 1
         stats.batches += len(losses)
     return stats
+
+
+@dataclass
+class PullAhead:
+    """Pulls of step `step`'s parameters, sent with the report of the step before (see `DataServer.pull`)."""
+
+    generation: int
+    step: int
+    futures: list[Any]
+
+    def serves(self, work: Assignment) -> bool:
+        return work.generation == self.generation and work.step == self.step
 
 
 class MicroBatchTrainer:
@@ -157,8 +174,10 @@ class MicroBatchTrainer:
         schedule: Schedule,
         worker: str,
         stats: LoopStats,
-    ) -> tuple[dict[int, float], Assignment | None]:
-        """Train one assignment; returns the losses and the next work the coordinator handed back."""
+        ahead: PullAhead | None = None,
+    ) -> tuple[dict[int, float], Assignment | None, PullAhead | None]:
+        """Train one assignment; returns the losses, the next work the coordinator handed back, and the
+        pulls of the step after this one, already on their way."""
         timeout = self.job.call_timeout
         clock = time.perf_counter()
 
@@ -170,7 +189,10 @@ class MicroBatchTrainer:
 
         gen, step = work.generation, work.step
         # Issue every read at once, then wait: the calls overlap on the wire.
-        pulls = [s.pull(gen, step) for s in shards]
+        if ahead is not None and ahead.serves(work):
+            pulls = ahead.futures
+        else:
+            pulls = [s.pull(gen, step) for s in shards]
         fetches = {b: shards[schedule.server_of(b)].get_batch(gen, b) for b in work.batch_ids}
         state: Tensors = {}
         for f in pulls:
@@ -198,9 +220,15 @@ class MicroBatchTrainer:
         for f in pushes:
             f.result(timeout=timeout)
         lap("push")
+        # Ask for the next step's parameters now: the shards answer as soon as they apply this step, so
+        # the reply travels while the report's answer does. If the next work is another step or another
+        # generation, these are dropped and pulled again.
+        following = None
+        if step + 1 < schedule.total_steps:
+            following = PullAhead(gen, step + 1, [s.pull(gen, step + 1, True) for s in shards])
         handed: Assignment | None = coordinator.report(gen, worker, step, losses).result(timeout=timeout)
         lap("report")
-        return losses, handed
+        return losses, handed, following
 
     def gradient(
         self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int

@@ -21,6 +21,7 @@ deadlock; the one heavy piece (the optimizer step) runs in a thread so heartbeat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ from .schedule import Schedule
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, torch.Tensor]
+
+# How long a pull sent ahead of its step waits for the step before it to commit; a step that takes
+# longer (a slow worker still computing) costs the caller one ordinary pull instead.
+PULL_AHEAD_SECONDS = 5.0
 
 
 def plan_shards(state: dict[str, torch.Tensor], shards: int) -> list[list[str]]:
@@ -91,6 +96,7 @@ class DataServer:
         self.generation = 0
         self.version = version  # number of steps applied
         self._applying = False
+        self._version_changed: asyncio.Condition | None = None  # made in the event loop, on first use
         self._grads: dict[int, Tensors] = {}  # batch id -> gradient of this shard's params
         self._updated_buffers: dict[int, Tensors] = {}  # batch id -> buffers after its forward pass
         self._snapshot = self._copy_state()
@@ -124,13 +130,44 @@ class DataServer:
         idx = torch.from_numpy(self._schedule.sample_indices(batch_id))
         return self._x[idx], self._y[idx]
 
-    async def pull(self, generation: int, step: int) -> Tensors:
-        """The shard's parameters and buffers as of `step` (before it is applied)."""
+    async def pull(self, generation: int, step: int, ahead: bool = False) -> Tensors:
+        """The shard's parameters and buffers as of `step` (before it is applied).
+
+        `ahead`: the caller asks before step `step - 1` has committed (it sends this with its report, so
+        the answer leaves the moment the step is applied instead of one round trip later); the call waits
+        until this shard reaches `step`, or fails when the generation changes or the wait runs out.
+        """
         self._check(generation, "pull")
+        if ahead:
+            await self._wait_for_version(generation, step)
         self._check_step(step, "pull")
+        tensors = {**self._params, **self._buffers}
+        if ahead:
+            # A worker that pulled ahead may get no work in this step, and then nothing stops the next
+            # `apply` from changing these tensors while the reply is still being serialized.
+            return {n: t.clone() for n, t in tensors.items()}
         # No copy: the tensors are serialized when this reply is sent, and `apply` for this step only
         # runs after every worker of the step has pulled, computed and reported.
-        return {**self._params, **self._buffers}
+        return tensors
+
+    async def _wait_for_version(self, generation: int, step: int) -> None:
+        if self._version_changed is None:
+            self._version_changed = asyncio.Condition()
+        changed = self._version_changed
+        deadline = asyncio.get_running_loop().time() + PULL_AHEAD_SECONDS
+        async with changed:
+            while self.version < step and self.generation == generation:
+                remaining = deadline - asyncio.get_running_loop().time()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+        self._check(generation, "pull")
+
+    async def _announce_version(self) -> None:
+        if self._version_changed is not None:
+            async with self._version_changed:
+                self._version_changed.notify_all()
 
     async def push(
         self,
@@ -167,6 +204,7 @@ class DataServer:
         finally:
             self._applying = False
         self.version += 1
+        await self._announce_version()
         return self.version
 
     def _apply(self, grads: list[Tensors], buffers: list[Tensors]) -> None:
@@ -208,6 +246,7 @@ class DataServer:
             if self._optimizer is not None:
                 self._optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
             self.version = snap.version
+        await self._announce_version()
         return self.version
 
     async def export_snapshot(self) -> dict[str, Any]:
