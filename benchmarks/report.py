@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
         )
     rec = r["recovery"].get("reassign")
     tr = r.get("torchrun", {}).get("recovery")
-    tr_median = tr.get("recovery_s", {}).get("median") if tr else None
+    tr_times = [k["recovery_s"] for k in (tr or {}).get("kills", []) if k.get("recovered")]
+    tr_median = statistics.median(tr_times) if tr_times else None
     if rec and rec["recovery_s"]:
         median = rec["recovery_s"]["median"]
         speedup = tr_median / median if tr_median else None
@@ -150,6 +152,10 @@ def plot_timeline(r: Results, path: Path) -> None:
     for label, run, color in runs:
         if not run or not run.get("steps"):
             continue
+        # Both runs on one clock: seconds since their first step (torchrun's log starts at its launch).
+        origin = min(x["t"] for x in run["steps"])
+        steps = sorted(({**x, "t": x["t"] - origin} for x in run["steps"]), key=lambda x: x["t"])
+        run = {**run, "steps": steps, "events": [{**e, "t": e["t"] - origin} for e in run.get("events", [])]}
         t, rate = _rate(run["steps"])
         top.plot(t, rate, color=color, label=label)
         bottom.plot([s["t"] for s in run["steps"]], [s["loss"] for s in run["steps"]], color=color, lw=0.8)

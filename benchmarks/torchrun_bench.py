@@ -1,0 +1,521 @@
+"""The torchrun-elastic baseline: the same model, data and kills as the prefect-elastic runs, under
+`python -m torch.distributed.run` (DDP on gloo, checkpoint and restart).
+
+Every function starts real torchrun agents (each in its own session), drives them from the JSON lines
+their workers append (see torchrun_worker.py), and kills every process it started before returning, also
+on error. Every wait is bounded: a recovery that does not come is reported, never waited for forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import random
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+WORKER = Path(__file__).resolve().parent / "torchrun_worker.py"
+REPO = WORKER.parent.parent
+
+# Rendezvous settings (c10d backend, --rdzv-conf); the options take whole seconds.
+# - last_call_timeout: once min nodes are in, a rendezvous waits this long for more. The default 30 s is
+#   paid at start and on every restart of an --nnodes=1:2 job that has one node; 1 s is the least allowed.
+# - keep_alive_interval x keep_alive_max_attempt: how long a dead node stays a participant (default
+#   5 x 3 = 15 s), which a shrinking job waits out. A node sends a heartbeat only every 1 to 2 intervals,
+#   so max_attempt 2 declares live nodes dead on a busy machine: a joining node then drops the running
+#   node from the rendezvous and forms a second, separate group (seen here: two world-1 jobs training side
+#   by side on one checkpoint). 1 x 5 leaves a margin.
+RDZV_CONF = "last_call_timeout=1,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=5"
+
+# torch >= 2.4 shares the agent's rendezvous TCPStore with the workers, with no per-restart key prefix:
+# after a restart the new workers read the dead group's keys and init_process_group fails or hangs.
+# Setting this makes rank 0 of every restart host a fresh store on a free port instead.
+FRESH_STORE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torchrun_command(
+    workload: str,
+    data: str,
+    log_file: Path,
+    checkpoint: Path,
+    *,
+    port: int,
+    nproc: int = 2,
+    nnodes: str = "1:2",
+    max_restarts: int = 10,
+    steps: int = 1_000_000,
+    checkpoint_every: int = 10,
+    rdzv_conf: str = RDZV_CONF,
+    is_host: bool | None = None,
+    standalone: bool = False,
+    run_id: str = "bench",
+) -> list[str]:
+    """The command line of one torchrun agent of an elastic job, everything bound to 127.0.0.1.
+
+    `is_host` says whether this agent hosts the rendezvous store; left out, every agent on this machine
+    tries to bind the endpoint and the first to start wins, which may be the one a benchmark kills.
+    `standalone` makes it a fixed single-node job (`--standalone`, no elastic membership), for comparison."""
+    if is_host is not None:
+        rdzv_conf += f",is_host={str(is_host).lower()}"
+    rendezvous = (
+        ["--standalone"]
+        if standalone
+        else [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+              f"--rdzv-id={run_id}", f"--rdzv-conf={rdzv_conf}"]
+    )  # fmt: skip
+    return [
+        sys.executable, "-m", "torch.distributed.run", *rendezvous,
+        f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+        "--local-addr=127.0.0.1", "--monitor-interval=0.1", f"--log-dir={log_file.parent / 'torchelastic'}",
+        str(WORKER), "--workload", workload, "--data", data, "--log-file", str(log_file),
+        "--checkpoint", str(checkpoint), "--steps", str(steps), "--checkpoint-every", str(checkpoint_every),
+    ]  # fmt: skip
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_ADDR": "127.0.0.1"})
+    env.update(extra or {})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class StepLog:
+    """Tails the workers' JSON-lines file; `records` holds every complete line read so far."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self.torn = 0
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Read the lines appended since the last poll and return them."""
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        self._offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # a line still being written
+        new = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                new.append(json.loads(line))
+            except ValueError:  # a line torn by a SIGKILL mid-write (writes of a line are one append)
+                self.torn += 1
+        self.records.extend(new)
+        return new
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [r for r in self.records if "step" in r]
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r.get("event") == name]
+
+    def wait(self, until: Callable[[StepLog], bool], timeout: float, interval: float = 0.02) -> bool:
+        """Poll until `until(self)` holds or `timeout` seconds pass; returns whether it held."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.poll()
+            if until(self):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(interval)
+
+
+@dataclass
+class Agents:
+    """The torchrun agents one benchmark started, and how to kill them and all their workers: torchrun
+    starts each worker in a session of its own, so killing an agent's process group does not reach them."""
+
+    steplog: StepLog
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    commands: list[list[str]] = field(default_factory=list)
+    _known: dict[int, psutil.Process] = field(default_factory=dict)
+
+    def start(self, command: list[str], env: dict[str, str], output: Path) -> subprocess.Popen[bytes]:
+        with open(output, "ab") as out:
+            proc = subprocess.Popen(
+                command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.procs.append(proc)
+        self.commands.append(command)
+        self._remember(proc.pid)
+        return proc
+
+    def _remember(self, pid: int, worker: bool = False) -> None:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if worker and str(self.steplog.path) not in proc.cmdline():
+                return  # that worker is gone and its pid now belongs to someone else
+            self._known.setdefault(pid, proc)
+            for child in proc.children(recursive=True):
+                self._known.setdefault(child.pid, child)
+
+    def refresh(self) -> None:
+        """Note every descendant of our agents, and every worker pid the log names, while they live, so
+        that `kill_all` can reach them even once orphaned (psutil.Process checks the pid was not reused)."""
+        for proc in self.procs:
+            self._remember(proc.pid)
+        for start in self.steplog.events("start"):
+            self._remember(int(start["pid"]), worker=True)
+
+    def kill_agent(self, proc: subprocess.Popen[bytes]) -> list[int]:
+        """SIGKILL one agent and its workers at once (a node dying); returns the pids killed."""
+        self.refresh()
+        victims = [proc.pid]
+        with contextlib.suppress(psutil.Error):
+            victims += [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        return victims
+
+    def kill_all(self) -> None:
+        self.refresh()
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for known in self._known.values():
+            with contextlib.suppress(psutil.Error):
+                known.kill()  # checks the pid still is the process we saw, unlike os.kill
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        psutil.wait_procs(list(self._known.values()), timeout=10)
+
+
+@contextlib.contextmanager
+def agents(steplog: StepLog) -> Iterator[Agents]:
+    group = Agents(steplog)
+    try:
+        yield group
+    finally:
+        group.kill_all()
+
+
+def prepare(workdir: Path, name: str) -> tuple[Path, Path, Path]:
+    """Fresh log, checkpoint and agent-output paths for one run under `workdir`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = workdir / f"{name}.jsonl", workdir / f"{name}.ckpt.pt", workdir / f"{name}.agent.log"
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return paths
+
+
+def throughput(steps: list[dict[str, Any]], skip: int = 5) -> float | None:
+    """Samples/s over one group's steps (all ranks' samples), leaving out the first `skip` steps."""
+    done: dict[int, tuple[float, int]] = {}  # step -> (time its last rank finished it, samples of all ranks)
+    for r in steps:
+        t, n = done.get(r["step"], (0.0, 0))
+        done[r["step"]] = (max(t, r["t"]), n + r["samples"])
+    order = sorted(done)[skip:]
+    if len(order) < 2:
+        return None
+    elapsed = done[order[-1]][0] - done[order[0]][0]
+    return sum(done[s][1] for s in order[1:]) / elapsed
+
+
+def progress(steplog: StepLog, restart: int, after: float = 0.0) -> int:
+    """Steps completed by the group of restart count `restart` after time `after`."""
+    return len({r["step"] for r in steplog.steps() if r["restart"] == restart and r["t"] > after})
+
+
+def relative(records: list[dict[str, Any]], started: float) -> list[dict[str, Any]]:
+    return [r | {"t": r["t"] - started} for r in records]
+
+
+def recovery(
+    workload: str,
+    data: str,
+    workdir: Path,
+    kills: int = 5,
+    limit: float = 60.0,
+    *,
+    steady_steps: int = 20,
+    checkpoint_every: int = 10,
+    share_store: bool = False,
+    standalone: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Kill one of the two workers of a torchrun-elastic job `kills` times; time each recovery.
+
+    One agent, `--nproc-per-node=2`: on a worker's death the agent stops the other one, re-rendezvous and
+    restarts both, which resume from the last checkpoint. Per kill: `recovery_s` from the SIGKILL to the
+    first step completed by the restarted group, `regained_s` to the first step past the last one done
+    before the kill (the lost steps redone), `steps_lost`. Each kill comes `steady_steps` steps after the
+    previous recovery plus a seeded 0..checkpoint_every-1 more, so it lands at any distance from the last
+    checkpoint. `share_store=True` keeps torch's default store sharing (see FRESH_STORE_ENV) to show it
+    fail; `standalone=True` runs `--standalone` instead of `--nnodes=1:2` (no last-call wait), to compare.
+    """
+    log_file, checkpoint, output = prepare(workdir, f"recovery-{workload}")
+    command = torchrun_command(
+        workload, data, log_file, checkpoint, port=free_port(), nproc=2,
+        max_restarts=kills + 2, checkpoint_every=checkpoint_every, standalone=standalone,
+    )  # fmt: skip
+    env_extra = {} if share_store else FRESH_STORE_ENV
+    rng = random.Random(seed)
+    steplog = StepLog(log_file)
+    result: dict[str, Any] = {
+        "system": "torchrun-elastic",
+        "workload": workload,
+        "config": {"command": shlex.join(command), "env": {"OMP_NUM_THREADS": "1", **env_extra}},
+        "checkpoint_every": checkpoint_every,
+        "limit": limit,
+        "loadavg_before": os.getloadavg(),
+        "kills": [],
+    }
+    started = time.time()
+    with agents(steplog) as group:
+        agent = group.start(command, worker_env(env_extra), output)
+        restart, since = 0, 0.0
+        for k in range(kills):
+            need = steady_steps + rng.randrange(checkpoint_every)
+
+            def steady_again(s: StepLog, r: int = restart, t: float = since, n: int = need) -> bool:
+                return progress(s, r, t) >= n or agent.poll() is not None
+
+            waiting = time.monotonic()
+            if not steplog.wait(steady_again, limit) or agent.poll() is not None:
+                entry = result["kills"][-1] if k else result
+                entry.update(steady=False, waited=time.monotonic() - waiting, agent_exit=agent.poll())
+                break
+            if k == 0:
+                result["startup_s"] = min(r["t"] for r in steplog.steps()) - started
+                result["steady_samples_per_s"] = throughput([r for r in steplog.steps() if r["restart"] == 0])
+            group.refresh()
+            pids = {r["rank"]: r["pid"] for r in steplog.events("start") if r["restart"] == restart}
+            rank = k % 2  # alternate between the rank that checkpoints and the other
+            t_kill = time.time()
+            os.kill(pids[rank], signal.SIGKILL)
+            steplog.poll()
+            last_done = max((r["step"] for r in steplog.steps() if r["t"] <= t_kill), default=0)
+            kill: dict[str, Any] = {"kill": k, "rank": rank, "pid": pids[rank], "t": t_kill - started}
+            result["kills"].append(kill)
+
+            def resumed(s: StepLog, r: int = restart) -> bool:
+                return any(x["restart"] > r for x in s.steps()) or agent.poll() is not None
+
+            if not steplog.wait(resumed, limit) or agent.poll() is not None:
+                # Not within `limit` s, or never: the agent gave up (exit code in agent_exit).
+                kill.update(recovered=False, waited=time.time() - t_kill, agent_exit=agent.poll())
+                kill["restarts_seen"] = sorted({r["restart"] for r in steplog.events("start")})
+                break
+            first = min((r for r in steplog.steps() if r["restart"] > restart), key=lambda r: r["t"])
+            ready = [r for r in steplog.events("ready") if r["restart"] == first["restart"]]
+            starts = [r for r in steplog.events("start") if r["restart"] == first["restart"]]
+            kill.update(
+                recovered=True,
+                recovery_s=first["t"] - t_kill,
+                restarts=first["restart"] - restart,  # more than 1: restarted groups failed again
+                workers_started_s=min(r["t"] for r in starts) - t_kill,  # after `import torch`
+                workers_ready_s=max(r["t"] for r in ready) - t_kill,  # process group and checkpoint loaded
+                last_step_before_kill=last_done,
+                resume_step=ready[0]["resume_step"],
+                steps_lost=last_done - ready[0]["resume_step"],
+            )
+            restart, since = first["restart"], first["t"]
+
+            def regained(s: StepLog, r: int = restart, target: int = last_done + 1) -> bool:
+                return any(x["restart"] == r and x["step"] >= target for x in s.steps())
+
+            if not steplog.wait(regained, limit):
+                kill.update(regained=False, waited=limit)
+                break
+            redone = [x["t"] for x in steplog.steps() if x["restart"] == restart and x["step"] > last_done]
+            kill["regained_s"] = min(redone) - t_kill
+        result["agent_exit"] = agent.poll()
+    result["loadavg_after"] = os.getloadavg()  # other load on the machine skews every figure here
+    steplog.poll()
+    times = [k["recovery_s"] for k in result["kills"] if k.get("recovered")]
+    if times:
+        result["recovery_s"] = {"mean": statistics.mean(times), "min": min(times), "max": max(times)}
+    result["steps"] = relative(steplog.steps(), started)
+    result["agent_output"] = str(output)
+    return result
+
+
+def steady(workload: str, data: str, workdir: Path, steps: int = 60, limit: float = 120.0) -> dict[str, Any]:
+    """Throughput of a torchrun job with two workers (one agent) and no failure."""
+    log_file, checkpoint, output = prepare(workdir, f"steady-{workload}")
+    command = torchrun_command(
+        workload, data, log_file, checkpoint, port=free_port(), nproc=2, steps=steps, checkpoint_every=10**9
+    )
+    steplog = StepLog(log_file)
+    started = time.time()
+    with agents(steplog) as group:
+        agent = group.start(command, worker_env(FRESH_STORE_ENV), output)
+        finished = steplog.wait(lambda s: progress(s, 0) >= steps and agent.poll() is not None, limit)
+    records = steplog.steps()
+    first_group = [r for r in records if r["restart"] == 0]  # a failed worker restarts all from step 0
+    return {
+        "system": "torchrun-elastic",
+        "workload": workload,
+        "config": {"command": shlex.join(command), "env": {"OMP_NUM_THREADS": "1", **FRESH_STORE_ENV}},
+        "finished": finished,
+        "waited": None if finished else limit,
+        "restarts": max((r["restart"] for r in records), default=0),
+        "startup_s": min(r["t"] for r in records) - started if records else None,
+        "samples_per_s": throughput(first_group),
+        "loadavg": os.getloadavg(),
+        "steps": relative(records, started),
+    }
+
+
+def timeline(
+    workload: str,
+    data: str,
+    workdir: Path,
+    kill_at: float,
+    join_at: float,
+    duration: float,
+    *,
+    checkpoint_every: int = 10,
+) -> dict[str, Any]:
+    """Two torchrun agents (nodes) of one worker each on one c10d rendezvous, `--nnodes=1:2`.
+
+    At `kill_at` s the second node dies (its agent and worker SIGKILLed at once): the survivor's worker
+    fails in its next all-reduce, its agent restarts it, and once the dead node's heartbeats expire the
+    rendezvous closes with one node: the job goes on with world 1 from the last checkpoint. At `join_at` s
+    a new agent joins the same endpoint; the survivor's agent sees a node waiting, restarts its worker, and
+    the group re-forms with world 2 (again from the last checkpoint). The first agent hosts the rendezvous
+    store, as the endpoint host does on a real cluster; killing it instead ends the job (the store dies with
+    it), so the second node is the one that dies. Times are seconds from the start of the first agent.
+    """
+    log_file, checkpoint, output = prepare(workdir, f"timeline-{workload}")
+    port = free_port()
+
+    def command(is_host: bool) -> list[str]:
+        return torchrun_command(
+            workload, data, log_file, checkpoint, port=port, nproc=1, max_restarts=100,
+            checkpoint_every=checkpoint_every, is_host=is_host,
+        )  # fmt: skip
+
+    def until(t: float) -> None:
+        steplog.wait(lambda s: False, max(0.0, t - (time.time() - started)), interval=0.1)
+
+    env = worker_env(FRESH_STORE_ENV)
+    steplog = StepLog(log_file)
+    events: list[dict[str, Any]] = []
+    started = time.time()
+    with agents(steplog) as group:
+        host = group.start(command(is_host=True), env, output)
+        group.start(command(is_host=False), env, output)
+        node = group.procs[-1]
+        events.append({"event": "agents_started", "agents": 2, "t": time.time() - started})
+        until(kill_at)
+        killed = group.kill_agent(node)
+        t_kill = time.time() - started
+        events.append({"event": "kill", "pids": killed, "t": t_kill})
+        until(join_at)
+        group.start(command(is_host=False), env, output)
+        t_join = time.time() - started
+        events.append({"event": "join", "t": t_join})
+        until(duration)
+        host_exit = host.poll()
+    steplog.poll()
+    keep = ("restart", "rank", "world", "pid", "resume_step")
+    for name in ("start", "ready"):
+        for r in steplog.events(name):
+            worker = {k: r[k] for k in keep if k in r}
+            events.append({"event": f"worker_{name}", "t": r["t"] - started, **worker})
+    events.sort(key=lambda e: e["t"])
+    steps = relative(steplog.steps(), started)
+    shrunk = [s["t"] for s in steps if s["t"] > t_kill and s["world"] == 1]
+    grown = [s["t"] for s in steps if s["t"] > t_join and s["world"] == 2]
+    return {
+        "system": "torchrun-elastic",
+        "workload": workload,
+        "config": {
+            "host": shlex.join(command(is_host=True)),
+            "nodes": shlex.join(command(is_host=False)),
+            "env": {"OMP_NUM_THREADS": "1", **FRESH_STORE_ENV},
+        },
+        "kill_at": kill_at,
+        "join_at": join_at,
+        "duration": duration,
+        "shrink_s": min(shrunk) - t_kill if shrunk else None,  # kill -> first step of the world-1 group
+        "grow_s": min(grown) - t_join if grown else None,  # join -> first step of the world-2 group
+        "split_brain": overlapping_groups(steps),
+        "host_agent_exit": host_exit,
+        "loadavg_after": os.getloadavg(),
+        "events": events,
+        "steps": steps,
+        "agent_output": str(output),
+    }
+
+
+def overlapping_groups(steps: list[dict[str, Any]]) -> bool:
+    """Whether two rank-0 workers trained at the same time, i.e. two separate groups existed at once."""
+    spans: dict[int, tuple[float, float]] = {}
+    for r in steps:
+        if r["rank"] == 0:
+            lo, hi = spans.get(r["pid"], (r["t"], r["t"]))
+            spans[r["pid"]] = (min(lo, r["t"]), max(hi, r["t"]))
+    ordered = sorted(spans.values())
+    return any(later[0] < earlier[1] for earlier, later in itertools.pairwise(ordered))
+
+
+if __name__ == "__main__":
+    import argparse
+    import tempfile
+
+    from .workloads import write_dataset
+
+    logging.basicConfig(level=logging.INFO)
+    parser = argparse.ArgumentParser(description="torchrun-elastic baseline runs, for trying them out")
+    parser.add_argument("what", nargs="?", default="recovery", choices=["recovery", "timeline", "steady"])
+    parser.add_argument("--workload", default="cnn")
+    parser.add_argument("--samples", type=int, default=4096)
+    parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--limit", type=float, default=60.0)
+    parser.add_argument("--share-store", action="store_true", help="torch's default store sharing")
+    parser.add_argument("--standalone", action="store_true", help="recovery with --standalone")
+    parser.add_argument("--times", default="15,30,45", help="timeline: kill_at,join_at,duration")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--full", action="store_true", help="print the per-step log too")
+    cli = parser.parse_args()
+    workdir = Path(cli.workdir or tempfile.mkdtemp(prefix="torchrun-bench-"))
+    dataset = write_dataset(workdir / f"data-{cli.samples}.npz", cli.samples)
+    if cli.what == "recovery":
+        out = recovery(
+            cli.workload, dataset, workdir, cli.kills, cli.limit,
+            share_store=cli.share_store, standalone=cli.standalone,
+        )  # fmt: skip
+    elif cli.what == "timeline":
+        kill_at, join_at, duration = (float(x) for x in cli.times.split(","))
+        out = timeline(cli.workload, dataset, workdir, kill_at, join_at, duration)
+    else:
+        out = steady(cli.workload, dataset, workdir)
+    if not cli.full:
+        out["steps"] = f"{len(out['steps'])} records"
+    print(json.dumps(out, indent=1))

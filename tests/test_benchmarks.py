@@ -1,0 +1,53 @@
+"""The benchmark suite's code, run end to end at tiny sizes (`--smoke`). Its timings are not checked here:
+speed is measured by `bash scripts/bench.sh` and reported in docs/benchmarks.md, never asserted in tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.report import END, START, figures
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.mark.timeout(900)
+def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
+    raw = tmp_path / "results.json"
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"# Benchmarks\n\nintro kept\n\n{START}\nold table\n{END}\n\nanalysis kept\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--data-dir", str(tmp_path / "data"),
+         "--raw", str(raw), "--docs", str(docs)],
+        cwd=ROOT, capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    r = json.loads(raw.read_text())
+    assert not r.get("errors")
+    for w in ("cnn", "mlp"):
+        assert r["steady"][w]["plain"] > 0 and r["steady"][w]["elastic"] > 0
+        assert [x["workers"] for x in r["scaling"][w]] == [1, 2]
+    for policy in ("reassign", "rollback"):
+        rec = r["recovery"][policy]
+        assert rec["kills"] == 1 and rec["recovery_s"]["n"] == 1, rec
+    # A SIGKILL under rollback undoes committed steps or drops the step in flight: work lost is counted.
+    assert r["recovery"]["rollback"]["lost_steps_per_failure"] > 0
+    assert r["recovery"]["reassign"]["steps_lost"] == [0]
+    assert [s["server"] for s in r["memory"]["servers"]] == [0, 1]
+    assert all(s["must_hold"] > s["data_bytes"] > 0 for s in r["memory"]["servers"])
+    kinds = [e["kind"] for e in r["timeline"]["events"]]
+    assert "kill" in kinds and "join" in kinds
+    assert r["torchrun"]["recovery"] and r["torchrun"]["timeline"]["steps"]
+    # The table has a row per figure, put between the marks; the text around them is kept.
+    text = docs.read_text()
+    assert "intro kept" in text and "analysis kept" in text and "old table" not in text
+    for row in figures(r):
+        assert f"| {row[0]} | {row[1]} |" in text
+    assert (tmp_path / "img" / "bench-timeline.png").stat().st_size > 10_000
+    assert (tmp_path / "img" / "bench-ratios.png").stat().st_size > 10_000
