@@ -160,11 +160,12 @@ def plot_timeline(r: Results, path: Path) -> None:
         top.plot(t, rate, color=color, label=label)
         bottom.plot([s["t"] for s in run["steps"]], [s["loss"] for s in run["steps"]], color=color, lw=0.8)
         for e in run.get("events", []):
-            if e["kind"] in ("kill", "join"):
-                style = "--" if e["kind"] == "kill" else ":"
+            kind = e.get("kind", e.get("event"))  # torchrun_bench names it "event"
+            if kind in ("kill", "join"):
+                style = "--" if kind == "kill" else ":"
                 for ax in (top, bottom):
                     ax.axvline(e["t"], color=color, ls=style, lw=1)
-                top.annotate(f"{label} {e['kind']}", (e["t"], 0), rotation=90, fontsize=7, color=color,
+                top.annotate(f"{label} {kind}", (e["t"], 0), rotation=90, fontsize=7, color=color,
                              xytext=(2, 5), textcoords="offset points")  # fmt: skip
     top.set_ylabel("samples/s (1 s window)")
     top.legend(loc="upper right")

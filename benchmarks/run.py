@@ -186,7 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--raw", default=str(ROOT / "docs" / "benchmarks" / "results.json"))
     parser.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
     parser.add_argument("--no-torchrun", action="store_true", help="leave out the torchrun baseline")
+    parser.add_argument("--report-only", action="store_true", help="rewrite --docs from --raw; run nothing")
     args = parser.parse_args(argv)
+    if args.report_only:
+        results = json.loads(Path(args.raw).read_text())
+        report.write(results, Path(args.docs), Path(args.docs).parent / "img")
+        return 0
     sizes = SMOKE if args.smoke else Sizes()
     workdir = Path(args.data_dir)
     raw, docs = Path(args.raw), Path(args.docs)

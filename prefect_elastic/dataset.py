@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 _ARRAYS = ("x", "y")
+_READ_CHUNK = 8 * 2**20
 
 
 @dataclass(frozen=True)
@@ -266,7 +267,8 @@ def _read_rows(info: DatasetInfo, file_url: str, count: int, first: int, out: np
             view = out.reshape(-1).view(np.uint8).data
             filled = 0
             while filled < len(view):
-                n = member.readinto(view[filled:])  # type: ignore[attr-defined]  # a ZipExtFile
+                # In chunks: a zip member's readinto reads into a temporary bytes of the size asked for.
+                n = member.readinto(view[filled : filled + _READ_CHUNK])  # type: ignore[attr-defined]  # a ZipExtFile
                 if not n:
                     raise EOFError(f"{key}.npy ends after {filled} of {len(view)} bytes")
                 filled += n
