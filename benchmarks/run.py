@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite --docs from --raw; run nothing")
     args = parser.parse_args(argv)
     if args.report_only:
-        results = json.loads(Path(args.raw).read_text())
-        report.write(results, Path(args.docs), Path(args.docs).parent / "img")
+        stored: dict[str, Any] = json.loads(Path(args.raw).read_text())
+        report.write(stored, Path(args.docs), Path(args.docs).parent / "img")
         return 0
     sizes = SMOKE if args.smoke else Sizes()
     workdir = Path(args.data_dir)
