@@ -132,6 +132,10 @@ def _rate(steps: list[dict[str, Any]], window: float = 1.0) -> tuple[list[float]
     lo = 0
     total = 0
     for i, s in enumerate(steps):
+        if i and ts[i] - ts[i - 1] > window:
+            # No step for longer than the window: draw the stall as zero, not as a line across it.
+            out_t += [ts[i - 1] + window, ts[i]]
+            out_r += [0.0, 0.0]
         total += s["samples"]
         while ts[i] - ts[lo] > window:
             total -= steps[lo]["samples"]
