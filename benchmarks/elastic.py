@@ -319,13 +319,25 @@ def _rss(pid: int) -> tuple[int, int]:
     return fields["VmRSS"], fields["VmHWM"]
 
 
-def memory(workload: str, data: str, epochs: int) -> dict[str, Any]:
+def memory(workload: str, data: str, small: str, epochs: int) -> dict[str, Any]:
     """Peak memory of each data server's worker process over the bytes the data server must hold.
 
     Baseline: the worker's resident memory before the job (Python, torch, Dask). Peak: its high-water
     mark at the end. Must hold: data partition + parameter slice + optimizer state (momentum, one more
-    copy) + snapshot (parameters and momentum again).
+    copy) + snapshot (parameters and momentum again). The same job on the `small` dataset separates what
+    grows with the data (`marginal_ratio`: extra peak per extra byte held) from a fixed cost.
     """
+    big_run, small_run = _memory_once(workload, data, epochs), _memory_once(workload, small, epochs)
+    for server, other in zip(big_run, small_run, strict=True):
+        server["growth_small_dataset"] = other["growth"]
+        server["must_hold_small_dataset"] = other["must_hold"]
+        server["marginal_ratio"] = (server["growth"] - other["growth"]) / (
+            server["must_hold"] - other["must_hold"]
+        )
+    return {"workload": workload, "servers": big_run}
+
+
+def _memory_once(workload: str, data: str, epochs: int) -> list[dict[str, Any]]:
     with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
         # Data server i (and, with server 0, the coordinator) lives on static-i.
         static = [cluster.address_of(f"static-{i}") for i in range(2)]
@@ -357,4 +369,4 @@ def memory(workload: str, data: str, epochs: int) -> dict[str, Any]:
                 "ratio": grown / must_hold,
             }
         )
-    return {"workload": workload, "servers": servers}
+    return servers

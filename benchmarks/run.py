@@ -30,6 +30,7 @@ from .plain import plain_loop
 from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
+SCALED = ("cnn", "mlp")  # the workloads measured with 1, 2 and 4 compute workers
 # torchrun's timeline counts from its launch, which takes 5 to 6 s to the first step on this machine;
 # its kill and join come this much later so both systems train about as long before each.
 TORCHRUN_STARTUP = 6.0
@@ -53,7 +54,7 @@ class Sizes:
 
 SMOKE = Sizes(
     samples=2048,
-    memory_samples=2048,
+    memory_samples=4096,  # must differ from samples: the memory figure compares the two
     steady_epochs=1,
     repeats=1,
     kills=1,
@@ -151,13 +152,13 @@ def run_elastic(
             results, f"elastic recovery ({policy})", elastic.recovery, pool, "cnn", data, policy, sizes.kills,
             sizes.recovery_epochs,
         )  # fmt: skip
-    for w in WORKLOADS:
+    for w in SCALED:
         runs = [
             attempt(results, f"elastic {w} x{n}", elastic.scaling, pool, w, data, n, sizes.scaling_epochs)
             for n in sizes.scaling_workers
         ]
         results["scaling"][w] = [x for x in runs if x]
-    results["memory"] = attempt(results, "data server memory", elastic.memory, "mlp", big, 1)
+    results["memory"] = attempt(results, "data server memory", elastic.memory, "mlp", big, data, 1)
     results["timeline"] = attempt(
         results, "elastic timeline", elastic.timeline, pool, "cnn", data, sizes.timeline_epochs,
         sizes.kill_at, sizes.join_at,

@@ -30,8 +30,9 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads(raw.read_text())
     assert not r.get("errors")
-    for w in ("cnn", "mlp"):
+    for w in ("cnn", "mlp", "cnn-tiny"):
         assert r["steady"][w]["plain"] > 0 and r["steady"][w]["elastic"] > 0
+    for w in ("cnn", "mlp"):
         assert [x["workers"] for x in r["scaling"][w]] == [1, 2]
     for policy in ("reassign", "rollback"):
         rec = r["recovery"][policy]
