@@ -116,12 +116,21 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
         epochs = sizes.steady_epochs
         steps = epochs * (sizes.samples // BATCH)
         for i in range(sizes.repeats):
-            p = attempt(results, f"plain {w} #{i}", plain_loop, w, data, steps)
-            a = attempt(
-                results, f"elastic {w} snapshots 1 s #{i}", elastic.steady, pool, w, data, epochs, 1.0
-            )
-            # A liveness interval longer than the run: survival detection only runs on worker events.
-            b = attempt(results, f"elastic {w} no snapshots #{i}", elastic.steady, pool, w, data, epochs, 1e6)
+            # Odd repeats run in the opposite order, so a drift of the machine over time (or the first run
+            # after another kind of run being slower) weighs on both sides of each ratio alike.
+            order = ["plain", "snapshots", "none"] if i % 2 == 0 else ["none", "snapshots", "plain"]
+            got: dict[str, Any] = {}
+            for kind in order:
+                if kind == "plain":
+                    got[kind] = attempt(results, f"plain {w} #{i}", plain_loop, w, data, steps)
+                else:
+                    # A liveness interval longer than the run: survival detection runs only on worker
+                    # events, so there are no periodic snapshots.
+                    interval = 1.0 if kind == "snapshots" else 1e6
+                    got[kind] = attempt(
+                        results, f"elastic {w} {kind} #{i}", elastic.steady, pool, w, data, epochs, interval
+                    )
+            p, a, b = got["plain"], got["snapshots"], got["none"]
             if p and a and b:
                 plain.append(p["samples_per_s"])
                 with_snap.append(a["samples_per_s"])

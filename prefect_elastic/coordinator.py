@@ -289,9 +289,15 @@ class Coordinator:
     async def survival_check(
         self, live_workers: Iterable[str], trigger: str = "interval"
     ) -> MembershipEvent | None:
-        """Suspend, decide, carry the decision out, resume. Returns the event it recorded, if any."""
+        """Suspend, decide, carry the decision out, resume. Returns the event it recorded, if any.
+
+        Work is suspended only when the membership changed: a periodic check that just snapshots holds
+        the lock (so no step commits half-way through the snapshot) but lets workers take work meanwhile.
+        """
         lock, _ = self._sync_primitives()
-        self._suspended = True
+        live = frozenset(live_workers)
+        if live != self._workers:
+            self._suspended = True
         try:
             async with lock:
                 if self._finished:
@@ -306,7 +312,7 @@ class Coordinator:
                     snapshot_step=self._ledger.snapshot_step,
                     below_min_since=self._below_min_since,
                 )
-                decision = survival_check(state, frozenset(live_workers), time.time())
+                decision = survival_check(state, live, time.time())
                 event = await self._carry_out(decision, trigger)
                 self._suspended = not decision.resume
                 return event
