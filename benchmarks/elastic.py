@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -49,24 +47,6 @@ def make_job(
     )
 
 
-@dataclass
-class Watch:
-    """Called on every progress poll of the controller: records (time, committed steps, workers) and runs
-    the actions due (kills, joins) from the controller's thread, so their times are exact."""
-
-    actions: list[tuple[Callable[[Progress], bool], Callable[[], None]]] = field(default_factory=list)
-    samples: list[tuple[float, int, int]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def __call__(self, progress: Progress) -> None:
-        self.samples.append((time.time(), progress.committed_steps, len(progress.workers)))
-        for i, (due, act) in enumerate(list(self.actions)):
-            if due(progress):
-                self.actions.pop(i)
-                act()
-                break
-
-
 class ClusterPool:
     """One LocalElasticCluster shared by the scenarios (2 static workers), resized to the compute workers
     each needs: starting a cluster costs seconds that the suite would otherwise pay per scenario."""
@@ -93,12 +73,10 @@ class ClusterPool:
             self.cluster = None
 
 
-def run(
-    cluster: LocalElasticCluster, job: ElasticJob, watch: Watch | None = None
-) -> tuple[TrainResult, float]:
+def run(cluster: LocalElasticCluster, job: ElasticJob) -> tuple[TrainResult, float]:
     """Train `job` on `cluster`; returns the result and the wall time the call took."""
     started = time.time()
-    result = train(job, cluster=cluster, on_progress=watch)
+    result = train(job, cluster=cluster)
     return result, time.time() - started
 
 

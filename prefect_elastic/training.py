@@ -51,8 +51,8 @@ PROGRESS_POLL_SECONDS = 0.02
 # How often the controller publishes its progress to the scheduler's metadata (see `read_progress`).
 PUBLISH_SECONDS = 0.2
 # A worker registers with the scheduler while its status is still "init" and reports "running" a message
-# later, so the check its add-worker event triggers may not count it yet; look again this soon instead of
-# a liveness interval later (that wait was most of a slow join in docs/benchmarks.md).
+# later, so the check its add-worker event triggers may not count it yet; look at the membership again
+# this soon instead of a liveness interval later (that wait was most of a slow join in docs/benchmarks.md).
 STARTING_RECHECK_SECONDS = 0.05
 # A compute loop that keeps failing on a live worker is restarted at most this many times.
 MAX_LOOP_RESTARTS = 5
@@ -338,21 +338,29 @@ class TrainingRun:
     def _supervise(self, coordinator: Any, shards: list[Any], plan: list[list[str]]) -> Progress:
         job = self.job
         next_check = 0.0
+        recheck_at: float | None = None  # while a registered worker is still starting
+        known: list[str] = []  # the live workers the last survival check saw
         while True:
             now = time.monotonic()
             triggered = self.worker_event.is_set()
+            if not triggered and recheck_at is not None and now >= recheck_at:
+                # A starting worker turning "running" is a membership change that no scheduler event
+                # announces: look at the membership only, and check survival if it changed.
+                live, starting = self._elastic_workers()
+                triggered = live != known
+                recheck_at = now + STARTING_RECHECK_SECONDS if starting else None
             if triggered or now >= next_check:
                 self.worker_event.clear()
                 live, starting = self._elastic_workers()
+                known = live
                 self._ensure_loops(live, coordinator, shards, plan)
                 # It may wait for a commit in progress, then call every shard: each bounded by call_timeout.
                 event = self._call(
                     coordinator.survival_check(live, "worker event" if triggered else "interval"),
                     timeout=3 * job.call_timeout,
                 )
-                next_check = time.monotonic() + (
-                    STARTING_RECHECK_SECONDS if starting else job.liveness_interval
-                )
+                next_check = time.monotonic() + job.liveness_interval
+                recheck_at = time.monotonic() + STARTING_RECHECK_SECONDS if starting else None
                 if event is not None and event.kind == "snapshot":
                     self.persistence.after_snapshot(coordinator, shards, job.call_timeout)
                 if event is not None and self.on_event is not None:

@@ -73,10 +73,13 @@ def top_up(cluster: LocalElasticCluster, elastic: int) -> None:
 
 
 def assert_same_parameters(result: TrainResult, expected: TrainResult) -> None:
-    assert list(result.state_dict) == list(expected.state_dict)
-    differing = [
-        k for k in expected.state_dict if not torch.equal(result.state_dict[k], expected.state_dict[k])
-    ]
+    assert_same_state(result.state_dict, expected.state_dict)
+
+
+def assert_same_state(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Bitwise equal to the one-worker, no-fault run's state_dict (same names, `torch.equal` tensors)."""
+    assert list(state) == list(expected)
+    differing = [k for k in expected if not torch.equal(state[k], expected[k])]
     assert not differing, f"tensors differ from the one-worker, no-fault run: {differing}"
 
 

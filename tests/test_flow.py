@@ -23,7 +23,7 @@ from prefect_elastic import ElasticJob
 from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.cluster import LocalElasticCluster
 
-from .conftest import References, top_up
+from .conftest import References, assert_same_state, top_up
 from .models import FAIL_ONCE, GATE
 from .prefect_harness import PrefectServer
 
@@ -237,10 +237,7 @@ def test_flow_process_sigkilled_then_run_again_resumes(
     second = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path / "second")
     out = second.finish()
     assert "STATE COMPLETED" in out, out[-3000:]
-    expected = reference(job)
-    state = torch.load(second.output, weights_only=True)
-    differing = [k for k in expected.state_dict if not torch.equal(state[k], expected.state_dict[k])]
-    assert not differing, differing
+    assert_same_state(torch.load(second.output, weights_only=True), reference(job).state_dict)
     summary = next(a for k, a in second.artifacts().items() if k.endswith("-summary"))["data"]
     assert at[1] in summary, "the summary names the checkpoint it resumed from"
 
@@ -264,8 +261,6 @@ def test_flow_run_retried_by_prefect_resumes_from_the_checkpoint(
         FAIL_ONCE.unlink(missing_ok=True)
     assert "STATE COMPLETED" in out, out[-3000:]
     assert run.api.get(f"/flow_runs/{run.id}").json()["run_count"] == 2, "Prefect ran it twice"
-    state = torch.load(run.output, weights_only=True)
-    expected = reference(job)
-    assert all(torch.equal(state[k], expected.state_dict[k]) for k in expected.state_dict)
+    assert_same_state(torch.load(run.output, weights_only=True), reference(job).state_dict)
     summary = next(a for k, a in run.artifacts().items() if k.endswith("-summary"))["data"]
     assert "ckpt-" in summary.split("resumed from")[1].split("\n")[0], "the retry resumed from a checkpoint"
