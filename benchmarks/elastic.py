@@ -106,12 +106,11 @@ def summary(values: list[float]) -> dict[str, Any]:
 
 
 class SchedulerWatch:
-    """Times at which the scheduler registered and removed workers, from its own event log."""
+    """Times at which the scheduler registered workers, from its own event log (its own clock)."""
 
     def __init__(self, cluster: LocalElasticCluster) -> None:
         self.client = cluster.client(set_as_default=False)
         self.added: list[tuple[float, str]] = []
-        self.removed: list[tuple[float, str]] = []
         self.client.subscribe_topic("all", self._on_event)
 
     def _on_event(self, event: Any) -> None:
@@ -120,10 +119,11 @@ class SchedulerWatch:
             return
         if msg.get("action") == "add-worker":
             self.added.append((float(stamp), str(msg.get("worker"))))
-        elif msg.get("action") == "remove-worker":
-            self.removed.append((float(stamp), str(msg.get("worker"))))
 
-    def close(self) -> None:
+    def __enter__(self) -> SchedulerWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         with contextlib.suppress(Exception):
             self.client.unsubscribe_topic("all")
         self.client.close()
@@ -188,8 +188,7 @@ def recovery(
     that comes back, seconds from its registration with the scheduler to its first committed batch
     (scale-up). The run uses micro_batches=2, so each worker computes one micro-batch of 128 per step.
     """
-    with pool.elastic(2) as cluster:
-        sched = SchedulerWatch(cluster)
+    with pool.elastic(2) as cluster, SchedulerWatch(cluster) as sched:
         kill_times: list[float] = []
         # Kill when both workers have trained together for `settle_steps` steps since the last one came back.
         together_since: int | None = None
@@ -211,7 +210,6 @@ def recovery(
         started = time.time()
         result = train(job, cluster=cluster, on_progress=on_progress)
         wall = time.time() - started
-        sched.close()
     recoveries = [nc - k for k in kill_times if (nc := next_commit(result, k)) is not None]
     joins = [(t, w) for t, w in sched.added if t > started]
     scale_up = [fc - t for t, w in joins if (fc := first_commit_of(result, w, t)) is not None]
@@ -245,8 +243,7 @@ def timeline(
     Returns every committed step (time from the start of training, loss) and the events with their times,
     for the plot beside torchrun's run of the same kill and join.
     """
-    with pool.elastic(2) as cluster:
-        sched = SchedulerWatch(cluster)
+    with pool.elastic(2) as cluster, SchedulerWatch(cluster) as sched:
         marks: list[dict[str, Any]] = []
         first: list[float] = []
 
@@ -266,7 +263,6 @@ def timeline(
 
         job = make_job(workload, data, micro_batches=2, epochs=epochs, job_id="timeline")
         result = train(job, cluster=cluster, on_progress=on_progress)
-        sched.close()
     t0 = first[0] if first else result.commit_times[0]
     marks += [{"kind": "registered", "t": t, "worker": w} for t, w in sched.added if t > t0]
     marks += [
