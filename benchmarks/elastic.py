@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import statistics
 import time
 from collections.abc import Iterator
@@ -91,6 +92,49 @@ def steady_throughput(result: TrainResult, skip: int = 5) -> float:
     return steps * samples / (times[-1] - times[skip])
 
 
+def snapshot_excess(
+    commit_times: list[float], windows: list[tuple[float, float]], skip: int = 5
+) -> dict[str, Any]:
+    """The time snapshots added to a run, measured inside the run: no second run, so no drift between runs.
+
+    `windows` are the (start, end) of each snapshot. A step "near" a snapshot is one whose interval
+    between commits overlaps a window widened by one typical step on each side (the controller's
+    membership query comes just before the window; a slowed reply may land in the next step). The excess
+    is the time those steps took over what as many of the other steps take on average; divided by the
+    run's time, it is the share of throughput the snapshots cost. Steps that overlap a window are a little
+    longer on average even without any cost (a long step overlaps more), so the figure errs high.
+    """
+    times = commit_times[min(skip, (len(commit_times) - 2) // 2) :]  # tiny (smoke) runs skip less
+    gaps = list(itertools.pairwise(times))
+    if len(gaps) < 2:
+        raise ValueError(f"too few steps ({len(commit_times)}) to measure snapshots")
+    margin = statistics.median(b - a for a, b in gaps)
+    wide = [(s - margin, e + margin) for s, e in windows if e > times[0] and s < times[-1]]
+    near = [b - a for a, b in gaps if any(a < e and b > s for s, e in wide)]
+    far = [b - a for a, b in gaps if not any(a < e and b > s for s, e in wide)]
+    typical = statistics.mean(far) if far else margin
+    excess = sum(near) - len(near) * typical
+    return {
+        "overhead": excess / (times[-1] - times[0]),
+        "excess_s": excess,
+        "snapshots": len(wide),
+        "near_steps": len(near),
+        "step_s": typical,
+        "window_s": statistics.mean(e - s for s, e in windows) if windows else 0.0,
+    }
+
+
+def snapshot_windows(result: TrainResult) -> list[tuple[float, float]]:
+    return [(e.time - e.seconds, e.time) for e in result.events if e.kind == "snapshot"]
+
+
+def placebo_windows(result: TrainResult, every: float, length: float) -> list[tuple[float, float]]:
+    """Windows where snapshots would have been, in a run without them: `snapshot_excess` of these is
+    what the measure reads when there is nothing to find (its zero)."""
+    first, last = result.commit_times[0], result.commit_times[-1]
+    return [(t, t + length) for t in np.arange(first + every, last, every).tolist()]
+
+
 def step_gaps(result: TrainResult) -> list[float]:
     return [b - a for a, b in zip(result.commit_times, result.commit_times[1:], strict=False)]
 
@@ -160,6 +204,9 @@ def steady(
         "steps": result.steps,
         "samples_per_s": steady_throughput(result),
         "snapshots": result.counters.get("snapshots", 0),
+        "in_run": snapshot_excess(result.commit_times, snapshot_windows(result)),
+        # Without periodic snapshots: where they would have been, every second, 5 ms long.
+        "placebo": snapshot_excess(result.commit_times, placebo_windows(result, 1.0, 0.005)),
         "phase_ms": {k: 1000 * v / steps for k, v in phases.items()},
         "wall_s": wall,
     }

@@ -36,6 +36,9 @@ SCALED = ("cnn", "mlp")  # the workloads measured with 1, 2 and 4 compute worker
 TORCHRUN_STARTUP = 6.0
 
 
+NO_SNAPSHOTS = 1e6  # a liveness interval longer than any run
+
+
 @dataclass(frozen=True)
 class Sizes:
     samples: int = 16384  # 128 steps of 128 per epoch
@@ -126,7 +129,7 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
                 else:
                     # A liveness interval longer than the run: survival detection runs only on worker
                     # events, so there are no periodic snapshots.
-                    interval = 1.0 if kind == "snapshots" else 1e6
+                    interval = 1.0 if kind == "snapshots" else NO_SNAPSHOTS
                     got[kind] = attempt(
                         results, f"elastic {w} {kind} #{i}", elastic.steady, pool, w, data, epochs, interval
                     )
@@ -144,11 +147,20 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
             "ratio": statistics.median(with_snap) / statistics.median(plain),
             "runs": runs,
         }
+        snap_runs = [x for x in runs if x.get("liveness_interval") == 1.0]
+        bare_runs = [x for x in runs if x.get("liveness_interval") == NO_SNAPSHOTS]
         results["snapshot"][w] = {
             "with": statistics.median(with_snap),
             "without": statistics.median(without),
             "overhead": 1 - statistics.median(with_snap) / statistics.median(without),
+            # Each repeat's pair of runs, for the spread of the comparison between runs.
+            "pair_overheads": [1 - a / b for a, b in zip(with_snap, without, strict=True)],
             "snapshots": max(r.get("snapshots", 0) for r in runs),
+            # The figure measured inside each run (see elastic.snapshot_excess), and the same measure on
+            # the runs without snapshots, where it should read zero.
+            "in_run": statistics.median(x["in_run"]["overhead"] for x in snap_runs),
+            "placebo": statistics.median(x["placebo"]["overhead"] for x in bare_runs),
+            "window_s": statistics.median(x["in_run"]["window_s"] for x in snap_runs),
         }
 
 

@@ -59,6 +59,10 @@ class MembershipEvent:
     steps_lost: int = 0  # committed steps undone (rollback)
     batches_dropped: int = 0  # micro-batches of the step in flight that were dropped and re-queued
     reason: str = ""
+    # How long survival detection took to get here, from the moment the coordinator took the check up (a
+    # wait for a commit in progress included): what the event held the training up, and for a snapshot
+    # the window in which it could slow a step.
+    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -294,6 +298,7 @@ class Coordinator:
         Work is suspended only when the membership changed: a periodic check that just snapshots holds
         the lock (so no step commits half-way through the snapshot) but lets workers take work meanwhile.
         """
+        began = time.time()
         lock, _ = self._sync_primitives()
         live = frozenset(live_workers)
         if live != self._workers:
@@ -313,7 +318,7 @@ class Coordinator:
                     below_min_since=self._below_min_since,
                 )
                 decision = survival_check(state, live, time.time())
-                event = await self._carry_out(decision, trigger)
+                event = await self._carry_out(decision, trigger, began)
                 self._suspended = not decision.resume
                 return event
         except DataServerLostError as exc:
@@ -325,14 +330,14 @@ class Coordinator:
         finally:
             await self._notify()
 
-    async def _carry_out(self, d: Decision, trigger: str) -> MembershipEvent | None:
+    async def _carry_out(self, d: Decision, trigger: str, began: float) -> MembershipEvent | None:
         in_flight = len(self._losses) + len(self._assigned)
         event: MembershipEvent | None = None
         if d.action is Action.SNAPSHOT:
             await self._on_shards(lambda s: s.snapshot(self.generation))
             self._ledger.mark_snapshot()
             self._counters["snapshots"] += 1
-            event = self._record("snapshot", reason=d.reason)
+            event = self._record("snapshot", reason=d.reason, began=began)
         elif d.action in (Action.ROLLBACK, Action.REASSIGN):
             restore = d.action is Action.ROLLBACK
             self.generation = d.generation
@@ -361,23 +366,25 @@ class Coordinator:
                 steps_lost=steps_lost,
                 batches_dropped=in_flight,
                 reason=f"{d.reason} ({trigger})",
+                began=began,
             )
         self._workers = d.workers
         self.generation = d.generation
         was_waiting, self._waiting = self._waiting, not d.resume
         self._below_min_since = d.below_min_since
         if self._waiting and not was_waiting:
-            event = self._record("waiting", reason=d.reason)
+            event = self._record("waiting", reason=d.reason, began=began)
         if d.failure is not None:
             self._fail("not-enough-workers", d.failure, self._ledger.committed_steps)
         if event is not None:
             log.info(
-                "job %s %s: generation %d, step %d, workers %s: %s",
+                "job %s %s: generation %d, step %d, workers %s, %.3f s: %s",
                 self.job_id,
                 event.kind,
                 event.generation,
                 event.step,
                 list(event.workers),
+                event.seconds,
                 event.reason,
             )
         return event
@@ -407,9 +414,11 @@ class Coordinator:
         steps_lost: int = 0,
         batches_dropped: int = 0,
         reason: str = "",
+        began: float | None = None,
     ) -> MembershipEvent:
+        now = time.time()
         event = MembershipEvent(
-            time=time.time(),
+            time=now,
             kind=kind,
             generation=self.generation,
             step=self._ledger.committed_steps,
@@ -419,6 +428,7 @@ class Coordinator:
             steps_lost=steps_lost,
             batches_dropped=batches_dropped,
             reason=reason,
+            seconds=0.0 if began is None else now - began,
         )
         self._events.append(event)
         return event

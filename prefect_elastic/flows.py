@@ -91,6 +91,7 @@ class PrefectReporter:
                     "lost": ", ".join(e.left),
                     "steps lost": e.steps_lost,
                     "micro-batches re-queued": e.batches_dropped,
+                    "seconds": round(e.seconds, 3),
                     "step": e.step,
                     "reason": e.reason,
                 }
@@ -131,6 +132,7 @@ class PrefectReporter:
             "live_workers": list(e.workers),
             "steps_lost": e.steps_lost,
             "batches_dropped": e.batches_dropped,
+            "seconds": e.seconds,
             "reason": e.reason,
         }
         if worker is not None:

@@ -8,15 +8,44 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from benchmarks.elastic import snapshot_excess
 from benchmarks.report import END, START, figures
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.cluster
+
+def steps_of(gaps: list[float]) -> list[float]:
+    return np.cumsum([0.0, *gaps]).tolist()
 
 
+def test_snapshot_excess_finds_the_time_snapshots_add() -> None:
+    # 600 steps of about 0.1 s (a deterministic wobble), a snapshot every second that makes the step
+    # it lands in 10 ms longer: 1% of the run.
+    rng = np.random.default_rng(0)
+    gaps = (0.1 + rng.normal(0, 0.003, 600)).tolist()
+    windows = []
+    for k in range(1, 59):
+        step = 10 * k + 3
+        gaps[step] += 0.010
+        start = sum(gaps[: step + 1]) - 0.02  # ends inside that step, 2 ms long
+        windows.append((start - 0.002, start))
+    found = snapshot_excess(steps_of(gaps), windows, skip=0)
+    assert found["snapshots"] == 58
+    assert 0.008 < found["overhead"] < 0.012, found
+    # The same windows over the same run without the added time: the measure reads about zero.
+    plain = (0.1 + rng.normal(0, 0.003, 600)).tolist()
+    assert abs(snapshot_excess(steps_of(plain), windows, skip=0)["overhead"]) < 0.002
+
+
+def test_snapshot_excess_needs_steps() -> None:
+    with pytest.raises(ValueError, match="too few steps"):
+        snapshot_excess([0.0, 0.1], [], skip=0)
+
+
+@pytest.mark.cluster
 @pytest.mark.timeout(900)
 def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     raw = tmp_path / "results.json"
@@ -32,6 +61,9 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert not r.get("errors")
     for w in ("cnn", "mlp", "cnn-tiny"):
         assert r["steady"][w]["plain"] > 0 and r["steady"][w]["elastic"] > 0
+        # A run with snapshots every second has its snapshot windows measured; the one without has none.
+        snap = r["snapshot"][w]
+        assert {"in_run", "placebo", "pair_overheads"} <= snap.keys() and snap["window_s"] > 0
     for w in ("cnn", "mlp"):
         assert [x["workers"] for x in r["scaling"][w]] == [1, 2]
     for policy in ("reassign", "rollback"):
