@@ -103,6 +103,21 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
                     "reported",
                 )
             )
+    c = r.get("calls")
+    if c:
+        sizes = " / ".join(f"{label} ({c['bytes'][label] / 1e3:.0f} KB)" for label in c["ms"])
+        what = {"send_one": "to one shard", "send_all": "to both at once", "receive_all": "from both at once"}
+        rows.append(
+            (
+                f"a Dask actor call from the compute worker, median ms: {sizes}",
+                "; ".join(
+                    f"{text} " + " / ".join(f"{v[key]:.2f}" for v in c["ms"].values())
+                    for key, text in what.items()
+                ),
+                "reported: the floor under the fixed cost of a step",
+                "reported",
+            )
+        )
     mem = r.get("memory")
     if mem:
         for s in mem["servers"]:

@@ -25,7 +25,7 @@ from typing import Any
 import dask
 import torch
 
-from . import elastic, report
+from . import calls, elastic, report
 from .plain import plain_loop
 from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 
@@ -53,6 +53,7 @@ class Sizes:
     kill_at: float = 4.0
     join_at: float = 8.0
     torchrun_duration: float = 45.0
+    call_repeats: int = 200
 
 
 SMOKE = Sizes(
@@ -68,6 +69,7 @@ SMOKE = Sizes(
     kill_at=0.3,
     join_at=0.6,
     torchrun_duration=20.0,
+    call_repeats=5,
 )
 
 
@@ -168,6 +170,7 @@ def run_elastic(
     results: dict[str, Any], pool: elastic.ClusterPool, data: str, big: str, sizes: Sizes
 ) -> None:
     steady_figures(results, pool, data, sizes)
+    results["calls"] = attempt(results, "actor calls", calls.calls, pool, sizes.call_repeats)
     for policy in ("reassign", "rollback"):
         results["recovery"][policy] = attempt(
             results, f"elastic recovery ({policy})", elastic.recovery, pool, "cnn", data, policy, sizes.kills,

@@ -66,6 +66,8 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         snap = r["snapshot"][w]
         assert all(math.isfinite(snap[k]) for k in ("in_run", "placebo", "window_s")), snap
         assert len(snap["pair_overheads"]) == 1
+    assert set(r["calls"]["ms"]) == {"empty", "cnn share", "mlp share"}
+    assert all(v > 0 for by in r["calls"]["ms"].values() for v in by.values())
     for w in ("cnn", "mlp"):
         assert [x["workers"] for x in r["scaling"][w]] == [1, 2]
     for policy in ("reassign", "rollback"):
