@@ -113,6 +113,9 @@ def attempt(results: dict[str, Any], name: str, fn: Callable[..., Any], *args: A
 
 def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str, sizes: Sizes) -> None:
     """Plain loop vs one compute worker (snapshots every 1 s), and the same without snapshots."""
+    # The first job on a fresh cluster ran up to 20% slower in every phase (workers still settling, caches
+    # cold): one short job first, not counted.
+    attempt(results, "warm-up", elastic.steady, pool, "cnn-tiny", data, 1, NO_SNAPSHOTS)
     for w in WORKLOADS:
         plain: list[float] = []
         with_snap: list[float] = []
