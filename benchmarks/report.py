@@ -34,7 +34,12 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
         rows.append(
             (
                 f"steady throughput, 1 worker, over plain PyTorch ({w}, {r['workloads'][w]})",
-                f"{ratio:.2f} ({s['elastic']:.0f} / {s['plain']:.0f} samples/s)",
+                f"{ratio:.2f} ({s['elastic']:.0f} / {s['plain']:.0f} samples/s)"
+                + (
+                    f"; repeats {min(s['pair_ratios']):.2f} to {max(s['pair_ratios']):.2f}"
+                    if len(s.get("pair_ratios", [])) > 1
+                    else ""
+                ),
                 target,
                 _verdict(ratio >= 0.85) if w == "cnn" else "reported",
             )

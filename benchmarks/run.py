@@ -43,8 +43,9 @@ NO_SNAPSHOTS = 1e6  # a liveness interval longer than any run
 class Sizes:
     samples: int = 16384  # 128 steps of 128 per epoch
     memory_samples: int = 60000  # a data server must hold 94 MB of it
-    steady_epochs: int = 2
-    repeats: int = 2  # runs of each steady-state figure, interleaved; the median is reported
+    # Epochs of a steady-state run, by workload: about 20 s each on 2 cores, so a run holds 20 snapshots.
+    steady_epochs: tuple[tuple[str, int], ...] = (("cnn", 2), ("mlp", 6), ("cnn-tiny", 3))
+    repeats: int = 3  # runs of each steady-state figure, interleaved; medians are reported
     kills: int = 5
     recovery_epochs: int = 8
     scaling_workers: tuple[int, ...] = (1, 2, 4)
@@ -59,7 +60,7 @@ class Sizes:
 SMOKE = Sizes(
     samples=2048,
     memory_samples=4096,  # must differ from samples: the memory figure compares the two
-    steady_epochs=1,
+    steady_epochs=(("cnn", 1), ("mlp", 1), ("cnn-tiny", 1)),
     repeats=1,
     kills=1,
     recovery_epochs=4,
@@ -121,7 +122,7 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
         with_snap: list[float] = []
         without: list[float] = []
         runs: list[dict[str, Any]] = []
-        epochs = sizes.steady_epochs
+        epochs = dict(sizes.steady_epochs)[w]
         steps = epochs * (sizes.samples // BATCH)
         for i in range(sizes.repeats):
             # Odd repeats run in the opposite order, so a drift of the machine over time (or the first run
@@ -146,10 +147,14 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
                 runs += [p, a, b]
         if not plain:
             continue
+        # Each repeat's runs are next to each other in time: the ratio is the median of the repeats'
+        # ratios, which a drift of the machine between repeats does not move.
+        pair_ratios = [a / p for a, p in zip(with_snap, plain, strict=True)]
         results["steady"][w] = {
             "plain": statistics.median(plain),
             "elastic": statistics.median(with_snap),
-            "ratio": statistics.median(with_snap) / statistics.median(plain),
+            "ratio": statistics.median(pair_ratios),
+            "pair_ratios": pair_ratios,
             "runs": runs,
         }
         snap_runs = [x for x in runs if x.get("liveness_interval") == 1.0]
@@ -157,8 +162,8 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
         results["snapshot"][w] = {
             "with": statistics.median(with_snap),
             "without": statistics.median(without),
-            "overhead": 1 - statistics.median(with_snap) / statistics.median(without),
             # Each repeat's pair of runs, for the spread of the comparison between runs.
+            "overhead": 1 - statistics.median(a / b for a, b in zip(with_snap, without, strict=True)),
             "pair_overheads": [1 - a / b for a, b in zip(with_snap, without, strict=True)],
             "snapshots": max(r.get("snapshots", 0) for r in runs),
             # The figure measured inside each run (see elastic.snapshot_excess), and the same measure on
