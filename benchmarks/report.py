@@ -225,12 +225,12 @@ def plot_ratios(r: Results, path: Path) -> None:
     targets: list[float | None] = []
     for w in ("cnn", "mlp", "cnn-tiny"):
         if w in r["steady"]:
-            labels.append(f"throughput /\nplain ({w})")
+            labels.append(f"throughput\n/ plain\n({w})")
             values.append(r["steady"][w]["ratio"])
             targets.append(0.85 if w == "cnn" else None)
     for w, v in r["snapshot"].items():
         if "in_run" in v:
-            labels.append(f"throughput kept\nwith snapshots ({w})")
+            labels.append(f"kept with\nsnapshots\n({w})")
             values.append(1 - v["in_run"])
             targets.append(0.98)
     for w, runs in r.get("scaling", {}).items():
@@ -238,7 +238,7 @@ def plot_ratios(r: Results, path: Path) -> None:
             continue
         base = runs[0]["samples_per_s"]
         for x in runs[1:]:
-            labels.append(f"{x['workers']} workers /\n1 ({w})")
+            labels.append(f"{x['workers']} workers\n/ 1\n({w})")
             values.append(x["samples_per_s"] / base)
             targets.append(None)
     fig, ax = plt.subplots(figsize=(11, 3.8))
