@@ -27,7 +27,7 @@ class Sink:
         return len(tensors)
 
     async def give(self, numel: int) -> dict[str, torch.Tensor]:
-        return {"w": torch.zeros(numel)}
+        return {"w": torch.zeros(numel)} if numel else {}
 
 
 def _send_one(sinks: list[Any], payload: Any) -> None:

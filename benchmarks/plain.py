@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .workloads import BATCH, LR, MOMENTUM, THREADS, WORKLOADS, load_dataset
+
+
+def plain_process(workload: str, data: str, steps: int, tuned: bool = False) -> dict[str, Any]:
+    """`plain_loop` in a new Python process, as a user runs a script: nothing of the benchmark's process
+    (its Dask client, its heap after earlier runs) weighs on it.
+
+    `tuned`: with the allocator settings prefect-elastic gives its workers (`allocator.tune_allocator`),
+    to show how much of a comparison is the allocator's; glibc's defaults otherwise.
+    """
+    allocator = "tuned" if tuned else "default"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.plain", workload, data, str(steps), allocator],
+        capture_output=True, text=True, timeout=1800, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"plain loop ({workload}) exited {done.returncode}: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    result["allocator"] = allocator
+    return result
 
 
 def plain_loop(workload: str, data: str, steps: int, warmup: int = 5) -> dict[str, Any]:
@@ -38,3 +61,12 @@ def plain_loop(workload: str, data: str, steps: int, warmup: int = 5) -> dict[st
         "step_ms": 1000 * elapsed / steps,
         "final_loss": losses[-1],
     }
+
+
+if __name__ == "__main__":
+    name, path, count, allocator = sys.argv[1:5]
+    if allocator == "tuned":
+        from prefect_elastic.allocator import tune_allocator
+
+        tune_allocator()
+    print(json.dumps(plain_loop(name, path, int(count))))

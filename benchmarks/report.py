@@ -34,7 +34,13 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
         rows.append(
             (
                 f"steady throughput, 1 worker, over plain PyTorch ({w}, {r['workloads'][w]})",
-                f"{ratio:.2f} ({s['elastic']:.0f} / {s['plain']:.0f} samples/s)"
+                f"{ratio:.2f} (median of the repeats' ratios; median samples/s {s['elastic']:.0f} and "
+                f"{s['plain']:.0f})"
+                + (
+                    f"; over plain with the workers' allocator settings {s['ratio_tuned']:.2f}"
+                    if "ratio_tuned" in s
+                    else ""
+                )
                 + (
                     f"; repeats {min(s['pair_ratios']):.2f} to {max(s['pair_ratios']):.2f}"
                     if len(s.get("pair_ratios", [])) > 1

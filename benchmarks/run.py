@@ -26,7 +26,7 @@ import dask
 import torch
 
 from . import calls, elastic, report
-from .plain import plain_loop
+from .plain import plain_process
 from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,12 +113,14 @@ def attempt(results: dict[str, Any], name: str, fn: Callable[..., Any], *args: A
 
 
 def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str, sizes: Sizes) -> None:
-    """Plain loop vs one compute worker (snapshots every 1 s), and the same without snapshots."""
+    """Plain loop vs one compute worker (snapshots every 1 s), and the same without snapshots; the plain
+    loop also with the workers' allocator settings."""
     # The first job on a fresh cluster ran up to 20% slower in every phase (workers still settling, caches
     # cold): one short job first, not counted.
     attempt(results, "warm-up", elastic.steady, pool, "cnn-tiny", data, 1, NO_SNAPSHOTS)
     for w in WORKLOADS:
         plain: list[float] = []
+        tuned: list[float] = []
         with_snap: list[float] = []
         without: list[float] = []
         runs: list[dict[str, Any]] = []
@@ -127,11 +129,13 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
         for i in range(sizes.repeats):
             # Odd repeats run in the opposite order, so a drift of the machine over time (or the first run
             # after another kind of run being slower) weighs on both sides of each ratio alike.
-            order = ["plain", "snapshots", "none"] if i % 2 == 0 else ["none", "snapshots", "plain"]
+            order = ["plain", "tuned", "snapshots", "none"]
             got: dict[str, Any] = {}
-            for kind in order:
-                if kind == "plain":
-                    got[kind] = attempt(results, f"plain {w} #{i}", plain_loop, w, data, steps)
+            for kind in order if i % 2 == 0 else order[::-1]:
+                if kind in ("plain", "tuned"):
+                    got[kind] = attempt(
+                        results, f"plain {w} {kind} #{i}", plain_process, w, data, steps, kind == "tuned"
+                    )
                 else:
                     # A liveness interval longer than the run: survival detection runs only on worker
                     # events, so there are no periodic snapshots.
@@ -139,12 +143,13 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
                     got[kind] = attempt(
                         results, f"elastic {w} {kind} #{i}", elastic.steady, pool, w, data, epochs, interval
                     )
-            p, a, b = got["plain"], got["snapshots"], got["none"]
-            if p and a and b:
+            p, t, a, b = got["plain"], got["tuned"], got["snapshots"], got["none"]
+            if p and t and a and b:
                 plain.append(p["samples_per_s"])
+                tuned.append(t["samples_per_s"])
                 with_snap.append(a["samples_per_s"])
                 without.append(b["samples_per_s"])
-                runs += [p, a, b]
+                runs += [p, t, a, b]
         if not plain:
             continue
         # Each repeat's runs are next to each other in time: the ratio is the median of the repeats'
@@ -155,6 +160,8 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
             "elastic": statistics.median(with_snap),
             "ratio": statistics.median(pair_ratios),
             "pair_ratios": pair_ratios,
+            "plain_tuned": statistics.median(tuned),
+            "ratio_tuned": statistics.median(a / t for a, t in zip(with_snap, tuned, strict=True)),
             "runs": runs,
         }
         snap_runs = [x for x in runs if x.get("liveness_interval") == 1.0]

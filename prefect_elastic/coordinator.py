@@ -504,13 +504,14 @@ class Coordinator:
 
     async def snapshot_now(self) -> int:
         """Snapshot the committed state at once (at the end, or before stopping); returns its step."""
+        began = time.time()
         lock, _ = self._sync_primitives()
         async with lock:
             if self._ledger.committed_steps > self._ledger.snapshot_step:
                 await self._on_shards(lambda s: s.snapshot(self.generation))
                 self._ledger.mark_snapshot()
                 self._counters["snapshots"] += 1
-                self._record("snapshot", reason="requested by the controller")
+                self._record("snapshot", reason="requested by the controller", began=began)
             return self._ledger.snapshot_step
 
     async def snapshot_record(self) -> Resume:

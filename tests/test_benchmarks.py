@@ -62,6 +62,8 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert not r.get("errors")
     for w in ("cnn", "mlp", "cnn-tiny"):
         assert r["steady"][w]["plain"] > 0 and r["steady"][w]["elastic"] > 0
+        assert r["steady"][w]["plain_tuned"] > 0
+        assert {x.get("allocator") for x in r["steady"][w]["runs"]} == {"default", "tuned", None}
         # Smoke runs are too short for periodic snapshots: only that the figures are there is checked.
         snap = r["snapshot"][w]
         assert all(math.isfinite(snap[k]) for k in ("in_run", "placebo", "window_s")), snap
