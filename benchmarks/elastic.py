@@ -113,8 +113,10 @@ def snapshot_excess(
     margin = statistics.median(b - a for a, b in gaps)
     inside = [(s, e) for s, e in windows if e > times[0] and s < times[-1]]
     wide = [(s - margin, e + margin) for s, e in inside]
-    near = [b - a for a, b in gaps if any(a < e and b > s for s, e in wide)]
-    far = [b - a for a, b in gaps if not any(a < e and b > s for s, e in wide)]
+    near: list[float] = []
+    far: list[float] = []
+    for a, b in gaps:
+        (near if any(a < e and b > s for s, e in wide) else far).append(b - a)
     typical = statistics.mean(far) if far else margin
     excess = sum(near) - len(near) * typical
     return {
