@@ -13,7 +13,7 @@ import numpy as np
 
 from prefect_elastic import ElasticJob
 from prefect_elastic.cluster import LocalElasticCluster
-from prefect_elastic.coordinator import Progress
+from prefect_elastic.messages import Progress
 from prefect_elastic.data_server import plan_shards
 from prefect_elastic.dataset import partition_bounds
 from prefect_elastic.training import TrainResult, train

@@ -1,8 +1,8 @@
 """prefect-elastic: elastic PyTorch training on Dask clusters whose workers come and go."""
 
-from .checkpoint import CheckpointMismatchError
-from .coordinator import MembershipEvent, Progress
+from .messages import MembershipEvent, Progress
 from .errors import (
+    CheckpointMismatchError,
     DataServerLostError,
     ElasticError,
     FatalError,

@@ -27,8 +27,8 @@ from typing import Any
 import fsspec
 import torch
 
-from .coordinator import Resume
-from .errors import FatalError, JobConfigError
+from .messages import Resume
+from .errors import CheckpointMismatchError, FatalError, JobConfigError
 from .job import ElasticJob, StateLayout
 from .ledger import LedgerEntry
 
@@ -36,10 +36,6 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
-
-
-class CheckpointMismatchError(FatalError):
-    """The checkpoint at the URL belongs to another job or another model."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,19 @@
 """The errors of prefect-elastic, as one small tree that says what each means for recovery.
 
-- `RecoverableError`: the step in flight is dropped and the job goes on (a stale generation, a lost
-  compute worker). The coordinator and compute loops catch these; users normally never see them.
-- `FatalError`: the job stops and the controller raises it with a message a user can act on
-  (a model that raises, a NaN loss, too few workers for too long, a lost data server).
-- `JobConfigError`: a value of the job is impossible; raised before any cluster work starts and names
-  the field and the value.
+    ElasticError
+    +-- RecoverableError          the step in flight is dropped here; training goes on
+    |   +-- StaleGenerationError  a message of an older generation, refused, never applied
+    +-- FatalError                the job stops; the controller raises it with a message a user can act on
+    |   +-- TrainingFailedError   the model raised, or the loss was not finite (names step and batch)
+    |   +-- NotEnoughWorkersError fewer than min_workers for longer than min_workers_timeout
+    |   +-- DataServerLostError   a static worker holding a data server or the coordinator died
+    |   +-- CheckpointMismatchError  the checkpoint belongs to another job or model
+    +-- TrainingStopped           the controller was asked to stop; not a failure
+    +-- JobConfigError (also ValueError)  an impossible value, before any cluster work
+    +-- ModelFailure              inside a compute loop only: becomes a TrainingFailedError
+
+Compute loops and the coordinator catch `RecoverableError`; a `FatalError` raised by a data server ends a
+compute loop at once (it is never retried).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ class TrainingFailedError(FatalError):
         return (type(self), (str(self), self.step, self.batch_id))
 
 
-class TrainingStopped(FatalError):
+class TrainingStopped(ElasticError):
     """The controller was asked to stop (a cancelled flow run); a final checkpoint was written if the job
     has a checkpoint URL, and a new run of the same job resumes from it."""
 
@@ -85,3 +93,20 @@ class JobConfigError(ElasticError, ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.field, self.value, self.problem))
+
+
+class CheckpointMismatchError(FatalError):
+    """The checkpoint at the URL belongs to another job or another model."""
+
+
+class ModelFailure(ElasticError):
+    """Raised inside a compute loop when the model raised or its loss was not finite; the loop reports it
+    to the coordinator, which ends the job with a `TrainingFailedError`."""
+
+    def __init__(self, step: int, batch_id: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.batch_id = batch_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.step, self.batch_id, str(self)))

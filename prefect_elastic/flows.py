@@ -35,7 +35,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
 from .connect import Connection, connect
-from .coordinator import MembershipEvent, Progress
+from .messages import MembershipEvent, Progress
 from .errors import TrainingStopped
 from .job import ElasticJob
 from .training import Prepared, TrainingRun, TrainResult, prepare

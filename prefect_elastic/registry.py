@@ -14,7 +14,7 @@ from typing import Any
 
 from distributed import Client
 
-from .coordinator import Progress
+from .messages import Progress
 
 
 def _key(job_id: str) -> list[str]:

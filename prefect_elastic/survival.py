@@ -6,14 +6,15 @@ sequence of events can be unit-tested.
 
 - Membership unchanged: snapshot (if a step was committed since the last one).
 - Membership changed: the generation goes up, and per the job's policy either every shard reloads the last
-  snapshot (`rollback`, the patent's rule) or only the step in flight is dropped and re-queued
-  (`reassign`).
+  snapshot (`rollback`, the patent's rule) or only the step in flight is dropped and trained again
+  (`reassign`). When there were no members before (the job starts, or it waited with none), nothing was in
+  flight: the workers are admitted (`start`) and nothing is undone.
 - Fewer live workers than `min_workers`: no work is handed out; after `min_workers_timeout` the job fails.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
@@ -22,6 +23,7 @@ Policy = Literal["rollback", "reassign"]
 
 class Action(StrEnum):
     NOTHING = "nothing"  # membership unchanged and nothing new to snapshot
+    START = "start"  # the first members are admitted: nothing was in flight, nothing is undone
     SNAPSHOT = "snapshot"
     ROLLBACK = "rollback"
     REASSIGN = "reassign"
@@ -55,15 +57,6 @@ class Decision:
     def membership_changed(self) -> bool:
         return bool(self.joined or self.left)
 
-    def next_state(self, state: SurvivalState) -> SurvivalState:
-        """The state after this decision has been carried out (the caller fills in the step counters)."""
-        return replace(
-            state,
-            generation=self.generation,
-            workers=self.workers,
-            below_min_since=self.below_min_since,
-        )
-
 
 def survival_check(state: SurvivalState, live_workers: frozenset[str] | set[str], now: float) -> Decision:
     live = frozenset(live_workers)
@@ -71,7 +64,11 @@ def survival_check(state: SurvivalState, live_workers: frozenset[str] | set[str]
     left = state.workers - live
     changed = bool(joined or left)
 
-    if changed:
+    if changed and not state.workers:
+        action = Action.START
+        generation = state.generation + 1
+        reason = _describe(joined, left)
+    elif changed:
         action = Action.ROLLBACK if state.policy == "rollback" else Action.REASSIGN
         generation = state.generation + 1
         reason = _describe(joined, left)

@@ -10,7 +10,7 @@ import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.cluster import LocalElasticCluster
-from prefect_elastic.coordinator import Progress
+from prefect_elastic.messages import Progress
 from prefect_elastic.testing import FaultSchedule
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up

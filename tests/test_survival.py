@@ -24,7 +24,7 @@ def state(**overrides: object) -> SurvivalState:
 
 def after(s: SurvivalState, d: Decision, committed: int | None = None) -> SurvivalState:
     """What the coordinator's state is once it carried `d` out."""
-    nxt = d.next_state(s)
+    nxt = replace(s, generation=d.generation, workers=d.workers, below_min_since=d.below_min_since)
     if d.action is Action.SNAPSHOT:
         nxt = replace(nxt, snapshot_step=nxt.committed_steps)
     if d.action is Action.ROLLBACK:
@@ -115,3 +115,12 @@ def test_sequence_kill_join_snapshot() -> None:
     assert actions == [Action.SNAPSHOT, Action.ROLLBACK, Action.SNAPSHOT, Action.ROLLBACK, Action.SNAPSHOT]
     assert s.generation == 3
     assert s.snapshot_step == 12
+
+
+def test_first_members_are_admitted_not_rolled_back() -> None:
+    """The job's start (or a join after a wait with no members) undoes nothing: it is a start."""
+    d = survival_check(state(workers=frozenset(), committed_steps=0, snapshot_step=0), {"a"}, now=1.0)
+    assert d.action is Action.START
+    assert d.generation == 4 and d.joined == {"a"} and d.resume
+    again = survival_check(state(workers=frozenset(), policy="reassign"), {"a", "b"}, now=1.0)
+    assert again.action is Action.START

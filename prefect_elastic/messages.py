@@ -1,0 +1,199 @@
+"""Every message that crosses a process, and the typed handles of the actors that send and take them.
+
+Frozen dataclasses: they are pickled between the controller, the coordinator, the data servers and the
+compute loops, so nothing here holds a lock, a tensor that can change, or a reference to a role. The actor
+handles are `typing.Protocol`s that say what each role answers; Dask's `Actor` proxies satisfy them at run
+time (every method returns a future whose `result(timeout)` gives the value).
+
+Who sends what (docs/architecture.md has the picture):
+- coordinator -> compute loop: `Role` (its rank in a generation's member list; the answer to `role`);
+- compute loop -> data server: `pull`, `get_batch`, `push` (gradients, buffers and losses of one share);
+- data server -> coordinator: `ShardStatus` with `StepRecord`s (what each shard applied), read by the
+  coordinator off the step path;
+- coordinator -> controller: `Progress`, `MembershipEvent`, `Outcome`; controller -> coordinator:
+  `Resume` (a persistent checkpoint to start from).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from .ledger import LedgerEntry
+
+Tensors = dict[str, torch.Tensor]
+T_co = TypeVar("T_co", covariant=True)
+
+
+class EventKind(StrEnum):
+    """What survival detection (or the end of a job) did; a `StrEnum`, so it compares equal to its name."""
+
+    START = "start"  # the first members were admitted (not a failure: nothing was undone)
+    SNAPSHOT = "snapshot"
+    ROLLBACK = "rollback"  # membership changed: every shard went back to the last snapshot
+    REASSIGN = "reassign"  # membership changed: only the step in flight was dropped
+    WAITING = "waiting"  # fewer live workers than min_workers: no work until more join
+    FAILED = "failed"
+    DONE = "done"
+
+
+MEMBERSHIP_KINDS = (EventKind.START, EventKind.ROLLBACK, EventKind.REASSIGN)
+
+
+@dataclass(frozen=True)
+class Role:
+    """A compute worker's place in one generation: rank `rank` of `members` (seed 003's roles by rank).
+
+    Fixed until the next generation: the worker trains its share of every step from `start_step` on
+    (`Schedule.share(step, rank, len(members))`) without asking the coordinator again.
+    """
+
+    generation: int
+    rank: int
+    members: tuple[str, ...]
+    start_step: int
+    stop: bool = False  # the job is over: the loop ends
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What a shard applied as one step: the batch ids, who computed each, their losses, and when."""
+
+    step: int
+    batch_ids: tuple[int, ...]
+    workers: dict[int, str]
+    losses: dict[int, float]
+    time: float
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """A shard's answer to the coordinator: its generation and version, the steps it applied after a
+    version the coordinator already knew, and the versions of the snapshots it holds."""
+
+    index: int
+    generation: int
+    version: int
+    records: tuple[StepRecord, ...]
+    snapshots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MembershipEvent:
+    """One thing survival detection did, for `result.events` and the logs."""
+
+    time: float
+    kind: EventKind
+    generation: int
+    step: int  # committed steps (the parameter version) after the event
+    workers: tuple[str, ...]
+    joined: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    steps_lost: int = 0  # committed steps undone (rollback)
+    batches_dropped: int = 0  # micro-batches of the step in flight that were dropped and trained again
+    reason: str = ""
+    # How long survival detection took to get here, from the moment the coordinator took the check up:
+    # what the event held the training up, and for a snapshot the window in which it could slow a step.
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Progress:
+    generation: int
+    committed_steps: int
+    total_steps: int
+    workers: tuple[str, ...]
+    state: str  # running | waiting | done | failed
+    loss: float | None
+    failure: str | None = None
+    failure_kind: str | None = None
+    failure_step: int | None = None
+    failure_batch: int | None = None
+    holding: tuple[tuple[str, int], ...] = ()  # (worker, micro-batches of the open step in its share)
+
+    def holds(self, worker: str) -> int:
+        return dict(self.holding).get(worker, 0)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Where a job restarts from (a persistent checkpoint)."""
+
+    generation: int
+    committed_steps: int
+    ledger: list[LedgerEntry]
+    history: list[float]
+
+
+@dataclass
+class Outcome:
+    ledger: list[LedgerEntry]
+    events: list[MembershipEvent]
+    history: list[float]
+    generation: int
+    counters: dict[str, int] = field(default_factory=dict)
+    commit_times: list[float] = field(default_factory=list)  # wall time each committed step committed
+
+
+# -- typed actor handles --------------------------------------------------------------------------------
+
+
+class Call(Protocol[T_co]):
+    """What a Dask actor method returns to a synchronous caller."""
+
+    def result(self, timeout: float | None = None) -> T_co: ...
+
+
+class ShardHandle(Protocol):
+    """A data server with its parameter shard (`data_server.DataServer`), as callers see it."""
+
+    def pull(self, generation: int, step: int) -> Call[Tensors]: ...
+
+    def get_batch(self, generation: int, batch_id: int) -> Call[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def push(
+        self,
+        generation: int,
+        step: int,
+        worker: str,
+        grads: dict[int, Tensors],
+        buffers: dict[int, Tensors],
+        losses: dict[int, float],
+    ) -> Call[None]: ...
+
+    def status(self, since: int) -> Call[ShardStatus]: ...
+
+    def state(self) -> Call[Tensors]: ...
+
+    def export_snapshot(self, version: int) -> Call[dict[str, Any]]: ...
+
+    def describe(self) -> Call[dict[str, Any]]: ...
+
+
+class CoordinatorHandle(Protocol):
+    """The coordinator (`coordinator.Coordinator`), as compute loops and the controller see it."""
+
+    def role(self, worker: str, generation: int) -> Call[Role | None]: ...
+
+    def report_failure(
+        self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str
+    ) -> Call[None]: ...
+
+    def survival_check(self, live_workers: list[str], trigger: str) -> Call[MembershipEvent | None]: ...
+
+    def progress(self) -> Call[Progress]: ...
+
+    def outcome(self) -> Call[Outcome]: ...
+
+    def stop(self, reason: str) -> Call[None]: ...
+
+    def snapshot_now(self) -> Call[int]: ...
+
+    def snapshot_record(self) -> Call[Resume]: ...
