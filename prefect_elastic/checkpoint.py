@@ -27,10 +27,10 @@ from typing import Any
 import fsspec
 import torch
 
-from .messages import Resume
 from .errors import CheckpointMismatchError, FatalError, JobConfigError
 from .job import ElasticJob, StateLayout
 from .ledger import LedgerEntry
+from .messages import Resume
 
 log = logging.getLogger(__name__)
 
@@ -242,13 +242,15 @@ class Persistence:
         return self.write(coordinator, shards, timeout)
 
     def write(self, coordinator: Any, shards: list[Any], timeout: float) -> str | None:
-        """Write the last snapshot (coordinator and shards hold it until the next survival check)."""
+        """Write the last snapshot every shard holds (shards keep it until the controller's next survival
+        check asks for a newer one, so nothing replaces it while this reads)."""
         if self.store is None:
             return None
         record: Resume = coordinator.snapshot_record().result(timeout=timeout)
         if self.written_step == record.committed_steps:
             return self.last_written
-        parts = [f.result(timeout=timeout) for f in [s.export_snapshot() for s in shards]]
+        version = record.committed_steps
+        parts = [f.result(timeout=timeout) for f in [s.export_snapshot(version) for s in shards]]
         if {p["version"] for p in parts} != {record.committed_steps}:
             raise FatalError(
                 f"snapshot versions {[p['version'] for p in parts]} differ from the ledger's "

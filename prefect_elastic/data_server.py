@@ -5,26 +5,33 @@ Owns, for one job:
   batch id (`get_batch`);
 - one shard of the model state (a fixed set of whole parameter and buffer tensors, see `plan_shards`) and
   the optimizer state for those parameters; `pull` serves them, `push` collects the gradients of one
-  step, `apply` runs the step when the coordinator commits it;
-- the last snapshot of that shard, in memory (`snapshot`, and `fence(restore=True)` to reload it).
+  step, and the push that completes a step **applies** it: the shard is a commit point of its own, with no
+  round trip to the coordinator on the step path;
+- a record of every step it applied (batch ids, workers, losses), which the coordinator reads off the
+  step path to keep the ledger (`status`);
+- its snapshots, in memory: the last one every shard holds, and a newer one being taken
+  (`snapshot_at`); `restore` reloads one.
 
-Does not own: which batches are done, when a step commits, the generation (the coordinator owns all
-three and tells the shard through `fence` and `apply`). Called by compute workers (`pull`, `get_batch`,
-`push`) and by the coordinator (`apply`, `snapshot`, `fence`). Every call carries the generation and a
-call from another generation raises `StaleGenerationError`, so a message of a worker that was declared
-dead can never touch the parameters.
+Does not own: the generation (the coordinator raises it with `fence`), which snapshot is the committed
+one, or what happens when shards disagree (the coordinator decides; see docs/design/commit-point.md).
+Called by compute workers (`pull`, `get_batch`, `push`) and by the coordinator (`fence`, `restore`,
+`snapshot_at`, `status`). Every call carries the generation and a call from another generation raises
+`StaleGenerationError` (and is counted), so a message of a worker that was declared dead can never touch
+the parameters.
 
 All methods are `async def`: Dask runs them on the worker's event loop, where actor-to-actor calls cannot
-deadlock; the one heavy piece (the optimizer step) runs in a thread so heartbeats go on.
+deadlock; the optimizer step of a big shard runs in a thread so heartbeats go on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import copy
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,15 +40,14 @@ from .allocator import tune_allocator
 from .dataset import DatasetInfo, load_partition, partition_bounds
 from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
+from .messages import ShardStatus, SnapshotInfo, StepRecord, Tensors
 from .schedule import Schedule
 
 log = logging.getLogger(__name__)
 
-Tensors = dict[str, torch.Tensor]
-
-# How long a pull sent ahead of its step waits for the step before it to commit; a step that takes
-# longer (a slow worker still computing) costs the caller one ordinary pull instead.
-PULL_AHEAD_SECONDS = 5.0
+# Shards with fewer parameter elements than this apply a step on the event loop; a thread hand-off
+# costs more than such a step (about 0.2 ms on this machine), and heartbeats are not held up long.
+INLINE_APPLY_ELEMENTS = 1 << 20
 
 
 def plan_shards(state: dict[str, torch.Tensor], shards: int) -> list[list[str]]:
@@ -66,6 +72,18 @@ class _Snapshot:
     params: Tensors
     buffers: Tensors
     optimizer: dict[str, Any]
+    time: float
+    seconds: float
+
+
+@dataclass
+class _OpenStep:
+    """What the shard holds of the step it has not applied yet."""
+
+    grads: dict[int, Tensors] = field(default_factory=dict)  # batch id -> gradient of this shard's params
+    buffers: dict[int, Tensors] = field(default_factory=dict)  # batch id -> buffers after its forward
+    losses: dict[int, float] = field(default_factory=dict)
+    workers: dict[int, str] = field(default_factory=dict)
 
 
 class DataServer:
@@ -93,13 +111,19 @@ class DataServer:
         self._optimizer = job.build_optimizer(list(self._params.values())) if self._params else None
         if optimizer_state and self._optimizer is not None:
             self._optimizer.load_state_dict(optimizer_state)  # resuming from a checkpoint
+        # A step small enough is applied on the event loop: a thread hand-off costs more than it does.
+        self._apply_inline = sum(p.numel() for p in self._params.values()) < INLINE_APPLY_ELEMENTS
         self.generation = 0
         self.version = version  # number of steps applied
+        self._open = _OpenStep()
         self._applying = False
+        self._records: list[StepRecord] = []
+        self._refused = 0
         self._version_changed: asyncio.Condition | None = None  # made in the event loop, on first use
-        self._grads: dict[int, Tensors] = {}  # batch id -> gradient of this shard's params
-        self._updated_buffers: dict[int, Tensors] = {}  # batch id -> buffers after its forward pass
-        self._snapshot = self._copy_state()
+        first = self._copy_state()
+        self._snapshots: dict[int, _Snapshot] = {first.version: first}
+        self._snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
+        self._snapshotting: asyncio.Task[None] | None = None
         log.info(
             "data server %d of job %s: samples [%d, %d), %d params, %d buffers",
             index,
@@ -112,16 +136,10 @@ class DataServer:
 
     def _check(self, generation: int, what: str) -> None:
         if generation != self.generation:
+            self._refused += 1
             raise StaleGenerationError(generation, self.generation, what)
 
-    def _check_step(self, step: int, what: str) -> None:
-        if self._applying:
-            # Only a duplicate of an assignment can get here (the step's last report came in already).
-            raise RecoverableError(f"{what} for step {step} while shard {self.index} is applying it")
-        if step != self.version:
-            raise RecoverableError(
-                f"{what} for step {step}, but shard {self.index} is at step {self.version}"
-            )
+    # -- compute workers -------------------------------------------------------------------------
 
     async def get_batch(self, generation: int, batch_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(generation, "get_batch")
@@ -130,34 +148,33 @@ class DataServer:
         idx = torch.from_numpy(self._schedule.sample_indices(batch_id))
         return self._x[idx], self._y[idx]
 
-    async def pull(self, generation: int, step: int, ahead: bool = False) -> Tensors:
+    async def pull(self, generation: int, step: int, wait: float = 0.0) -> Tensors:
         """The shard's parameters and buffers as of `step` (before it is applied).
 
-        `ahead`: the caller asks before step `step - 1` has committed (it sends this with its report, so
-        the answer leaves the moment the step is applied instead of one round trip later); the call waits
-        until this shard reaches `step`, or fails when the generation changes or the wait runs out.
+        A worker asks for the next step's parameters right after pushing this step's gradients; the call
+        waits (up to `wait` seconds) until the shard has applied the step before, so the answer leaves the
+        moment the parameters exist. It fails when the generation changes or the wait runs out.
         """
         self._check(generation, "pull")
-        if ahead:
-            await self._wait_for_version(generation, step)
-        self._check_step(step, "pull")
-        tensors = {**self._params, **self._buffers}
-        if ahead:
-            # A worker that pulled ahead may get no work in this step, and then nothing stops the next
-            # `apply` from changing these tensors while the reply is still being serialized.
-            return {n: t.clone() for n, t in tensors.items()}
-        # No copy: the tensors are serialized when this reply is sent, and `apply` for this step only
-        # runs after every worker of the step has pulled, computed and reported.
-        return tensors
+        if self.version < step or self._applying:
+            await self._wait_for_version(generation, step, wait)
+        if self._applying or self.version != step:
+            raise RecoverableError(f"pull for step {step}, but shard {self.index} is at step {self.version}")
+        # No copy: the tensors are serialized as this reply is sent, and the shard changes them only when
+        # it applies this step, which needs the gradient of every worker that pulled it (a worker pulls a
+        # step only when its share of it is not empty). A reply still on the wire to a worker declared
+        # dead may see a restore; that worker's generation is refused anyway.
+        return {**self._params, **self._buffers}
 
-    async def _wait_for_version(self, generation: int, step: int) -> None:
+    async def _wait_for_version(self, generation: int, step: int, wait: float) -> None:
         if self._version_changed is None:
             self._version_changed = asyncio.Condition()
         changed = self._version_changed
-        deadline = asyncio.get_running_loop().time() + PULL_AHEAD_SECONDS
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
         async with changed:
-            while self.version < step and self.generation == generation:
-                remaining = deadline - asyncio.get_running_loop().time()
+            while (self.version < step or self._applying) and self.generation == generation:
+                remaining = deadline - loop.time()
                 if remaining <= 0:
                     break
                 with contextlib.suppress(TimeoutError):
@@ -173,39 +190,50 @@ class DataServer:
         self,
         generation: int,
         step: int,
-        batch_ids: list[int],
+        worker: str,
         grads: dict[int, Tensors],
         buffers: dict[int, Tensors],
+        losses: dict[int, float],
     ) -> None:
-        """The gradients (of this shard's parameters) and updated buffers of `batch_ids`."""
+        """The gradients (of this shard's parameters), updated buffers and losses of the batch ids in
+        `losses`; the push that completes step `step` applies it."""
         self._check(generation, "push")
-        self._check_step(step, "push")
-        for batch_id in batch_ids:
+        if step != self.version or self._applying:
+            raise RecoverableError(f"push for step {step}, but shard {self.index} is at step {self.version}")
+        for batch_id in losses:
             if self._schedule.step_of(batch_id) != step:
                 raise FatalError(f"gradient of batch {batch_id} pushed for step {step}")
-            self._grads[batch_id] = grads.get(batch_id, {})
-            self._updated_buffers[batch_id] = buffers.get(batch_id, {})
+            self._open.grads[batch_id] = grads.get(batch_id, {})
+            self._open.buffers[batch_id] = buffers.get(batch_id, {})
+            self._open.losses[batch_id] = losses[batch_id]
+            self._open.workers[batch_id] = worker
+        if len(self._open.grads) == len(self._schedule.step_batches(step)):
+            await self._apply_step(step)
 
-    async def apply(self, generation: int, step: int, batch_ids: list[int]) -> int:
-        """Apply step `step` from the gradients of `batch_ids`; called by the coordinator only."""
-        self._check(generation, "apply")
-        self._check_step(step, "apply")
-        ordered = sorted(batch_ids)
-        missing = [b for b in ordered if b not in self._grads]
-        if missing:
-            raise RecoverableError(f"shard {self.index}: no gradient for batches {missing} of step {step}")
-        grads = [self._grads.pop(b) for b in ordered]
-        buffers = [self._updated_buffers.pop(b) for b in ordered]
-        self._grads.clear()
-        self._updated_buffers.clear()
+    async def _apply_step(self, step: int) -> None:
+        opened, self._open = self._open, _OpenStep()
+        ordered = sorted(opened.grads)
+        grads = [opened.grads[b] for b in ordered]
+        buffers = [opened.buffers[b] for b in ordered]
         self._applying = True
         try:
-            await asyncio.to_thread(self._apply, grads, buffers)
+            if self._snapshotting is not None:
+                await self._snapshotting  # a snapshot of this version still reads the tensors
+            if self._apply_inline:
+                self._apply(grads, buffers)
+            else:
+                await asyncio.to_thread(self._apply, grads, buffers)
         finally:
             self._applying = False
         self.version += 1
+        self._records.append(
+            StepRecord(
+                step, self.generation, tuple(ordered), dict(opened.workers), dict(opened.losses), time.time()
+            )
+        )
         await self._announce_version()
-        return self.version
+        if self._snapshot_wanted == self.version:
+            self._start_snapshot()
 
     def _apply(self, grads: list[Tensors], buffers: list[Tensors]) -> None:
         # Summed in batch-id order whatever order they arrived in: this is what makes the result bitwise
@@ -223,35 +251,88 @@ class DataServer:
             for name, b in self._buffers.items():
                 b.copy_(_combine_buffer([u[name] for u in buffers]))
 
-    async def snapshot(self, generation: int) -> int:
-        self._check(generation, "snapshot")
-        self._snapshot = self._copy_state()
-        return self.version
+    # -- the coordinator -------------------------------------------------------------------------
 
-    async def fence(self, generation: int, restore: bool) -> int:
-        """Enter `generation`: drop the gradients of the step in flight and, if `restore`, reload the
-        last snapshot. Returns the version the shard is at afterwards."""
+    async def status(self, since: int) -> ShardStatus:
+        """Where the shard is, with the records of the steps it applied from step `since` on."""
+        first = bisect.bisect_left([r.step for r in self._records], since)
+        return ShardStatus(
+            index=self.index,
+            generation=self.generation,
+            version=self.version,
+            records=tuple(self._records[first:]),
+            snapshots=tuple(SnapshotInfo(s.version, s.time, s.seconds) for s in self._snapshots.values()),
+            pending=len(self._open.grads),
+            refused=self._refused,
+        )
+
+    async def fence(self, generation: int) -> ShardStatus:
+        """Enter `generation`: refuse every older message from now on, drop the gradients of the open
+        step and any snapshot asked for; returns where the shard is (from step 0 on)."""
         if generation < self.generation:
             raise StaleGenerationError(generation, self.generation, "fence")
         self.generation = generation
-        self._grads.clear()
-        self._updated_buffers.clear()
-        if restore:
-            snap = self._snapshot
-            with torch.no_grad():
-                for name, p in self._params.items():
-                    p.copy_(snap.params[name])
-                for name, b in self._buffers.items():
-                    b.copy_(snap.buffers[name])
-            if self._optimizer is not None:
-                self._optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
-            self.version = snap.version
+        pending = len(self._open.grads)
+        self._open = _OpenStep()
+        self._snapshot_wanted = None
+        if self._snapshotting is not None:
+            await self._snapshotting
+        await self._announce_version()
+        status = await self.status(0)
+        return replace(status, pending=pending)
+
+    async def restore(self, generation: int, version: int) -> int:
+        """Reload the snapshot of `version`; the records of the steps after it are dropped."""
+        self._check(generation, "restore")
+        snap = self._snapshots.get(version)
+        if snap is None:
+            held = sorted(self._snapshots)
+            raise FatalError(f"shard {self.index} holds no snapshot of version {version} (it holds {held})")
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(snap.params[name])
+            for name, b in self._buffers.items():
+                b.copy_(snap.buffers[name])
+        if self._optimizer is not None:
+            self._optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+        self.version = snap.version
+        self._records = [r for r in self._records if r.step < version]
+        self._open = _OpenStep()
         await self._announce_version()
         return self.version
 
-    async def export_snapshot(self) -> dict[str, Any]:
-        """The last snapshot, for a persistent checkpoint."""
-        snap = self._snapshot
+    async def snapshot_at(self, generation: int, version: int, keep: int) -> ShardStatus:
+        """Take a snapshot of `version`: now if the shard is there, else right after it applies the step
+        before. Snapshots other than `keep` (the last one every shard holds) are dropped. A shard already
+        past `version` does not take it; the coordinator asks again later."""
+        self._check(generation, "snapshot")
+        for v in [v for v in self._snapshots if v not in (keep, version)]:
+            del self._snapshots[v]
+        self._snapshot_wanted = version
+        if self.version == version and not self._applying and version not in self._snapshots:
+            self._start_snapshot()
+        if self._snapshotting is not None and self.version == version:
+            await self._snapshotting
+        return await self.status(self.version)
+
+    def _start_snapshot(self) -> None:
+        # Started once the waiting pulls have their answer; the next apply waits for it (it only reads).
+        self._snapshot_wanted = None
+
+        async def take() -> None:
+            snap = await asyncio.to_thread(self._copy_state) if not self._apply_inline else self._copy_state()
+            self._snapshots[snap.version] = snap
+            self._snapshotting = None
+
+        self._snapshotting = asyncio.ensure_future(take())
+
+    # -- the controller ----------------------------------------------------------------------------
+
+    async def export_snapshot(self, version: int) -> dict[str, Any]:
+        """The snapshot of `version`, for a persistent checkpoint."""
+        snap = self._snapshots.get(version)
+        if snap is None:
+            raise FatalError(f"shard {self.index} holds no snapshot of version {version}")
         return {
             "version": snap.version,
             "tensors": {**snap.params, **snap.buffers},
@@ -269,19 +350,18 @@ class DataServer:
             "index": self.index,
             "generation": self.generation,
             "version": self.version,
-            "snapshot_version": self._snapshot.version,
+            "snapshot_versions": sorted(self._snapshots),
             "samples": len(self._y),
             "data_bytes": self._x.numel() * self._x.element_size() + self._y.numel() * self._y.element_size(),
             "param_bytes": nbytes(self._params) + nbytes(self._buffers),
         }
 
     def _copy_state(self) -> _Snapshot:
-        return _Snapshot(
-            version=self.version,
-            params={n: t.detach().clone() for n, t in self._params.items()},
-            buffers={n: t.clone() for n, t in self._buffers.items()},
-            optimizer=copy.deepcopy(self._optimizer.state_dict()) if self._optimizer is not None else {},
-        )
+        began = time.perf_counter()
+        params = {n: t.detach().clone() for n, t in self._params.items()}
+        buffers = {n: t.clone() for n, t in self._buffers.items()}
+        optimizer = copy.deepcopy(self._optimizer.state_dict()) if self._optimizer is not None else {}
+        return _Snapshot(self.version, params, buffers, optimizer, time.time(), time.perf_counter() - began)
 
 
 def _combine_buffer(values: list[torch.Tensor]) -> torch.Tensor:

@@ -54,8 +54,14 @@ class Ledger:
             )
         self.committed_steps = self.snapshot_step = committed_steps
 
-    def mark_snapshot(self) -> None:
-        self.snapshot_step = self.committed_steps
+    def mark_snapshot(self, step: int | None = None) -> None:
+        """The shards' snapshot now holds steps `0..step-1` (all committed steps when `step` is None)."""
+        step = self.committed_steps if step is None else step
+        if not self.snapshot_step <= step <= self.committed_steps:
+            raise FatalError(
+                f"ledger: snapshot of step {step} outside {self.snapshot_step}..{self.committed_steps}"
+            )
+        self.snapshot_step = step
 
     def drop_after_snapshot(self) -> list[int]:
         """Forget the steps committed after the last snapshot; returns the dropped batch ids."""

@@ -67,6 +67,7 @@ class StepRecord:
     """What a shard applied as one step: the batch ids, who computed each, their losses, and when."""
 
     step: int
+    generation: int
     batch_ids: tuple[int, ...]
     workers: dict[int, str]
     losses: dict[int, float]
@@ -74,15 +75,26 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class SnapshotInfo:
+    """A snapshot a shard holds: the version it is of, when it was taken and how long the copy took."""
+
+    version: int
+    time: float
+    seconds: float
+
+
+@dataclass(frozen=True)
 class ShardStatus:
-    """A shard's answer to the coordinator: its generation and version, the steps it applied after a
-    version the coordinator already knew, and the versions of the snapshots it holds."""
+    """A shard's answer to the coordinator: its generation and version, the steps it applied from a step
+    the coordinator asked for on, the snapshots it holds, and how many messages it refused."""
 
     index: int
     generation: int
     version: int
     records: tuple[StepRecord, ...]
-    snapshots: tuple[int, ...]
+    snapshots: tuple[SnapshotInfo, ...]
+    pending: int  # micro-batches of the open step whose gradients it holds
+    refused: int  # messages of another generation refused since the shard started
 
 
 @dataclass(frozen=True)
@@ -154,7 +166,7 @@ class Call(Protocol[T_co]):
 class ShardHandle(Protocol):
     """A data server with its parameter shard (`data_server.DataServer`), as callers see it."""
 
-    def pull(self, generation: int, step: int) -> Call[Tensors]: ...
+    def pull(self, generation: int, step: int, wait: float = 0.0) -> Call[Tensors]: ...
 
     def get_batch(self, generation: int, batch_id: int) -> Call[tuple[torch.Tensor, torch.Tensor]]: ...
 
@@ -172,6 +184,12 @@ class ShardHandle(Protocol):
 
     def state(self) -> Call[Tensors]: ...
 
+    def fence(self, generation: int) -> Call[ShardStatus]: ...
+
+    def restore(self, generation: int, version: int) -> Call[int]: ...
+
+    def snapshot_at(self, generation: int, version: int, keep: int) -> Call[ShardStatus]: ...
+
     def export_snapshot(self, version: int) -> Call[dict[str, Any]]: ...
 
     def describe(self) -> Call[dict[str, Any]]: ...
@@ -186,13 +204,15 @@ class CoordinatorHandle(Protocol):
         self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str
     ) -> Call[None]: ...
 
-    def survival_check(self, live_workers: list[str], trigger: str) -> Call[MembershipEvent | None]: ...
+    def survival_check(
+        self, live_workers: list[str], trigger: str, renew: bool = False
+    ) -> Call[list[MembershipEvent]]: ...
 
     def progress(self) -> Call[Progress]: ...
 
     def outcome(self) -> Call[Outcome]: ...
 
-    def stop(self, reason: str) -> Call[None]: ...
+    def stop(self, reason: str) -> Call[int]: ...
 
     def snapshot_now(self) -> Call[int]: ...
 

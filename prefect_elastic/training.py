@@ -27,7 +27,8 @@ from distributed import Client, Future
 
 from .checkpoint import Persistence
 from .compute import LoopStats, compute_loop
-from .coordinator import Coordinator, MembershipEvent, Outcome, Progress
+from .connect import is_static_worker
+from .coordinator import Coordinator
 from .data_server import DataServer, plan_shards
 from .dataset import DatasetInfo, partition_bounds
 from .errors import (
@@ -40,6 +41,7 @@ from .errors import (
 )
 from .job import ElasticJob
 from .ledger import LedgerEntry
+from .messages import CoordinatorHandle, EventKind, MembershipEvent, Outcome, Progress, ShardHandle
 from .registry import claim_job, publish_progress, release_job
 from .schedule import Schedule
 
@@ -54,6 +56,12 @@ PUBLISH_SECONDS = 0.2
 # later, so the check its add-worker event triggers may not count it yet; look at the membership again
 # this soon instead of a liveness interval later (that wait was most of a slow join in docs/benchmarks.md).
 STARTING_RECHECK_SECONDS = 0.05
+# How often the controller reads the scheduler's view of the workers between survival checks: a worker
+# that froze (SIGSTOP, a hung device) stops sending heartbeats, and this is how soon that is seen.
+MEMBERSHIP_POLL_SECONDS = 0.25
+# A worker silent for more than this many of the scheduler's heartbeat intervals (and for more than a
+# liveness interval) is out of the membership: 0.5 s heartbeats on small clusters make it 1.25 s.
+SILENT_HEARTBEATS = 2.5
 # A compute loop that keeps failing on a live worker is restarted at most this many times.
 MAX_LOOP_RESTARTS = 5
 
@@ -98,7 +106,8 @@ class TrainResult:
         return sum(e.batches_dropped for e in self.events)
 
     def membership_events(self) -> list[MembershipEvent]:
-        return [e for e in self.events if e.kind in ("rollback", "reassign")]
+        """The membership changes: the first admission and every rollback or reassign."""
+        return [e for e in self.events if e.kind in (EventKind.START, EventKind.ROLLBACK, EventKind.REASSIGN)]
 
 
 def build_schedule(job: ElasticJob, dataset: DatasetInfo) -> Schedule:
@@ -136,10 +145,23 @@ def train(
     prepared = prepare(job)
     if (address is None) == (cluster is None):
         raise JobConfigError("address", address, "give exactly one of address= or cluster=")
-    target = address if address is not None else cluster.scheduler_address
+    if isinstance(cluster, str):
+        # As distributed.Client does: a scheduler address given where a cluster object was expected.
+        address, cluster = cluster, None
+    if address is not None:
+        target = address
+    elif isinstance(getattr(cluster, "scheduler_address", None), str):
+        target = cluster.scheduler_address
+    else:
+        raise JobConfigError(
+            "cluster",
+            cluster,
+            "not a Dask cluster object (it has no scheduler_address); give a cluster such as "
+            "LocalCluster or SLURMCluster, or a scheduler address as address='tcp://host:8786'",
+        )
     if faults is not None and cluster is not None:
         faults.bind(cluster)
-    with Client(target, set_as_default=False, timeout=prepared.job.call_timeout) as client:
+    with connect_client(target, prepared.job.call_timeout) as client:
         run = TrainingRun(
             client, prepared, on_progress=on_progress, on_event=on_event, faults=faults, stop=stop
         )
@@ -150,6 +172,30 @@ def train(
                 return run.finish(run.supervise())
             finally:
                 run.release()
+
+
+def connect_client(address: str, timeout: float) -> Client:
+    """A client of the scheduler at `address`; a refused connection fails at once, naming the address,
+    instead of being retried for the whole timeout."""
+    from distributed.comm import parse_address
+
+    try:
+        scheme, location = parse_address(address)
+    except Exception as exc:
+        raise JobConfigError("address", address, f"not a scheduler address ({exc})") from exc
+    if scheme in ("tcp", "tls") and ":" in location:
+        import socket
+
+        host, _, port = location.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(timeout, 5.0)):
+                pass
+        except (OSError, ValueError) as exc:
+            raise FatalError(
+                f"no Dask scheduler answers at {address} ({exc}); start one (`dask scheduler`) or give "
+                "the address it listens on"
+            ) from exc
+    return Client(address, set_as_default=False, timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -170,6 +216,35 @@ def prepare(job: ElasticJob | str | os.PathLike[str]) -> Prepared:
     schedule = build_schedule(job, dataset)
     layout, initial = job.initial_tensors()
     return Prepared(job, dataset, schedule, Persistence(job, layout, initial))
+
+
+@dataclass(frozen=True)
+class WorkersView:
+    live: list[str]
+    starting: bool
+    listed: set[str]
+
+
+def _scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) -> list[dict[str, Any]]:
+    """Runs on the scheduler: each worker's address, name, resources, status, and how long it has been
+    silent (seconds since its last heartbeat, by the scheduler's clock) against the longest silence
+    allowed at the heartbeat interval the scheduler asks of workers now."""
+    from distributed.scheduler import heartbeat_interval
+    from distributed.utils import time as now
+
+    limit = silent_heartbeats * heartbeat_interval(len(dask_scheduler.workers))
+    t = now()
+    return [
+        {
+            "address": ws.address,
+            "name": ws.name,
+            "resources": dict(ws.resources),
+            "status": ws.status.name,
+            "silent": t - ws.last_seen,
+            "silent_limit": limit,
+        }
+        for ws in dask_scheduler.workers.values()
+    ]
 
 
 class TrainingRun:
@@ -208,8 +283,8 @@ class TrainingRun:
         self._stopping = False
         self._published = 0.0
         self.started = time.monotonic()
-        self.coordinator: Any = None
-        self.shards: list[Any] = []
+        self.coordinator: Any = None  # a CoordinatorHandle once started
+        self.shards: list[Any] = []  # ShardHandles
         self.plan: list[list[str]] = []
 
     # -- setup -----------------------------------------------------------------------------------
@@ -238,11 +313,13 @@ class TrainingRun:
         """Write the last checkpoint and collect the result; raise what ended a failed or stopped run."""
         coordinator, shards = self.coordinator, self.shards
         timeout = self.job.call_timeout
-        if progress.state == "done" or (progress.state == "running" and self._stopping):
-            # The last checkpoint holds the end (or, when stopped, every committed step).
+        if self._stopping and progress.state in ("running", "waiting"):
+            # Every shard fenced and brought to one version, which is snapshotted: the last checkpoint
+            # holds every step committed before the stop.
+            self._call(coordinator.stop("stopped by the controller"), timeout=3 * timeout)
+            self.persistence.write(coordinator, shards, timeout)
+        elif progress.state == "done":
             self._call(coordinator.snapshot_now(), timeout=3 * timeout)
-            if self._stopping:
-                self._call(coordinator.stop("stopped by the controller"))
             self.persistence.write(coordinator, shards, timeout)
         if self._stopping:
             self._stop_loops()
@@ -289,7 +366,7 @@ class TrainingRun:
 
     def _static_workers(self) -> list[str]:
         workers = self.client.scheduler_info(n_workers=-1)["workers"]
-        static = [a for a, w in workers.items() if self.job.static_resource in (w.get("resources") or {})]
+        static = [a for a, w in workers.items() if is_static_worker(w, self.job.static_resource)]
         if not static:
             raise FatalError(
                 f"no static workers on the cluster: start some with "
@@ -298,25 +375,30 @@ class TrainingRun:
             )
         return sorted(static, key=lambda a: (str(workers[a].get("name")), a))
 
-    def _start_servers(self) -> tuple[Any, list[Any], list[list[str]]]:
+    def _start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
         job = self.job
         plan = plan_shards(self.persistence.initial, job.data_servers)
         static = self._static_workers()
         prefix = f"prefect-elastic-{job.job_id}-{self.run_id}"
         for i, names in enumerate(plan):
             start = self.persistence.shard_start(i, names)
+            where = [static[i % len(static)]]
+            # The tensors go straight to the static worker, not inside the task graph (a big model would
+            # make the graph big: Dask warns, and the scheduler holds a copy).
+            tensors = self.client.scatter(
+                [start.params, start.buffers, start.optimizer_state], workers=where, hash=False
+            )
             self.actor_futures.append(
                 self.client.submit(
-                    DataServer, i, job, self.dataset, self.schedule, start.params, start.buffers,
-                    start.optimizer_state, start.version,
-                    actor=True, workers=[static[i % len(static)]], allow_other_workers=False,
+                    DataServer, i, job, self.dataset, self.schedule, *tensors, start.version,
+                    actor=True, workers=where, allow_other_workers=False,
                     key=f"{prefix}-data-server-{i}", pure=False,
                 )
             )  # fmt: skip
         self.actor_futures.append(
             self.client.submit(
-                Coordinator, job.job_id, self.schedule, job.on_membership_change, job.min_workers,
-                job.min_workers_timeout, job.call_timeout, job.assignment_lease, self.persistence.resume(),
+                Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
+                job.min_workers, job.min_workers_timeout, job.call_timeout, self.persistence.resume(),
                 actor=True, workers=[static[0]], allow_other_workers=False, key=f"{prefix}-coordinator",
                 pure=False,
             )
@@ -335,36 +417,41 @@ class TrainingRun:
         if isinstance(msg, dict) and msg.get("action") in ("add-worker", "remove-worker", "retire-workers"):
             self.worker_event.set()
 
-    def _supervise(self, coordinator: Any, shards: list[Any], plan: list[list[str]]) -> Progress:
+    def _supervise(
+        self, coordinator: CoordinatorHandle, shards: list[ShardHandle], plan: list[list[str]]
+    ) -> Progress:
         job = self.job
         next_check = 0.0
-        recheck_at: float | None = None  # while a registered worker is still starting
+        next_look = 0.0  # the next read of the scheduler's view between survival checks
         known: list[str] = []  # the live workers the last survival check saw
         while True:
             now = time.monotonic()
             triggered = self.worker_event.is_set()
-            if not triggered and recheck_at is not None and now >= recheck_at:
-                # A starting worker turning "running" is a membership change that no scheduler event
-                # announces: look at the membership only, and check survival if it changed.
-                live, starting = self._elastic_workers()
-                triggered = live != known
-                recheck_at = now + STARTING_RECHECK_SECONDS if starting else None
+            if not triggered and now >= next_look:
+                # A starting worker turning "running", or a member that stopped sending heartbeats, is a
+                # membership change that no scheduler event announces: look, and check if it changed.
+                view = self._workers_view()
+                triggered = view.live != known or self._loops_to_restart(view.live)
+                next_look = now + (STARTING_RECHECK_SECONDS if view.starting else MEMBERSHIP_POLL_SECONDS)
             if triggered or now >= next_check:
                 self.worker_event.clear()
-                live, starting = self._elastic_workers()
-                known = live
-                self._ensure_loops(live, coordinator, shards, plan)
-                # It may wait for a commit in progress, then call every shard: each bounded by call_timeout.
-                event = self._call(
-                    coordinator.survival_check(live, "worker event" if triggered else "interval"),
+                view = self._workers_view()
+                known = view.live
+                renew = self._ensure_loops(view, coordinator, shards, plan)
+                # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
+                events: list[MembershipEvent] = self._call(
+                    coordinator.survival_check(view.live, "worker event" if triggered else "interval", renew),
                     timeout=3 * job.call_timeout,
                 )
                 next_check = time.monotonic() + job.liveness_interval
-                recheck_at = time.monotonic() + STARTING_RECHECK_SECONDS if starting else None
-                if event is not None and event.kind == "snapshot":
-                    self.persistence.after_snapshot(coordinator, shards, job.call_timeout)
-                if event is not None and self.on_event is not None:
-                    self.on_event(event)
+                next_look = time.monotonic() + (
+                    STARTING_RECHECK_SECONDS if view.starting else MEMBERSHIP_POLL_SECONDS
+                )
+                for event in events:
+                    if event.kind is EventKind.SNAPSHOT:
+                        self.persistence.after_snapshot(coordinator, shards, job.call_timeout)
+                    if self.on_event is not None:
+                        self.on_event(event)
             progress: Progress = self._call(coordinator.progress())
             self._publish(progress)
             if self.on_progress is not None:
@@ -404,26 +491,47 @@ class TrainingRun:
                 f"the coordinator of job {self.job.job_id} was lost with its static worker ({exc})"
             ) from exc
 
-    def _elastic_workers(self) -> tuple[list[str], bool]:
-        """The live elastic workers, and whether another one is still starting."""
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
-        elastic = {
-            a: w for a, w in workers.items() if self.job.static_resource not in (w.get("resources") or {})
-        }
-        live = sorted(a for a, w in elastic.items() if w.get("status", "running") in ("running", "paused"))
-        return live, any(w.get("status") == "init" for w in elastic.values())
+    def _workers_view(self) -> WorkersView:
+        """The elastic workers as the scheduler sees them: live ones (running, and heard from lately),
+        whether one is still starting, and every one the scheduler still lists (a frozen worker stays
+        listed until its worker-ttl, minutes later)."""
+        silent_after = max(self.job.liveness_interval, 0.0)
+        rows = self.client.run_on_scheduler(_scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        elastic = [r for r in rows if not is_static_worker(r, self.job.static_resource)]
+        live = sorted(
+            r["address"]
+            for r in elastic
+            if r["status"] in ("running", "paused") and r["silent"] <= max(silent_after, r["silent_limit"])
+        )
+        return WorkersView(
+            live=live,
+            starting=any(r["status"] == "init" for r in elastic),
+            listed={r["address"] for r in elastic},
+        )
+
+    def _loops_to_restart(self, live: list[str]) -> bool:
+        return any(self.loops[a].done() for a in live if a in self.loops)
 
     def _ensure_loops(
-        self, live: list[str], coordinator: Any, shards: list[Any], plan: list[list[str]]
-    ) -> None:
+        self,
+        view: WorkersView,
+        coordinator: CoordinatorHandle,
+        shards: list[ShardHandle],
+        plan: list[list[str]],
+    ) -> bool:
+        """A compute loop on every live worker. Returns whether a live member's loop was started over
+        (it needs a fence). The loop of a worker that is listed but silent (frozen) is kept: if it wakes,
+        its old messages are refused and it asks for a new role."""
+        restarted = False
         for addr in list(self.loops):
-            if addr not in live:
+            if addr not in view.listed:
                 self.loops.pop(addr).cancel()
-        for addr in live:
+        for addr in view.live:
             loop = self.loops.get(addr)
             if loop is not None and loop.done():
                 self._collect_loop(addr, loop)
                 loop = None
+                restarted = True
             if loop is None:
                 restarts = self.loop_restarts.get(addr, 0)
                 self.loop_restarts[addr] = restarts + 1
@@ -432,6 +540,7 @@ class TrainingRun:
                     key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-compute-{addr}-{restarts}",
                     workers=[addr], allow_other_workers=False, pure=False,
                 )  # fmt: skip
+        return restarted
 
     def _collect_loop(self, addr: str, loop: Future) -> None:
         if loop.status == "finished":

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
-from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import Progress
-from prefect_elastic.testing import FaultSchedule
+from prefect_elastic.local.faults import FaultSchedule
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up
 from .models import GATE

@@ -1,0 +1,362 @@
+"""The coordinator's bookkeeping as a pure state machine: what the shards report goes in, the ledger, the
+roles, the snapshot requests and the events come out. No actor, no clock of its own (times are passed in),
+no cluster: `tests/test_coordinator_state.py` drives it through event sequences.
+
+What it keeps, for one job:
+- the membership of the current generation, in a fixed order: a member's position is its rank (its
+  `Role`), which decides its share of every step until the next generation;
+- the ledger: a step is committed when every shard has applied it (`absorb` of the shards' records);
+- the snapshot bookkeeping: the version it asked every shard to snapshot, and the last version every
+  shard holds (the ledger's `snapshot_step`), which is what a rollback goes back to;
+- how to bring the shards back to one version when the membership changes (`reconcile`): a worker can die
+  between its push to one shard and to the next, so one shard may have applied a step that another never
+  will. Shards are at most one version apart (a gradient of step s+1 needs the parameters of step s+1 from
+  every shard), and when they disagree every shard goes back to the last snapshot; see
+  docs/design/commit-point.md.
+
+The actor (`coordinator.py`) makes the calls this class asks for and feeds their answers back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import FatalError
+from .ledger import Ledger
+from .messages import EventKind, MembershipEvent, Progress, Resume, Role, ShardStatus, StepRecord
+from .schedule import Schedule
+from .survival import Action, Decision, Policy, SurvivalState
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: str  # model | not-enough-workers | data-server-lost | stopped | internal
+    message: str
+    step: int | None = None
+    batch_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Reconciliation:
+    """How the shards come back to one version after a fence: restore the snapshot of `restore_to` on
+    every shard (None: they already agree), and what that undoes."""
+
+    restore_to: int | None
+    versions: tuple[int, ...]
+    consistent: bool  # the shards were at one version
+
+
+class CoordinatorState:
+    def __init__(
+        self,
+        job_id: str,
+        schedule: Schedule,
+        shards: int,
+        policy: Policy,
+        min_workers: int,
+        min_workers_timeout: float,
+        resume: Resume | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.schedule = schedule
+        self.shards = shards
+        self.policy: Policy = policy
+        self.min_workers = min_workers
+        self.min_workers_timeout = min_workers_timeout
+        self.ledger = Ledger()
+        self.generation = 0
+        self.members: tuple[str, ...] = ()
+        self.suspended = True  # nothing is handed out until the first survival check has seen workers
+        self.waiting = False
+        self.below_min_since: float | None = None
+        self.history: list[float] = []
+        self.commit_times: list[float] = []  # parallel to history; steps resumed from a checkpoint get nan
+        if resume is not None:
+            self.ledger.restore(resume.ledger, resume.committed_steps)
+            self.generation = resume.generation
+            self.history = list(resume.history)
+            self.commit_times = [math.nan] * len(self.history)
+        self.events: list[MembershipEvent] = []
+        self.failure: Failure | None = None
+        self.versions: dict[int, int] = {}  # shard -> version it last reported
+        self._records: dict[int, dict[int, StepRecord]] = {i: {} for i in range(shards)}
+        self._snapshots: dict[int, dict[int, tuple[float, float]]] = {}  # shard -> version -> (time, s)
+        self.snapshot_wanted: int | None = None  # the version every shard was asked to snapshot
+        self._refused: dict[int, int] = {}
+        self.counters = {
+            "rollbacks": 0,
+            "reassigns": 0,
+            "snapshots": 0,
+            "inconsistent_fences": 0,  # membership changes that found the shards at two versions
+        }
+
+    # -- where the job is ------------------------------------------------------------------------
+
+    @property
+    def committed_steps(self) -> int:
+        return self.ledger.committed_steps
+
+    @property
+    def finished(self) -> bool:
+        return self.failure is not None or self.ledger.committed_steps >= self.schedule.total_steps
+
+    def survival_state(self) -> SurvivalState:
+        return SurvivalState(
+            generation=self.generation,
+            workers=frozenset(self.members),
+            policy=self.policy,
+            min_workers=self.min_workers,
+            min_workers_timeout=self.min_workers_timeout,
+            committed_steps=self.ledger.committed_steps,
+            snapshot_step=self.ledger.snapshot_step,
+            below_min_since=self.below_min_since,
+        )
+
+    def role(self, worker: str, generation: int) -> Role | None:
+        """The role of `worker` in the current generation, if it needs one (it knows `generation`)."""
+        if self.finished:
+            return Role(self.generation, -1, (), self.ledger.committed_steps, stop=True)
+        if self.suspended or worker not in self.members or generation == self.generation:
+            return None
+        return Role(self.generation, self.members.index(worker), self.members, self.ledger.committed_steps)
+
+    def holding(self) -> tuple[tuple[str, int], ...]:
+        """Each member with the micro-batches of the open step in its share."""
+        if self.finished or self.suspended or not self.members:
+            return ()
+        step, size = self.ledger.committed_steps, len(self.members)
+        return tuple(
+            (w, n) for rank, w in enumerate(self.members) if (n := len(self.schedule.share(step, rank, size)))
+        )
+
+    def progress(self) -> Progress:
+        f = self.failure
+        if f is not None:
+            state = "failed"
+        else:
+            state = "done" if self.finished else ("waiting" if self.waiting else "running")
+        return Progress(
+            generation=self.generation,
+            committed_steps=self.ledger.committed_steps,
+            total_steps=self.schedule.total_steps,
+            workers=tuple(sorted(self.members)),
+            state=state,
+            loss=self.history[-1] if self.history else None,
+            failure=f.message if f else None,
+            failure_kind=f.kind if f else None,
+            failure_step=f.step if f else None,
+            failure_batch=f.batch_id if f else None,
+            holding=self.holding(),
+        )
+
+    def snapshot_record(self) -> Resume:
+        step = self.ledger.snapshot_step
+        return Resume(
+            generation=self.generation,
+            committed_steps=step,
+            ledger=[e for e in self.ledger.entries() if e.step < step],
+            history=self.history[:step],
+        )
+
+    @property
+    def refused(self) -> int:
+        return sum(self._refused.values())
+
+    # -- what the shards report ------------------------------------------------------------------
+
+    def absorb(self, status: ShardStatus) -> list[MembershipEvent]:
+        """Take in a shard's status: commit the steps every shard has applied, confirm a snapshot every
+        shard holds. Returns the events recorded."""
+        if status.generation < self.generation:
+            return []  # an answer that crossed a fence; the fence's own answer is newer
+        i = status.index
+        self.versions[i] = status.version
+        self._refused[i] = status.refused
+        for record in status.records:
+            if record.step >= self.ledger.committed_steps:
+                self._records[i][record.step] = record
+        self._snapshots[i] = {s.version: (s.time, s.seconds) for s in status.snapshots}
+        events = self._commit_ready()
+        events += self._confirm_snapshot()
+        return events
+
+    def _commit_ready(self) -> list[MembershipEvent]:
+        events: list[MembershipEvent] = []
+        while not self.finished:
+            step = self.ledger.committed_steps
+            records = [self._records[i].get(step) for i in range(self.shards)]
+            if any(r is None for r in records):
+                break
+            applied = [r for r in records if r is not None]
+            first = applied[0]
+            if any(r.batch_ids != first.batch_ids for r in applied):
+                raise FatalError(f"shards applied step {step} from different batch ids: a bug")
+            self.ledger.commit(first.batch_ids, step, first.generation, first.workers)
+            self.history.append(sum(first.losses[b] for b in first.batch_ids) / len(first.batch_ids))
+            self.commit_times.append(max(r.time for r in applied))
+            for i in range(self.shards):
+                del self._records[i][step]
+            if self.finished:
+                events.append(self.record(EventKind.DONE, now=self.commit_times[-1]))
+        return events
+
+    def _confirm_snapshot(self) -> list[MembershipEvent]:
+        wanted = self.snapshot_wanted
+        if wanted is None or wanted > self.ledger.committed_steps:
+            return []
+        taken = [self._snapshots.get(i, {}).get(wanted) for i in range(self.shards)]
+        if any(t is None for t in taken):
+            return []
+        times = [t for t in taken if t is not None]
+        self.ledger.mark_snapshot(wanted)
+        self.snapshot_wanted = None
+        self.counters["snapshots"] += 1
+        # The window in which the snapshot could slow a step: from the first copy's start to the last end.
+        began = min(t - s for t, s in times)
+        end = max(t for t, _ in times)
+        return [self.record(EventKind.SNAPSHOT, reason="membership unchanged", now=end, seconds=end - began)]
+
+    def want_snapshot(self, progressed: bool) -> int | None:
+        """The version to ask every shard to snapshot, or None when there is nothing new.
+
+        A running job is asked one version ahead of the newest shard (the shards get there within a step,
+        and none can have passed it); a job that stands still (waiting, gated, at its end) is asked the
+        version it stands at. A shard already past the version does not take it: the next check asks again.
+        """
+        newest = max(self.versions.values(), default=self.ledger.committed_steps)
+        version = min(newest + 1, self.schedule.total_steps) if progressed else newest
+        if version <= self.ledger.snapshot_step:
+            return None
+        self.snapshot_wanted = version
+        return version
+
+    # -- membership changes ----------------------------------------------------------------------
+
+    def reconcile(self, decision: Decision, fenced: list[ShardStatus]) -> Reconciliation:
+        """After every shard was fenced into the decision's generation (their answers absorbed): the
+        version they all go back to, if any."""
+        for status in fenced:
+            self.absorb(status)
+        versions = tuple(s.version for s in sorted(fenced, key=lambda s: s.index))
+        consistent = len(set(versions)) == 1
+        if not consistent and max(versions) - min(versions) > 1:
+            raise FatalError(f"shards at versions {versions}: more than one step apart, which cannot happen")
+        restore_to: int | None = None
+        if decision.action is Action.ROLLBACK or not consistent:
+            restore_to = self.ledger.snapshot_step
+            if set(versions) == {restore_to}:
+                restore_to = None  # nothing to undo
+        return Reconciliation(restore_to, versions, consistent)
+
+    def change_membership(
+        self,
+        decision: Decision,
+        plan: Reconciliation,
+        fenced: list[ShardStatus],
+        trigger: str,
+        now: float,
+        began: float,
+    ) -> MembershipEvent:
+        """Carry out a membership change once the shards were fenced and, if asked, restored."""
+        was_running = bool(self.members) and not self.suspended
+        open_step = self.ledger.committed_steps
+        steps_lost = 0
+        if plan.restore_to is not None:
+            before = self.ledger.committed_steps
+            self.ledger.drop_after_snapshot()
+            steps_lost = before - self.ledger.committed_steps
+            del self.history[self.ledger.committed_steps :]
+            del self.commit_times[self.ledger.committed_steps :]
+            self.versions = dict.fromkeys(range(self.shards), self.ledger.committed_steps)
+        for records in self._records.values():
+            records.clear()
+        self.snapshot_wanted = None
+        # The open step's micro-batches are trained again by the new members, from the start: every
+        # member held a share of it, and whatever gradients reached the shards were dropped by the fence.
+        dropped = 0
+        if was_running and open_step < self.schedule.total_steps:
+            dropped = len(self.schedule.step_batches(open_step))
+        if decision.action is Action.START:
+            kind = EventKind.START
+        elif decision.action is Action.ROLLBACK or not plan.consistent:
+            kind = EventKind.ROLLBACK if decision.action is Action.ROLLBACK else EventKind.REASSIGN
+        else:
+            kind = EventKind.REASSIGN
+        if decision.action is Action.ROLLBACK:
+            self.counters["rollbacks"] += 1
+        elif decision.action is Action.REASSIGN:
+            self.counters["reassigns"] += 1
+        reason = f"{decision.reason} ({trigger})"
+        if not plan.consistent:
+            self.counters["inconsistent_fences"] += 1
+            reason += (
+                f"; shards were at versions {list(plan.versions)} (a worker died between its pushes), "
+                f"all back to the snapshot of step {self.ledger.committed_steps}"
+            )
+        self.generation = decision.generation
+        self.members = tuple(sorted(decision.workers))
+        return self.record(
+            kind,
+            joined=decision.joined,
+            left=decision.left,
+            steps_lost=steps_lost,
+            batches_dropped=dropped,
+            reason=reason,
+            now=now,
+            seconds=now - began,
+        )
+
+    def after_decision(self, decision: Decision, now: float, began: float) -> list[MembershipEvent]:
+        """What every decision ends with: the waiting state, the failure when the wait ran out."""
+        events: list[MembershipEvent] = []
+        self.members = tuple(sorted(decision.workers))
+        self.generation = decision.generation
+        was_waiting, self.waiting = self.waiting, not decision.resume
+        self.below_min_since = decision.below_min_since
+        self.suspended = not decision.resume
+        if self.waiting and not was_waiting:
+            events.append(
+                self.record(EventKind.WAITING, reason=decision.reason, now=now, seconds=now - began)
+            )
+        if decision.failure is not None:
+            events += self.fail(
+                Failure("not-enough-workers", decision.failure, self.ledger.committed_steps), now
+            )
+        return events
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    def fail(self, failure: Failure, now: float) -> list[MembershipEvent]:
+        if self.failure is not None:
+            return []
+        self.failure = failure
+        return [self.record(EventKind.FAILED, reason=failure.message, now=now)]
+
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        joined: frozenset[str] = frozenset(),
+        left: frozenset[str] = frozenset(),
+        steps_lost: int = 0,
+        batches_dropped: int = 0,
+        reason: str = "",
+        now: float,
+        seconds: float = 0.0,
+    ) -> MembershipEvent:
+        event = MembershipEvent(
+            time=now,
+            kind=kind,
+            generation=self.generation,
+            step=self.ledger.committed_steps,
+            workers=tuple(sorted(self.members)),
+            joined=tuple(sorted(joined)),
+            left=tuple(sorted(left)),
+            steps_lost=steps_lost,
+            batches_dropped=batches_dropped,
+            reason=reason,
+            seconds=seconds,
+        )
+        self.events.append(event)
+        return event
