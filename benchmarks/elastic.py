@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 
 from prefect_elastic import ElasticJob
-from prefect_elastic.cluster import LocalElasticCluster
-from prefect_elastic.messages import Progress
 from prefect_elastic.data_server import plan_shards
 from prefect_elastic.dataset import partition_bounds
+from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.messages import Progress
 from prefect_elastic.training import TrainResult, train
 
 from .workloads import BATCH, LR, MOMENTUM, THREADS, WORKLOADS

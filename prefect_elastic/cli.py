@@ -27,13 +27,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     if args.command == "demo":
-        from .demo import run_demo
+        from .local.demo import run_demo
 
         return 0 if run_demo(args.policy, args.epochs, args.keep_server) else 1
 
-    from .demo import prefect_api
     from .flows import elastic_training
     from .job import ElasticJob
+    from .local.demo import prefect_api
 
     try:
         ElasticJob.from_yaml(args.job)  # a bad file is reported here, before any server starts

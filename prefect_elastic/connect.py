@@ -2,11 +2,13 @@
 
 A cluster is given as an address, as a `cluster_class` (an import path or a class, such as
 `distributed.LocalCluster` or `dask_jobqueue.SLURMCluster`) with `cluster_kwargs` and optional adaptive
-bounds (`adapt_kwargs`), or not at all, which starts a `LocalElasticCluster` of real local processes.
+bounds (`adapt_kwargs`), or not at all, which starts a `LocalElasticCluster` of real local processes
+(`prefect_elastic.local`, imported only then).
 
-Adaptive scale-down retires workers that hold actors anyway; `KeepStaticWorkers`, a scheduler plugin,
-takes static workers (those with the static resource) out of every scale-down, so the data servers and
-the coordinator are never retired by it.
+`is_static_worker` is the one definition of a static worker (one that carries the static resource), for
+every role that tells static from elastic workers. Adaptive scale-down retires workers that hold actors
+anyway; `KeepStaticWorkers`, a scheduler plugin, takes static workers out of every scale-down, so the data
+servers and the coordinator are never retired by it.
 """
 
 from __future__ import annotations
@@ -14,17 +16,27 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from distributed import Client
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from .cluster import LocalElasticCluster
 from .errors import JobConfigError
 
 log = logging.getLogger(__name__)
+
+
+def is_static_worker(info: Mapping[str, Any], resource: str = "static") -> bool:
+    """Whether a worker is static: it carries a positive amount of `resource` (``--resources static=1``).
+
+    `info` is the scheduler's view of one worker (an entry of `Client.scheduler_info()["workers"]`, or
+    anything with its ``resources``); a worker with ``static=0`` could run no task that needs the resource,
+    so it is elastic.
+    """
+    resources = info.get("resources") or {}
+    return float(resources.get(resource, 0)) > 0
 
 
 class KeepStaticWorkers(SchedulerPlugin):
@@ -36,7 +48,8 @@ class KeepStaticWorkers(SchedulerPlugin):
         self.resource = resource
 
     def valid_workers_downscaling(self, scheduler: Any, workers: list[Any]) -> list[Any]:
-        return [ws for ws in workers if self.resource not in (ws.resources or {})]
+        # The scheduler hands over its WorkerState objects, whose resources are an attribute.
+        return [ws for ws in workers if not is_static_worker({"resources": ws.resources}, self.resource)]
 
 
 @dataclass
@@ -88,6 +101,8 @@ def connect(
         cluster = resolve_cluster_class(cluster_class)(**(cluster_kwargs or {}))
         connection = Connection(cluster.scheduler_address, cluster, made_here=True)
     else:
+        from .local.cluster import LocalElasticCluster
+
         cluster = LocalElasticCluster(
             static_workers=local_static_workers,
             elastic_workers=local_elastic_workers,

@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m prefect_elastic.demo "$@"
+exec .venv/bin/python -m prefect_elastic.local.demo "$@"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
-from prefect_elastic.cluster import LocalElasticCluster
 from prefect_elastic.dataset import digits_dataset
+from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .prefect_harness import prefect_server  # noqa: F401  (a session fixture: a real Prefect server)
 

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefect_elastic.prefect_server import PrefectServer, free_port
+from prefect_elastic.local.prefect_server import PrefectServer, free_port
 
 __all__ = ["PrefectServer", "free_port", "prefect_server"]
 

@@ -18,9 +18,9 @@ import torch
 
 from prefect_elastic import CheckpointMismatchError, ElasticJob, JobConfigError, TrainingStopped, train
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore, fingerprint
-from prefect_elastic.cluster import LocalElasticCluster
 from prefect_elastic.errors import FatalError
 from prefect_elastic.ledger import LedgerEntry
+from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import dask
 import pytest
 
-from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.local.cluster import LocalElasticCluster
 
 pytestmark = pytest.mark.cluster
 
@@ -170,3 +170,29 @@ def test_no_nanny_cluster_passes_env_and_path_and_close_leaves_nothing(
     assert cluster.log_dir is not None and (cluster.log_dir / "scheduler.log").exists()
     with pytest.raises(RuntimeError, match="closed"):
         cluster.add_worker()
+
+
+def _import_on_worker(module: str) -> tuple[str, list[str]]:
+    import importlib
+
+    return str(importlib.import_module(module).VALUE), os.environ["PYTHONPATH"].split(os.pathsep)
+
+
+@pytest.mark.timeout(120)
+def test_pythonpath_given_in_env_comes_before_this_process_path(tmp_path: Path) -> None:
+    # A module importable only through the PYTHONPATH given to the cluster, not through this process's
+    # sys.path; the function that imports it is this test module's, found through this process's sys.path.
+    user_path = tmp_path / "user-path"
+    user_path.mkdir()
+    (user_path / "pe_user_path_probe.py").write_text("VALUE = 'from the user path'\n")
+    with pytest.raises(ImportError):
+        __import__("pe_user_path_probe")
+
+    cluster = LocalElasticCluster(0, 1, nanny=False, env={"PYTHONPATH": str(user_path)}, memory_limit="1GiB")
+    with cluster, cluster.client() as client:
+        future = client.submit(_import_on_worker, "pe_user_path_probe", pure=False)
+        value, pythonpath = future.result(timeout=30)
+    assert value == "from the user path"
+    rootdir = str(Path(__file__).resolve().parents[1])
+    assert pythonpath[0] == str(user_path), "the given entries first"
+    assert rootdir in pythonpath, "then this process's sys.path"

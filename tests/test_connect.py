@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from prefect_elastic.cluster import LocalElasticCluster
-from prefect_elastic.connect import KeepStaticWorkers, connect, resolve_cluster_class
+from prefect_elastic.connect import KeepStaticWorkers, connect, is_static_worker, resolve_cluster_class
 from prefect_elastic.errors import JobConfigError
+from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .conftest import top_up
 from .prefect_harness import PrefectServer
@@ -110,3 +110,23 @@ def test_cli_trains_a_job_file_through_the_flow(
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "COMPLETED" in done.stdout and f"{prefect_server.ui_url}/runs/flow-run/" in done.stdout
     assert (tmp_path / "model.pt").exists()
+
+
+def test_is_static_worker_reads_the_resource_amount() -> None:
+    assert is_static_worker({"resources": {"static": 1}})
+    assert is_static_worker({"resources": {"data": 2.0}}, resource="data")
+    assert not is_static_worker({"resources": {"static": 1}}, resource="data")
+    assert not is_static_worker({"resources": {"static": 0}}), "static=0 runs no task that needs it"
+    assert not is_static_worker({"resources": {}})
+    assert not is_static_worker({"resources": None})
+    assert not is_static_worker({"name": "elastic-0"})
+
+
+def test_keep_static_workers_offers_only_elastic_workers_for_scale_down() -> None:
+    class WorkerState:
+        def __init__(self, resources: dict[str, float]) -> None:
+            self.resources = resources
+
+    static, elastic, zero = WorkerState({"static": 1}), WorkerState({}), WorkerState({"static": 0})
+    plugin = KeepStaticWorkers()
+    assert plugin.valid_workers_downscaling(None, [static, elastic, zero]) == [elastic, zero]

@@ -38,7 +38,7 @@ def prefect(server: PrefectServer, *args: str) -> subprocess.CompletedProcess[st
 
 def test_example_job_is_valid() -> None:
     job = ElasticJob.from_yaml(ROOT / "flows" / "jobs" / "digits.yaml")
-    assert job.model == "prefect_elastic.demo:digits_cnn"
+    assert job.model == "prefect_elastic.local.demo:digits_cnn"
     assert job.dataset == "file:///tmp/prefect-elastic/digits"
 
 

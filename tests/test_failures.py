@@ -18,9 +18,9 @@ from prefect_elastic import (
     TrainingFailedError,
     train,
 )
-from prefect_elastic.cluster import LocalElasticCluster
 from prefect_elastic.compute import MicroBatchTrainer
 from prefect_elastic.dataset import write_npz
+from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up
 

@@ -21,7 +21,7 @@ import torch
 
 from prefect_elastic import ElasticJob
 from prefect_elastic.checkpoint import CheckpointStore
-from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .conftest import References, assert_same_state, top_up
 from .models import FAIL_ONCE, GATE

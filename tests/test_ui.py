@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from prefect_elastic.cluster import LocalElasticCluster
+from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .conftest import top_up
 from .prefect_harness import PrefectServer

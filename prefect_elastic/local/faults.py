@@ -1,5 +1,7 @@
 """Fault injection as a reusable schedule, for tests, demos and users who want to rehearse failures.
 
+    from prefect_elastic.local.faults import FaultSchedule
+
     faults = FaultSchedule(seed=1).kill_worker(at_step=5).add_worker(at_step=9)
     result = train(job, cluster=local_cluster, faults=faults)
     faults.log   # what was done, at which step
@@ -20,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..messages import Progress
 from .cluster import LocalElasticCluster
-from .coordinator import Progress
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +76,9 @@ class FaultSchedule:
         return self
 
     def freeze_worker(self, at_step: int) -> FaultSchedule:
-        """SIGSTOP a compute worker while it holds micro-batches (nanny and worker). The scheduler keeps it
-        for its worker-ttl; `thaw()` or a kill ends the freeze."""
+        """SIGSTOP a compute worker (nanny and worker) that is a member holding micro-batches of the open
+        step (`Progress.holding`). The scheduler keeps it for its worker-ttl; `thaw()` or a kill ends the
+        freeze."""
         self.faults.append(Fault(at_step, "freeze", 1, None, signal.SIGSTOP))
         return self
 
@@ -147,7 +150,7 @@ class FaultSchedule:
         """Apply the schedule from a thread, following the progress that the controller of `job_id`
         publishes on the cluster (for a controller that runs elsewhere, such as a Prefect flow). Set the
         returned event to stop watching; it stops by itself when the job ends."""
-        from .registry import read_progress
+        from ..registry import read_progress
 
         self.bind(cluster)
         done = threading.Event()
@@ -209,24 +212,31 @@ class FaultSchedule:
         log.info("fault: %s %s at step %d", fault.kind, target, progress.committed_steps)
 
     def _check_freeze(self, progress: Progress) -> None:
-        # The progress that chose the worker is a few ms old: it may have reported its batches since. A
-        # stopped process cannot report, so the first progress after the stop tells for sure.
+        # The progress that chose the worker is a few ms old: the worker may have left the membership or
+        # handed its share back since. A stopped process can change nothing, so the first progress after
+        # the stop tells for sure whether it froze as a member holding micro-batches. Only that is
+        # checked: how many it holds may or may not change once it is frozen.
         assert self._freezing is not None and self.cluster is not None
         fault, target = self._freezing
         self._freezing = None
-        if progress.holds(target):
+        if self._holds(progress, target):
             self.log.append(FaultRecord(progress.committed_steps, "freeze", target, time.time()))
             log.info("fault: froze %s holding %d micro-batches", target, progress.holds(target))
         else:
             self.cluster.kill_worker(target, sig=signal.SIGCONT)
             self.faults.append(fault)
 
+    @staticmethod
+    def _holds(progress: Progress, worker: str) -> bool:
+        """Whether `worker` is a member with a non-empty share of the open step."""
+        return worker in progress.workers and progress.holds(worker) > 0
+
     def _pick(self, progress: Progress, holding_only: bool = False) -> str | None:
         # Prefer compute workers that hold micro-batches (a fault mid-step), then other members; never
         # one this schedule already hit (a killed worker stays in the scheduler's list for a few ms).
         hit = {r.target for r in self.log if r.kind != "add"}
         live = [w for w in (self.cluster.elastic_addresses() if self.cluster else []) if w not in hit]
-        holders = [w for w in live if progress.holds(w)]
         members = [w for w in sorted(progress.workers) if w in live]
+        holders = [w for w in members if self._holds(progress, w)]
         candidates = holders if holding_only else holders or members or sorted(live)
         return self._rng.choice(candidates) if candidates else None

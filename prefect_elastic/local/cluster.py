@@ -30,6 +30,9 @@ from typing import Any
 
 import distributed
 
+from ..connect import is_static_worker
+from .processes import log_tail, signal_group, start_group, stop_groups
+
 __all__ = ["LocalElasticCluster"]
 
 _POLL_S = 0.05
@@ -66,27 +69,13 @@ def _status_name(dask_worker: Any) -> str:
     return str(dask_worker.status.name)
 
 
-def _log_tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as exc:
-        return f"<log {path} unreadable: {exc}>"
-    tail = "\n".join(text.splitlines()[-lines:])
-    return f"--- last {lines} lines of {path} ---\n{tail}"
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    # The process group outlives its leader while the nanny's worker child is alive, so signal the group
-    # even when the leader has already exited.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
-
-
 class LocalElasticCluster:
     """A Dask scheduler with N static and M elastic worker processes on 127.0.0.1.
 
     Nothing starts until `start()` or ``with``. Workers are named ``static-0, static-1, ...`` and
     ``elastic-0, elastic-1, ...``; a name is never reused, except by a nanny restarting its own worker.
+    Every process inherits this process's environment updated with ``env``, and an import path of the
+    ``PYTHONPATH`` given in ``env`` (if any) followed by this process's `sys.path`.
     """
 
     def __init__(
@@ -176,9 +165,9 @@ class LocalElasticCluster:
             with contextlib.suppress(Exception):
                 client.close(timeout=5)
         # Workers first so that they do not spend the grace period reconnecting to a dead scheduler.
-        self._terminate(workers)
+        stop_groups(workers, _TERM_GRACE_S)
         if scheduler is not None:
-            self._terminate([scheduler])
+            stop_groups([scheduler], _TERM_GRACE_S)
         if self.log_dir is not None:
             # Spilled data and scratch files can be large; the logs stay for post-mortems.
             shutil.rmtree(self.log_dir / "scratch", ignore_errors=True)
@@ -227,17 +216,12 @@ class LocalElasticCluster:
         workers: dict[str, dict[str, Any]] = identity.get("workers", {})
         return workers
 
-    def is_static(self, info: dict[str, Any]) -> bool:
-        """Whether a worker (as `workers_info` reports it) carries the static resource."""
-        resources = info.get("resources") or {}
-        return float(resources.get(self.static_resource, 0)) > 0
-
     def worker_names(self, static: bool | None = None) -> list[str]:
         """Names of the live workers, as the scheduler sees them; ``static`` filters by kind."""
         names = [
             str(info["name"])
             for info in self.workers_info().values()
-            if static is None or self.is_static(info) == static
+            if static is None or is_static_worker(info, self.static_resource) == static
         ]
         return sorted(names)
 
@@ -250,11 +234,15 @@ class LocalElasticCluster:
 
     def elastic_addresses(self) -> list[str]:
         """Addresses of the live workers that do not carry the static resource."""
-        return sorted(addr for addr, info in self.workers_info().items() if not self.is_static(info))
+        return self._addresses(static=False)
 
     def static_addresses(self) -> list[str]:
         """Addresses of the live workers that carry the static resource."""
-        return sorted(addr for addr, info in self.workers_info().items() if self.is_static(info))
+        return self._addresses(static=True)
+
+    def _addresses(self, static: bool) -> list[str]:
+        workers = self.workers_info().items()
+        return sorted(a for a, info in workers if is_static_worker(info, self.static_resource) == static)
 
     def worker_pid(self, name_or_address: str) -> int:
         """The pid of the live worker process itself (a nanny's child), asked of the worker."""
@@ -331,7 +319,7 @@ class LocalElasticCluster:
             proc = self._workers.get(name)
         if proc is None:
             raise ValueError(f"worker {name!r} was not started by this cluster; cannot kill its processes")
-        _signal_group(proc, sig)
+        signal_group(proc, sig)
         if sig == signal.SIGKILL:
             # Reap the leader now so that its pid is really free (not a zombie) when this returns.
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -371,7 +359,7 @@ class LocalElasticCluster:
             try:
                 proc.wait(timeout=exit_timeout)
             except subprocess.TimeoutExpired:
-                self._terminate([proc])
+                stop_groups([proc], _TERM_GRACE_S)
 
     # ------------------------------------------------------------------ waits
 
@@ -467,12 +455,16 @@ class LocalElasticCluster:
         env = dict(os.environ)
         env.update(self.env)
         # The workers unpickle the user's functions and models by module name; give them the same import
-        # path as this process (the test rootdir, the script's directory) so those modules import there too.
-        entries: list[str] = []
+        # path as this process (the test rootdir, the script's directory) so those modules import there too,
+        # after the entries of a PYTHONPATH given in `env`, which come first.
+        given = [entry for entry in self.env.get("PYTHONPATH", "").split(os.pathsep) if entry]
+        entries: list[str] = list(given)
+        seen = {os.path.abspath(entry) for entry in given}
         for entry in sys.path:
             path = os.path.abspath(entry or os.getcwd())
-            if os.path.isdir(path) and path not in entries:
+            if os.path.isdir(path) and path not in seen:
                 entries.append(path)
+                seen.add(path)
         env["PYTHONPATH"] = os.pathsep.join(entries)
         if self.worker_ttl is not None:
             env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"] = self.worker_ttl
@@ -481,18 +473,12 @@ class LocalElasticCluster:
 
     def _popen(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
         assert self.log_dir is not None
-        log_path = self.log_dir / f"{log_name}.log"
-        with open(log_path, "ab") as log:
-            # The child keeps its own copy of the descriptor; ours can be closed at once.
-            return subprocess.Popen(
-                [sys.executable, "-m", *args],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._child_env(),
-                cwd=os.getcwd(),
-                start_new_session=True,
-            )
+        return start_group(
+            [sys.executable, "-m", *args],
+            log=self.log_dir / f"{log_name}.log",
+            env=self._child_env(),
+            cwd=os.getcwd(),
+        )
 
     def _start_scheduler(self) -> None:
         assert self.log_dir is not None
@@ -524,12 +510,12 @@ class LocalElasticCluster:
             if proc.poll() is not None:
                 raise RuntimeError(
                     f"the scheduler exited with code {proc.returncode} during startup\n"
-                    + _log_tail(self.log_dir / "scheduler.log")
+                    + log_tail(self.log_dir / "scheduler.log")
                 )
             if time.monotonic() >= deadline:
                 raise RuntimeError(
                     f"the scheduler did not start within {self.startup_timeout:.0f} s\n"
-                    + _log_tail(self.log_dir / "scheduler.log")
+                    + log_tail(self.log_dir / "scheduler.log")
                 )
             time.sleep(_POLL_S)
 
@@ -601,20 +587,4 @@ class LocalElasticCluster:
 
     def _log_tail_of(self, name: str) -> str:
         assert self.log_dir is not None
-        return _log_tail(self.log_dir / f"{name}.log")
-
-    @staticmethod
-    def _terminate(procs: list[subprocess.Popen[bytes]]) -> None:
-        for proc in procs:
-            _signal_group(proc, signal.SIGTERM)
-            # A SIGSTOPped group would hold the SIGTERM pending until the SIGKILL; let it act on it now.
-            _signal_group(proc, signal.SIGCONT)
-        deadline = time.monotonic() + _TERM_GRACE_S
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            # Also reaches a nanny's worker child that outlived its nanny.
-            _signal_group(proc, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=_TERM_GRACE_S)
+        return log_tail(self.log_dir / f"{name}.log")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -26,9 +25,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import httpx
+
+from . import processes
 
 # Settings given to the server process and to every client process.
 _COMMON_ENV = {
@@ -52,14 +52,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: SIGTERM the server if the process that started it dies (even by SIGKILL)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _drain_prefect_workers() -> None:
@@ -98,7 +90,6 @@ class PrefectServer:
         self.log_path = self.home / "server.log"
         self.startup_seconds: float | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        self._log: Any = None
 
     @property
     def url(self) -> str:
@@ -174,11 +165,8 @@ class PrefectServer:
                     os.environ[key] = value
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no server log)"
-        return "\n".join(text.splitlines()[-lines:])
+        """The end of the server's log, for error messages."""
+        return processes.log_tail(self.log_path, lines)
 
     def start(self) -> PrefectServer:
         if self._proc is not None:
@@ -199,19 +187,11 @@ class PrefectServer:
         cmd = [str(prefect_cli)] if prefect_cli.exists() else [sys.executable, "-m", "prefect"]
         cmd += ["server", "start", "--host", "127.0.0.1", "--port", str(self.port), "--analytics-off"]
         cmd += ["--ui"] if self.ui else ["--no-ui"]
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         started = time.monotonic()
-        self._proc = subprocess.Popen(
-            cmd,
-            env=env,
-            cwd=self.home,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: stop() kills uvicorn and everything it started
-            # Orphan guard: PR_SET_PDEATHSIG fires when the *thread* that started the server exits, so
-            # start servers from the main thread (pytest fixtures are) or the server goes with the thread.
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        # Its own process group: stop() ends uvicorn and everything it started. Orphan guard: the server
+        # dies with the thread that started it (start servers from the main thread; pytest fixtures are).
+        self._proc = processes.start_group(
+            cmd, log=self.log_path, env=env, cwd=self.home, die_with_parent=True
         )
         try:
             self._wait_healthy(started)
@@ -230,8 +210,8 @@ class PrefectServer:
                 code = self._proc.poll()
                 if code is not None:
                     raise RuntimeError(
-                        f"prefect server exited with code {code} before answering {self.api_url}/health; "
-                        f"log tail ({self.log_path}):\n{self.log_tail()}"
+                        f"prefect server exited with code {code} before answering {self.api_url}/health\n"
+                        + self.log_tail()
                     )
                 try:
                     response = http.get(f"{self.api_url}/health")
@@ -243,28 +223,15 @@ class PrefectServer:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"prefect server did not answer {self.api_url}/health within "
-                        f"{self.startup_timeout:.0f} s (last: {last_error}); log tail ({self.log_path}):\n"
-                        f"{self.log_tail()}"
+                        f"{self.startup_timeout:.0f} s (last: {last_error})\n" + self.log_tail()
                     )
                 time.sleep(0.2)
 
     def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the server's process group, and SIGKILL what is left of it after `timeout` seconds."""
         proc, self._proc = self._proc, None
         if proc is not None:
-            for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            # The group may still hold children after the leader exited; SIGKILL whatever is left.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
+            processes.stop_groups([proc], grace=timeout)
 
     def cleanup(self) -> None:
         self.stop()

@@ -1,7 +1,7 @@
 """The demo: elastic training of a small CNN on the scikit-learn digits, on a local cluster of real
 processes, with a compute worker killed and another added mid-run.
 
-    python -m prefect_elastic.demo            (or: prefect-elastic demo)
+    python -m prefect_elastic.local.demo      (or: prefect-elastic demo)
 
 It first trains the job with one compute worker and no failures (the reference), then trains it again on
 two workers while a fault schedule SIGKILLs one and starts a new one, shows progress as it goes, and ends
@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..dataset import digits_dataset
+from ..job import ElasticJob
+from ..messages import MembershipEvent, Progress
 from .cluster import LocalElasticCluster
-from .coordinator import MembershipEvent, Progress
-from .dataset import digits_dataset
-from .job import ElasticJob
-from .testing import FaultSchedule
+from .faults import FaultSchedule
 
 
 def digits_cnn() -> nn.Module:
@@ -115,7 +115,7 @@ def run_demo(
     workdir = Path(tempfile.mkdtemp(prefix="prefect-elastic-demo-"))
     dataset = digits_dataset(str(workdir / "digits"), shards=2)
     job = ElasticJob(
-        model="prefect_elastic.demo:digits_cnn",
+        model="prefect_elastic.local.demo:digits_cnn",
         dataset=dataset,
         batch_size=16,
         micro_batches=4,
@@ -180,7 +180,7 @@ def _run_flow(
     ui_url: str,
     say: Callable[[str], None],
 ) -> FlowOutcome:
-    from .flows import elastic_training
+    from ..flows import elastic_training
 
     line = ProgressLine(label)
     done = faults.watch(cluster, job.job_id, on_progress=line)

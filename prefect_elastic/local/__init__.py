@@ -1,0 +1,14 @@
+"""The local harness: a cluster of real processes on this machine, for demos, tests and users trying
+their jobs before they take them to a real cluster.
+
+- `cluster.LocalElasticCluster`: a Dask scheduler with static and elastic worker processes on 127.0.0.1,
+  which can add, kill (SIGKILL, SIGSTOP, with or without the nanny restarting) and retire workers;
+- `faults.FaultSchedule`: such actions at given steps of a training run (`train(..., faults=...)`);
+- `prefect_server.PrefectServer`: a local `prefect server start` (SQLite, its own PREFECT_HOME);
+- `demo`: the README's demo (`prefect-elastic demo`);
+- `processes`: starting and stopping the process groups the others run.
+
+The engine (coordinator, data servers, compute loops, controller) never imports this subpackage: it runs
+on any Dask cluster. Only the entry points for people import it: `connect` when no cluster is given, the
+command line, the tests and the benchmarks.
+"""

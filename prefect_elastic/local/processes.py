@@ -1,0 +1,96 @@
+"""Starting and stopping the process groups of the local harness.
+
+Every process that `LocalElasticCluster` (a scheduler, a nanny or worker) or `PrefectServer` (uvicorn and
+the services it starts) runs is the leader of a session of its own, so that one signal to its process group
+reaches everything it started, and so that a test can signal one worker without touching the rest. This
+module owns that: `start_group` starts a leader with its output in a log file, `signal_group` signals the
+whole group, `stop_groups` ends groups (SIGTERM, a grace period, then SIGKILL) and `log_tail` reads the
+end of a log for an error message. Its callers decide what to start and when; nothing here knows Dask or
+Prefect.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+__all__ = ["log_tail", "signal_group", "start_group", "stop_groups"]
+
+_REAP_S = 5.0  # how long to wait for a leader to be reaped after its SIGKILL
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGTERM the child when the thread that started it ends (even by SIGKILL of the process)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def start_group(
+    command: list[str],
+    *,
+    log: Path,
+    env: Mapping[str, str],
+    cwd: str | os.PathLike[str],
+    die_with_parent: bool = False,
+) -> subprocess.Popen[bytes]:
+    """Start `command` as the leader of a new session, its stdout and stderr appended to `log`.
+
+    ``die_with_parent`` (Linux only) makes the kernel SIGTERM the leader when the *thread* that started it
+    ends, so start such groups from the main thread or they go with the thread.
+    """
+    with open(log, "ab") as out:
+        # The child keeps its own copy of the descriptor; ours can be closed at once.
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            cwd=cwd,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
+        )
+
+
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    """Send `sig` to the process group that `proc` leads; a group that is gone already is no error."""
+    # The group outlives its leader while a child is alive (a nanny's worker, uvicorn's services), so
+    # signal the group even when the leader has already exited.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def stop_groups(procs: Iterable[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    """End the groups that `procs` lead: SIGTERM, up to `grace` seconds for all of them together to exit,
+    then SIGKILL to each whole group (which also reaches children that outlived their leader)."""
+    procs = list(procs)
+    for proc in procs:
+        signal_group(proc, signal.SIGTERM)
+        # A SIGSTOPped group would hold the SIGTERM pending until the SIGKILL; let it act on it now.
+        signal_group(proc, signal.SIGCONT)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        signal_group(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=_REAP_S)
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log, under a line that names it, for error messages."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"<log {path} unreadable: {exc}>"
+    tail = "\n".join(text.splitlines()[-lines:])
+    return f"--- last {lines} lines of {path} ---\n{tail}"
