@@ -1,13 +1,21 @@
-"""Shared fixtures: the digits dataset, real local clusters, and one-worker reference runs.
+"""Shared fixtures: the digits dataset, real local clusters, one-worker reference runs, and `make_job`.
 
 Cluster tests start real scheduler and worker processes (`LocalElasticCluster`) and kill them with real
 signals. A reference run is the same job trained with one compute worker and no faults; invariant 1
 says every faulty run must end with parameters bitwise equal to it.
+
+The signal files of `tests.models` (`GATE`, `FAIL_ONCE`) live in a folder made fresh for each test session
+and named in the environment here, at import, before any test module imports `tests.models` and before any
+cluster starts: the worker processes inherit the environment, and two test runs on one machine never share
+a file.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +27,34 @@ from prefect_elastic.dataset import digits_dataset
 from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .prefect_harness import prefect_server  # noqa: F401  (a session fixture: a real Prefect server)
+
+# The variable names are repeated in tests/models.py, which worker processes import without this file.
+_SIGNALS = Path(tempfile.mkdtemp(prefix="prefect-elastic-tests-"))
+os.environ["ELASTIC_TESTS_GATE"] = str(_SIGNALS / "gate")
+os.environ["ELASTIC_TESTS_FAIL_ONCE"] = str(_SIGNALS / "fail-once")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_SIGNALS, ignore_errors=True)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--screenshots",
+        metavar="DIR",
+        help="write the Prefect UI screenshots of tests/test_ui.py into DIR (scripts/screenshots.sh gives "
+        "docs/img); by default they go to the test's temporary folder, so no test writes a tracked file",
+    )
+
+
+@pytest.fixture
+def screenshots(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """Where a test saves screenshots: the folder of --screenshots, or a temporary one."""
+    given = request.config.getoption("--screenshots")
+    folder = Path(given).resolve() if given else tmp_path / "screenshots"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
 
 logging.getLogger("prefect_elastic").setLevel(logging.INFO)
 
@@ -39,6 +75,25 @@ def cluster() -> Iterator[LocalElasticCluster]:
     """The cluster fault tests share; each test tops it up to the elastic workers it needs."""
     with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
         yield cluster
+
+
+def make_job(digits_url: str, policy: str = "rollback", **overrides: object) -> ElasticJob:
+    """The tests' job: a paced MLP on the digits, 2 epochs of steps of 4 micro-batches of 16, Adam,
+    survival detection every 0.5 s, and `policy` on a membership change; `overrides` replace any field."""
+    fields: dict[str, object] = {
+        "model": "tests.models:slow_mlp",
+        "dataset": digits_url,
+        "batch_size": 16,
+        "micro_batches": 4,
+        "epochs": 2,
+        "optimizer": {"name": "adam", "lr": 0.01},
+        "liveness_interval": 0.5,
+        "on_membership_change": policy,
+        "job_id": f"test-{policy}",
+        "min_workers_timeout": 60.0,
+    }
+    fields.update(overrides)
+    return ElasticJob(**fields)  # type: ignore[arg-type]
 
 
 class References:

@@ -6,7 +6,7 @@ something broken that an error path must report.
 
 from __future__ import annotations
 
-import tempfile
+import os
 import time
 from pathlib import Path
 
@@ -107,9 +107,22 @@ def tied_dropout() -> nn.Module:
     return _TiedDropout()
 
 
+def _signal_file(variable: str) -> Path:
+    # tests/conftest.py names a file in a folder made fresh for each test session; the processes the tests
+    # start (cluster workers, flow runs) inherit the variable. Never a fixed path: two test runs on one
+    # machine would open each other's gates.
+    value = os.environ.get(variable)
+    if not value:
+        raise RuntimeError(
+            f"{variable} is not set: tests/conftest.py sets it for the test session, and the processes it "
+            "starts inherit it; import tests.models from a pytest run"
+        )
+    return Path(value)
+
+
 # While this file exists, every forward pass waits (at most two minutes): a test holds training at a step
 # of its choosing until something it waits for (a new worker joining) has happened.
-GATE = Path(tempfile.gettempdir()) / "prefect-elastic-test-gate"
+GATE = _signal_file("ELASTIC_TESTS_GATE")
 
 
 class _GatedMlp(nn.Sequential):
@@ -125,7 +138,7 @@ def gated_mlp() -> nn.Module:
 
 
 # While this file exists, the next forward pass removes it and raises: a failure that a retry outlives.
-FAIL_ONCE = Path(tempfile.gettempdir()) / "prefect-elastic-test-fail-once"
+FAIL_ONCE = _signal_file("ELASTIC_TESTS_FAIL_ONCE")
 
 
 class _FailsOnce(nn.Sequential):

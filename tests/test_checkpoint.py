@@ -22,18 +22,14 @@ from prefect_elastic.errors import FatalError
 from prefect_elastic.ledger import LedgerEntry
 from prefect_elastic.local.cluster import LocalElasticCluster
 
-from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up
+from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job, top_up
 
 NOWHERE = "tcp://127.0.0.1:9"
 
 
-def job(digits_url: str, tmp_path: Path, **overrides: object) -> ElasticJob:
+def checkpointed_job(digits_url: str, tmp_path: Path, **overrides: object) -> ElasticJob:
+    """`make_job` with a checkpoint folder under `tmp_path`, written every 2 snapshots (2 kept)."""
     fields: dict[str, object] = {
-        "model": "tests.models:slow_mlp",
-        "dataset": digits_url,
-        "batch_size": 16,
-        "epochs": 2,
-        "optimizer": {"name": "adam", "lr": 0.01},
         "liveness_interval": 0.3,
         "checkpoint": f"file://{tmp_path}/ckpt",
         "checkpoint_every": 2,
@@ -41,7 +37,7 @@ def job(digits_url: str, tmp_path: Path, **overrides: object) -> ElasticJob:
         "job_id": "ckpt",
     }
     fields.update(overrides)
-    return ElasticJob(**fields)  # type: ignore[arg-type]
+    return make_job(digits_url, **fields)
 
 
 def sample(j: ElasticJob, step: int) -> Checkpoint:
@@ -59,7 +55,7 @@ def sample(j: ElasticJob, step: int) -> Checkpoint:
 
 
 def test_checkpoint_round_trip_and_pruning(digits_url: str, tmp_path: Path) -> None:
-    j = job(digits_url, tmp_path)
+    j = checkpointed_job(digits_url, tmp_path)
     store = CheckpointStore(str(j.checkpoint), keep=2)
     for step in (2, 5, 9):
         store.write(sample(j, step))
@@ -76,7 +72,7 @@ def test_checkpoint_round_trip_and_pruning(digits_url: str, tmp_path: Path) -> N
 
 def test_checkpoints_on_an_object_store_like_filesystem(digits_url: str) -> None:
     """fsspec's in-memory filesystem has no directories and no atomic rename, like an object store."""
-    j = job(digits_url, Path("/unused"), checkpoint=f"memory://ckpt-{os.getpid()}/job")
+    j = checkpointed_job(digits_url, Path("/unused"), checkpoint=f"memory://ckpt-{os.getpid()}/job")
     store = CheckpointStore(str(j.checkpoint), keep=2)
     store.check_writable()
     for step in (1, 4, 6):
@@ -104,17 +100,17 @@ def test_unwritable_checkpoint_url_fails_before_cluster_work(digits_url: str, tm
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     with pytest.raises(JobConfigError) as err:
-        train(job(digits_url, tmp_path, checkpoint=f"file://{blocker}/ckpt"), address=NOWHERE)
+        train(checkpointed_job(digits_url, tmp_path, checkpoint=f"file://{blocker}/ckpt"), address=NOWHERE)
     assert err.value.field == "checkpoint" and "a-file" in str(err.value)
 
 
 def test_checkpoint_of_another_model_or_job_is_refused(digits_url: str, tmp_path: Path) -> None:
-    j = job(digits_url, tmp_path)
+    j = checkpointed_job(digits_url, tmp_path)
     CheckpointStore(str(j.checkpoint)).write(sample(j, 3))
     with pytest.raises(CheckpointMismatchError, match="another model"):
-        train(job(digits_url, tmp_path, model="tests.models:cnn_bn"), address=NOWHERE)
+        train(checkpointed_job(digits_url, tmp_path, model="tests.models:cnn_bn"), address=NOWHERE)
     with pytest.raises(CheckpointMismatchError, match="batch_size"):
-        train(job(digits_url, tmp_path, batch_size=8), address=NOWHERE)
+        train(checkpointed_job(digits_url, tmp_path, batch_size=8), address=NOWHERE)
 
 
 @pytest.mark.cluster
@@ -123,7 +119,7 @@ def test_stopped_job_resumes_to_the_same_parameters(
     cluster: LocalElasticCluster, reference: References, digits_url: str, tmp_path: Path
 ) -> None:
     top_up(cluster, 2)
-    j = job(digits_url, tmp_path)
+    j = checkpointed_job(digits_url, tmp_path)
     stop = threading.Event()
     with pytest.raises(TrainingStopped) as stopped:
         train(j, cluster=cluster, stop=stop, on_progress=lambda p: p.committed_steps >= 15 and stop.set())
@@ -154,7 +150,7 @@ def test_controller_sigkilled_then_run_again_resumes(
     """The whole controller process dies (as a flow process would); the same job run again picks up at
     its last checkpoint, trains no committed batch twice, and ends with the same parameters."""
     top_up(cluster, 2)
-    j = job(digits_url, tmp_path, job_id="ckpt-killed")
+    j = checkpointed_job(digits_url, tmp_path, job_id="ckpt-killed")
     spec = tmp_path / "job.yaml"
     spec.write_text(j.to_yaml())
     script = tmp_path / "controller.py"

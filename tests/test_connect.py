@@ -13,7 +13,7 @@ from prefect_elastic.connect import KeepStaticWorkers, connect, is_static_worker
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.local.cluster import LocalElasticCluster
 
-from .conftest import top_up
+from .conftest import make_job, top_up
 from .prefect_harness import PrefectServer
 
 
@@ -65,9 +65,9 @@ SPEC = {
 def test_cluster_class_with_kwargs_trains(digits_url: str) -> None:
     """The prefect-dask way: a cluster class by import path and its keyword arguments (JSON-able, as a
     Prefect parameter would be); the cluster is closed when the connection ends."""
-    from prefect_elastic import ElasticJob, train
+    from prefect_elastic import train
 
-    job = ElasticJob(model="tests.models:mlp", dataset=digits_url, batch_size=32, job_id="spec")
+    job = make_job(digits_url, model="tests.models:mlp", batch_size=32, epochs=1, job_id="spec")
     with connect(cluster_class="distributed.SpecCluster", cluster_kwargs=SPEC) as where:
         assert where.made_here
         result = train(job, address=where.address)
@@ -94,12 +94,10 @@ def test_cli_reports_a_bad_job_file_before_starting_anything(tmp_path: Path) -> 
 def test_cli_trains_a_job_file_through_the_flow(
     prefect_server: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
 ) -> None:
-    from prefect_elastic import ElasticJob
-
     top_up(cluster, 1)
     spec = tmp_path / "job.yaml"
     spec.write_text(
-        ElasticJob(model="tests.models:mlp", dataset=digits_url, batch_size=32, job_id="cli").to_yaml()
+        make_job(digits_url, model="tests.models:mlp", batch_size=32, epochs=1, job_id="cli").to_yaml()
     )
     env = {**prefect_server.subprocess_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run(

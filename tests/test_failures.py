@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from prefect_elastic import (
-    ElasticJob,
     FatalError,
     JobConfigError,
     NotEnoughWorkersError,
@@ -22,16 +21,10 @@ from prefect_elastic.compute import MicroBatchTrainer
 from prefect_elastic.dataset import write_npz
 from prefect_elastic.local.cluster import LocalElasticCluster
 
-from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, top_up
+from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job, top_up
 
 # Nothing listens here: a test that reaches the cluster would fail with a connection error instead.
 NOWHERE = "tcp://127.0.0.1:9"
-
-
-def job(digits_url: str, **overrides: object) -> ElasticJob:
-    fields: dict[str, object] = {"model": "tests.models:mlp", "dataset": digits_url, "batch_size": 16}
-    fields.update(overrides)
-    return ElasticJob(**fields)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -47,20 +40,20 @@ def test_impossible_values_name_field_and_value(
     digits_url: str, field: str, value: object, words: str
 ) -> None:
     with pytest.raises(JobConfigError) as err:
-        job(digits_url, **{field: value})
+        make_job(digits_url, **{field: value})
     assert err.value.field == field
     assert words in str(err.value)
 
 
 def test_model_path_that_does_not_import_fails_before_cluster_work(digits_url: str) -> None:
     with pytest.raises(JobConfigError, match="no_such_module") as err:
-        train(job(digits_url, model="no_such_module:make"), address=NOWHERE)
+        train(make_job(digits_url, model="no_such_module:make"), address=NOWHERE)
     assert err.value.field == "model"
 
 
 def test_model_that_is_not_a_module(digits_url: str) -> None:
     with pytest.raises(JobConfigError, match="not_a_module") as err:
-        train(job(digits_url, model="tests.models:not_a_module"), address=NOWHERE)
+        train(make_job(digits_url, model="tests.models:not_a_module"), address=NOWHERE)
     assert err.value.field == "model"
 
 
@@ -68,7 +61,7 @@ def test_dataset_without_data(tmp_path: Path, digits_url: str) -> None:
     (tmp_path / "empty").mkdir()
     url = f"file://{tmp_path}/empty"
     with pytest.raises(JobConfigError, match="empty") as err:
-        train(job(digits_url, dataset=url), address=NOWHERE)
+        train(make_job(digits_url, dataset=url), address=NOWHERE)
     assert err.value.field == "dataset" and url in str(err.value)
 
 
@@ -76,19 +69,19 @@ def test_dataset_with_x_and_y_of_different_lengths(tmp_path: Path, digits_url: s
     path = tmp_path / "bad.npz"
     write_npz(str(path), np.zeros((10, 1, 8, 8), np.float32), np.zeros(9, np.int64))
     with pytest.raises(JobConfigError, match="10") as err:
-        train(job(digits_url, dataset=str(path)), address=NOWHERE)
+        train(make_job(digits_url, dataset=str(path)), address=NOWHERE)
     assert err.value.field == "dataset" and "9" in str(err.value)
 
 
 def test_batch_larger_than_a_partition(digits_url: str) -> None:
     with pytest.raises(JobConfigError) as err:
-        train(job(digits_url, batch_size=5000), address=NOWHERE)
+        train(make_job(digits_url, batch_size=5000), address=NOWHERE)
     assert "5000" in str(err.value)
 
 
 def test_compute_worker_holds_no_parameters(digits_url: str) -> None:
     """Invariant 3: the compute worker's model has shapes only; values come from each pull."""
-    j = job(digits_url, model="tests.models:cnn_bn")
+    j = make_job(digits_url, model="tests.models:cnn_bn")
     layout, tensors = j.initial_tensors()
     trainer = MicroBatchTrainer(j, [list(tensors)], layout, torch.device("cpu"))
     assert all(t.is_meta for t in trainer.model.state_dict().values())
@@ -119,7 +112,7 @@ def test_model_failure_ends_job_naming_step_and_batch(
 ) -> None:
     top_up(cluster, 2)
     with pytest.raises(TrainingFailedError) as err:
-        train(job(digits_url, model=model, job_id="failing"), cluster=cluster)
+        train(make_job(digits_url, model=model, job_id="failing"), cluster=cluster)
     assert words in str(err.value)
     assert err.value.step == 0 and err.value.batch_id is not None
     assert f"batch {err.value.batch_id}" in str(err.value)
@@ -132,7 +125,7 @@ def test_too_few_workers_fails_after_timeout(cluster: LocalElasticCluster, digit
     n = len(cluster.elastic_addresses())
     with pytest.raises(NotEnoughWorkersError, match=f"min_workers={n + 5}"):
         train(
-            job(
+            make_job(
                 digits_url,
                 min_workers=n + 5,
                 min_workers_timeout=2.0,
@@ -150,8 +143,8 @@ def test_two_jobs_share_a_cluster(
 ) -> None:
     top_up(cluster, 2)
     jobs = [
-        job(digits_url, model="tests.models:slow_mlp", job_id="job-a", seed=1, epochs=1),
-        job(digits_url, model="tests.models:cnn_bn", job_id="job-b", seed=2, epochs=1,
+        make_job(digits_url, model="tests.models:slow_mlp", job_id="job-a", seed=1, epochs=1),
+        make_job(digits_url, model="tests.models:cnn_bn", job_id="job-b", seed=2, epochs=1,
             optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9}),
     ]  # fmt: skip
     expected = [reference(j) for j in jobs]
@@ -179,7 +172,7 @@ def test_two_jobs_share_a_cluster(
 @pytest.mark.timeout(120)
 def test_same_job_id_twice_is_refused(cluster: LocalElasticCluster, digits_url: str) -> None:
     top_up(cluster, 1)
-    j = job(digits_url, model="tests.models:slow_mlp", job_id="only-once", epochs=3)
+    j = make_job(digits_url, model="tests.models:slow_mlp", job_id="only-once", epochs=3)
     errors: list[BaseException] = []
     started = threading.Event()
 

@@ -23,7 +23,7 @@ from prefect_elastic import ElasticJob
 from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.local.cluster import LocalElasticCluster
 
-from .conftest import References, assert_same_state, top_up
+from .conftest import References, assert_same_state, make_job, top_up
 from .models import FAIL_ONCE, GATE
 from .prefect_harness import PrefectServer
 
@@ -119,16 +119,14 @@ def workers_in(events: list[dict[str, Any]], name: str) -> set[str]:
 
 
 def flow_job(digits_url: str, **overrides: object) -> ElasticJob:
+    """`make_job` with a gated model (a test holds training at its first step), 1 epoch, a fresh job id."""
     fields: dict[str, object] = {
         "model": "tests.models:gated_mlp",
-        "dataset": digits_url,
-        "batch_size": 16,
         "epochs": 1,
-        "liveness_interval": 0.5,
         "job_id": f"flow-{uuid.uuid4().hex[:6]}",
     }
     fields.update(overrides)
-    return ElasticJob(**fields)  # type: ignore[arg-type]
+    return make_job(digits_url, **fields)
 
 
 def checkpointed_job(digits_url: str, model: str, tmp_path: Path) -> tuple[ElasticJob, CheckpointStore]:

@@ -14,7 +14,10 @@ from prefect_elastic.dataset import write_npz
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.job import ElasticJob, resolve_callable
 
+from .conftest import make_job
+
 MLP = "tests.models:mlp"
+UNREAD = "file:///data/train.npz"  # a dataset URL that only the checks of check_inputs would open
 
 
 @pytest.fixture
@@ -26,15 +29,9 @@ def dataset(tmp_path: Path) -> str:
     return str(path)
 
 
-def _job(**overrides: Any) -> ElasticJob:
-    settings: dict[str, Any] = {"model": MLP, "dataset": "file:///data/train.npz"}
-    settings.update(overrides)
-    return ElasticJob(**settings)
-
-
 def _refused(field: str, value: Any, *words: str, **overrides: Any) -> JobConfigError:
     with pytest.raises(JobConfigError) as caught:
-        _job(**{field: value}, **overrides)
+        make_job(UNREAD, **{field: value}, **overrides)
     return _check(caught.value, field, value, *words)
 
 
@@ -50,7 +47,7 @@ def _check(err: JobConfigError, field: str, value: Any, *words: str) -> JobConfi
 
 
 def test_defaults() -> None:
-    job = _job()
+    job = ElasticJob(model=MLP, dataset=UNREAD)
     assert job.loss == "cross_entropy"
     assert job.optimizer == {"name": "sgd", "lr": 0.05}
     assert (job.batch_size, job.micro_batches, job.epochs, job.data_servers) == (32, 4, 1, 2)
@@ -62,11 +59,11 @@ def test_defaults() -> None:
     assert job.call_timeout == 30.0
     assert job.static_resource == "static"
     # The default optimizer dict is not shared between jobs.
-    assert _job().optimizer is not job.optimizer
+    assert ElasticJob(model=MLP, dataset=UNREAD).optimizer is not job.optimizer
 
 
 def test_frozen() -> None:
-    job = _job()
+    job = make_job(UNREAD)
     with pytest.raises(Exception):  # noqa: B017 - pydantic's frozen error type is not part of our API
         job.batch_size = 3
 
@@ -124,7 +121,7 @@ def test_model_validate_raises_our_error() -> None:
 
 
 def test_on_membership_change_choices() -> None:
-    assert _job(on_membership_change="reassign").on_membership_change == "reassign"
+    assert make_job(UNREAD, on_membership_change="reassign").on_membership_change == "reassign"
     _refused("on_membership_change", "restart", "rollback", "reassign")
 
 
@@ -134,8 +131,8 @@ def test_job_id_pattern(job_id: str) -> None:
 
 
 def test_job_id_accepts_allowed_characters() -> None:
-    assert _job(job_id="Run_1.a-b").job_id == "Run_1.a-b"
-    assert _job(job_id="x" * 64).job_id == "x" * 64
+    assert make_job(UNREAD, job_id="Run_1.a-b").job_id == "Run_1.a-b"
+    assert make_job(UNREAD, job_id="x" * 64).job_id == "x" * 64
 
 
 @pytest.mark.parametrize("value", ["", "   "])
@@ -149,8 +146,8 @@ def test_model_must_be_import_path(value: str) -> None:
 
 
 def test_loss_names() -> None:
-    assert _job(loss="mse").loss == "mse"
-    assert _job(loss="torch.nn.functional:l1_loss").loss == "torch.nn.functional:l1_loss"
+    assert make_job(UNREAD, loss="mse").loss == "mse"
+    assert make_job(UNREAD, loss="torch.nn.functional:l1_loss").loss == "torch.nn.functional:l1_loss"
     _refused("loss", "hinge", "cross_entropy", "mse", "module:callable")
 
 
@@ -171,7 +168,7 @@ def test_seed_range() -> None:
     ],
 )
 def test_optimizer_accepted(optimizer: dict[str, Any]) -> None:
-    job = _job(optimizer=optimizer)
+    job = make_job(UNREAD, optimizer=optimizer)
     opt = job.build_optimizer([torch.nn.Parameter(torch.zeros(3))])
     assert type(opt).__name__.lower() == optimizer["name"]
 
@@ -196,7 +193,7 @@ def test_optimizer_refused(optimizer: dict[str, Any], words: list[str]) -> None:
 
 
 def test_build_optimizer_steps_params() -> None:
-    job = _job(optimizer={"name": "sgd", "lr": 0.5})
+    job = make_job(UNREAD, optimizer={"name": "sgd", "lr": 0.5})
     param = torch.nn.Parameter(torch.ones(2))
     opt = job.build_optimizer([param])
     param.grad = torch.ones(2)
@@ -208,7 +205,8 @@ def test_build_optimizer_steps_params() -> None:
 
 
 def test_yaml_round_trip(tmp_path: Path) -> None:
-    job = _job(
+    job = make_job(
+        UNREAD,
         optimizer={"name": "adam", "lr": 0.01, "betas": (0.8, 0.9)},
         batch_size=16,
         liveness_interval=0.25,
@@ -267,7 +265,7 @@ def test_from_yaml_bad_value_names_file(tmp_path: Path) -> None:
 
 
 def test_make_model() -> None:
-    model = _job(model="tests.models:cnn_bn").make_model()
+    model = make_job(UNREAD, model="tests.models:cnn_bn").make_model()
     assert isinstance(model, torch.nn.Module)
     assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
 
@@ -284,7 +282,7 @@ def test_make_model() -> None:
     ],
 )
 def test_make_model_errors(path: str, words: list[str]) -> None:
-    job = _job(model=path)
+    job = make_job(UNREAD, model=path)
     with pytest.raises(JobConfigError) as caught:
         job.make_model()
     _check(caught.value, "model", path, *words)
@@ -297,10 +295,10 @@ def test_model_import_that_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     for name in ("broken_models_for_test", "needs_dep_for_test"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(JobConfigError) as caught:
-        _job(model="broken_models_for_test:make").make_model()
+        make_job(UNREAD, model="broken_models_for_test:make").make_model()
     _check(caught.value, "model", "broken_models_for_test:make", "raised ImportError", "torchvision")
     with pytest.raises(JobConfigError) as caught:
-        _job(model="needs_dep_for_test:make").make_model()
+        make_job(UNREAD, model="needs_dep_for_test:make").make_model()
     _check(caught.value, "model", "needs_dep_for_test:make", "some_absent_dependency_xyz", "not installed")
 
 
@@ -314,18 +312,20 @@ def test_resolve_callable() -> None:
 
 def test_loss_fn() -> None:
     out, target = torch.randn(4, 10), torch.tensor([1, 2, 3, 4])
-    assert torch.equal(_job().loss_fn()(out, target), torch.nn.functional.cross_entropy(out, target))
-    assert _job(loss="mse").loss_fn() is torch.nn.functional.mse_loss
-    assert _job(loss="torch.nn.functional:l1_loss").loss_fn() is torch.nn.functional.l1_loss
+    assert torch.equal(
+        make_job(UNREAD).loss_fn()(out, target), torch.nn.functional.cross_entropy(out, target)
+    )
+    assert make_job(UNREAD, loss="mse").loss_fn() is torch.nn.functional.mse_loss
+    assert make_job(UNREAD, loss="torch.nn.functional:l1_loss").loss_fn() is torch.nn.functional.l1_loss
     with pytest.raises(JobConfigError) as caught:
-        _job(loss="torch.nn.functional:no_such_loss").loss_fn()
+        make_job(UNREAD, loss="torch.nn.functional:no_such_loss").loss_fn()
     _check(caught.value, "loss", "torch.nn.functional:no_such_loss", "no attribute")
 
 
 def test_initial_state_deterministic() -> None:
-    a = _job(model="tests.models:cnn_bn", seed=7).initial_state()
-    b = _job(model="tests.models:cnn_bn", seed=7).initial_state()
-    c = _job(model="tests.models:cnn_bn", seed=8).initial_state()
+    a = make_job(UNREAD, model="tests.models:cnn_bn", seed=7).initial_state()
+    b = make_job(UNREAD, model="tests.models:cnn_bn", seed=7).initial_state()
+    c = make_job(UNREAD, model="tests.models:cnn_bn", seed=8).initial_state()
     assert list(a) == list(b) == list(c)
     assert any("running_mean" in key for key in a)  # buffers travel with the parameters
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -340,7 +340,7 @@ def test_initial_state_leaves_global_rng_alone() -> None:
     torch.manual_seed(1234)
     expected = torch.rand(3)
     torch.manual_seed(1234)
-    _job(seed=99).initial_state()
+    make_job(UNREAD, seed=99).initial_state()
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -348,13 +348,13 @@ def test_initial_state_leaves_global_rng_alone() -> None:
 
 
 def test_check_inputs_ok(dataset: str) -> None:
-    info = _job(dataset=dataset, batch_size=50, data_servers=2).check_inputs()
+    info = make_job(dataset, batch_size=50, data_servers=2).check_inputs()
     assert info.total == 100
 
 
 def test_check_inputs_batch_larger_than_partition(dataset: str) -> None:
     with pytest.raises(JobConfigError) as caught:
-        _job(dataset=dataset, batch_size=51, data_servers=2).check_inputs()
+        make_job(dataset, batch_size=51, data_servers=2).check_inputs()
     _check(caught.value, "batch_size", 51, "100 samples", "data_servers=2", "50")
 
 
@@ -362,26 +362,26 @@ def test_check_inputs_empty_partition(tmp_path: Path) -> None:
     path = tmp_path / "tiny.npz"
     write_npz(str(path), np.zeros((2, 1, 8, 8), dtype=np.float32), np.zeros(2, dtype=np.int64))
     with pytest.raises(JobConfigError) as caught:
-        _job(dataset=str(path), batch_size=1, data_servers=3).check_inputs()
+        make_job(str(path), batch_size=1, data_servers=3).check_inputs()
     _check(caught.value, "data_servers", 3, "2 samples", "batch_size=1")
 
 
 def test_check_inputs_bad_model_before_dataset(dataset: str) -> None:
     with pytest.raises(JobConfigError) as caught:
-        _job(dataset=dataset, model="tests.models:not_a_module").check_inputs()
+        make_job(dataset, model="tests.models:not_a_module").check_inputs()
     assert caught.value.field == "model"
 
 
 def test_check_inputs_bad_loss(dataset: str) -> None:
     with pytest.raises(JobConfigError) as caught:
-        _job(dataset=dataset, loss="tests.models:absent_loss").check_inputs()
+        make_job(dataset, loss="tests.models:absent_loss").check_inputs()
     assert caught.value.field == "loss"
 
 
 def test_check_inputs_missing_dataset(tmp_path: Path) -> None:
     url = str(tmp_path / "absent")
     with pytest.raises(JobConfigError) as caught:
-        _job(dataset=url).check_inputs()
+        make_job(url).check_inputs()
     _check(caught.value, "dataset", url, "does not exist")
 
 

@@ -1,5 +1,6 @@
 """The Prefect UI in a real browser (Debian's headless Chromium): the flow run's page shows the progress
-artifact of a training run. Saves screenshots to docs/img/."""
+artifact of a training run. Its screenshots go to a temporary folder; `bash scripts/screenshots.sh` runs
+this test with `--screenshots docs/img` to update the README's (nothing else writes there)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from .test_flow import FlowRun, flow_job
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
-SCREENSHOTS = Path(__file__).resolve().parents[1] / "docs" / "img"
-
 
 def chromium(url: str, tmp_path: Path, *args: str) -> str:
     browser = shutil.which("chromium")
@@ -33,7 +32,11 @@ def chromium(url: str, tmp_path: Path, *args: str) -> str:
 
 
 def test_flow_run_page_shows_the_progress_artifact(
-    prefect_server: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
+    prefect_server: PrefectServer,
+    cluster: LocalElasticCluster,
+    digits_url: str,
+    tmp_path: Path,
+    screenshots: Path,
 ) -> None:
     top_up(cluster, 1)
     job = flow_job(digits_url, model="tests.models:mlp", job_id="ui-demo")
@@ -47,14 +50,13 @@ def test_flow_run_page_shows_the_progress_artifact(
     assert flow_run["name"] in dom and "Completed" in dom and "Artifacts" in dom, (
         "the flow run's page rendered"
     )
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     # The run graph on this page draws the artifact (a canvas: the screenshot shows it, the DOM cannot).
-    chromium(page, tmp_path, f"--screenshot={SCREENSHOTS / 'flow-run.png'}")
+    chromium(page, tmp_path, f"--screenshot={screenshots / 'flow-run.png'}")
 
     # The "latest" listing gives the artifact key's collection; its latest_id is the artifact itself.
     artifact = f"{prefect_server.ui_url}/artifacts/artifact/{progress['latest_id']}"
     dom = chromium(artifact, tmp_path, "--dump-dom")
     assert progress["key"] in dom and "Progress: 100%" in dom, "the progress artifact shows 100%"
     assert flow_run["name"] in dom, "and links the flow run it belongs to"
-    chromium(artifact, tmp_path, f"--screenshot={SCREENSHOTS / 'progress-artifact.png'}")
-    assert (SCREENSHOTS / "flow-run.png").stat().st_size > 10_000
+    chromium(artifact, tmp_path, f"--screenshot={screenshots / 'progress-artifact.png'}")
+    assert (screenshots / "flow-run.png").stat().st_size > 10_000
