@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Self, cast
 
+import numpy as np
 import pydantic
 import torch
 import yaml
@@ -390,10 +391,12 @@ class ElasticJob(BaseModel):
         return _OPTIMIZERS[name](params, **options)
 
     def check_inputs(self) -> DatasetInfo:
-        """The expensive checks, run once before any cluster work: model, loss and dataset."""
+        """The expensive checks, run once before any cluster work: model, loss, dataset, and whether the
+        loss takes the dataset's targets (from the npy header of `y`)."""
         self.make_model()
         self.loss_fn()
         info = inspect_dataset(self.dataset)
+        _check_targets(self.loss, info)
         smallest = min(
             stop - start
             for start, stop in (
@@ -419,6 +422,49 @@ class ElasticJob(BaseModel):
                 raise JobConfigError("data_servers", self.data_servers, problem)
             raise JobConfigError("batch_size", self.batch_size, problem)
         return info
+
+
+def _check_targets(loss: str, info: DatasetInfo) -> None:
+    """Refuse targets whose dtype the built-in `loss` cannot take, from the npy header of `y` alone (a loss
+    given by import path is the user's to check)."""
+    y = np.dtype(info.y_dtype)
+    per_sample = f"shape {info.y_shape} per sample" if info.y_shape else "one value per sample"
+    shown = f"{y.name} with {per_sample}"
+    if loss == "cross_entropy":
+        if y in (np.dtype(np.int64), np.dtype(np.uint8)):
+            return  # class indices, as torch takes them
+        if y.kind == "f" and info.y_shape:
+            return  # class probabilities: one value per class
+        if y.kind == "f":
+            raise JobConfigError(
+                "loss",
+                loss,
+                f"the targets 'y' of {info.url} are {shown}, but cross_entropy takes class indices (an "
+                "integer 'y', int64) or class probabilities (a float 'y' with one value per class); for "
+                "regression targets give loss='mse', for class labels write 'y' as int64 "
+                "(numpy.savez(f, x=x, y=y.astype(numpy.int64)))",
+            )
+        if y.kind in "iub":
+            raise JobConfigError(
+                "dataset",
+                info.url,
+                f"its targets 'y' are {shown}, but cross_entropy takes class indices as int64 (or uint8) "
+                "only; write 'y' as int64 (numpy.savez(f, x=x, y=y.astype(numpy.int64)))",
+            )
+        raise JobConfigError(
+            "dataset",
+            info.url,
+            f"its targets 'y' are {shown}, which cross_entropy cannot take; write 'y' as int64 class "
+            "indices or as float class probabilities",
+        )
+    if loss == "mse" and y.kind != "f":
+        raise JobConfigError(
+            "loss",
+            loss,
+            f"the targets 'y' of {info.url} are {shown}, but mse compares the output with float targets; "
+            "for class labels give loss='cross_entropy', for numeric targets write 'y' as float32 "
+            "(numpy.savez(f, x=x, y=y.astype(numpy.float32)))",
+        )
 
 
 def resolve_callable(path: str, field: str) -> Callable[..., Any]:

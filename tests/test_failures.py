@@ -73,6 +73,15 @@ def test_dataset_with_x_and_y_of_different_lengths(tmp_path: Path, digits_url: s
     assert err.value.field == "dataset" and "9" in str(err.value)
 
 
+def test_targets_of_the_wrong_dtype_for_the_loss_fail_before_cluster_work(tmp_path: Path) -> None:
+    # Float class numbers given to cross_entropy: the .npz header says so, no cluster needs to find it.
+    path = tmp_path / "float-targets.npz"
+    write_npz(str(path), np.zeros((64, 1, 8, 8), np.float32), np.arange(64, dtype=np.float32) % 10)
+    with pytest.raises(JobConfigError, match="float32") as err:
+        train(make_job(str(path)), address=NOWHERE)
+    assert err.value.field == "loss"
+
+
 def test_batch_larger_than_a_partition(digits_url: str) -> None:
     with pytest.raises(JobConfigError) as err:
         train(make_job(digits_url, batch_size=5000), address=NOWHERE)

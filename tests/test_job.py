@@ -385,6 +385,52 @@ def test_check_inputs_missing_dataset(tmp_path: Path) -> None:
     _check(caught.value, "dataset", url, "does not exist")
 
 
+def _targets(tmp_path: Path, y: np.ndarray) -> str:
+    path = tmp_path / f"targets-{y.dtype}-{y.ndim}.npz"
+    write_npz(str(path), np.zeros((len(y), 1, 8, 8), dtype=np.float32), y)
+    return str(path)
+
+
+def test_check_inputs_float_targets_with_cross_entropy(tmp_path: Path) -> None:
+    url = _targets(tmp_path, np.arange(100, dtype=np.float32) % 10)
+    with pytest.raises(JobConfigError) as caught:
+        make_job(url, loss="cross_entropy").check_inputs()
+    _check(caught.value, "loss", "cross_entropy", "float32", "one value per sample", "loss='mse'", "int64")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int16, np.bool_])
+def test_check_inputs_integer_targets_torch_cannot_index_with(tmp_path: Path, dtype: type) -> None:
+    url = _targets(tmp_path, (np.arange(100) % 2).astype(dtype))
+    with pytest.raises(JobConfigError) as caught:
+        make_job(url, loss="cross_entropy").check_inputs()
+    _check(caught.value, "dataset", url, np.dtype(dtype).name, "astype(numpy.int64)")
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint8])
+def test_check_inputs_integer_targets_with_mse(tmp_path: Path, dtype: type) -> None:
+    url = _targets(tmp_path, (np.arange(100) % 10).astype(dtype))
+    with pytest.raises(JobConfigError) as caught:
+        make_job(url, loss="mse").check_inputs()
+    _check(caught.value, "loss", "mse", np.dtype(dtype).name, "loss='cross_entropy'", "float32")
+
+
+@pytest.mark.parametrize(
+    ("loss", "y"),
+    [
+        ("cross_entropy", np.arange(100, dtype=np.int64) % 10),
+        ("cross_entropy", (np.arange(100) % 10).astype(np.uint8)),
+        ("cross_entropy", np.full((100, 10), 0.1, dtype=np.float32)),  # class probabilities
+        ("mse", np.zeros((100, 10), dtype=np.float32)),
+        ("mse", np.zeros((100, 10), dtype=np.float64)),
+        # A loss given by import path is not checked: it may take any targets.
+        ("torch.nn.functional:cross_entropy", np.zeros(100, dtype=np.float32)),
+        ("torch.nn.functional:mse_loss", np.zeros(100, dtype=np.int64)),
+    ],
+)
+def test_check_inputs_targets_the_loss_takes(tmp_path: Path, loss: str, y: np.ndarray) -> None:
+    assert make_job(_targets(tmp_path, y), loss=loss).check_inputs().y_dtype == y.dtype.str
+
+
 def test_initial_state_is_the_same_when_jobs_start_from_threads(tmp_path: Path) -> None:
     """Two controllers in one process build their models at once; each must get its seed's parameters."""
     import threading
