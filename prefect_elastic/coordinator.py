@@ -210,7 +210,8 @@ class Coordinator:
 
     async def _change_membership(self, decision: Decision, trigger: str, began: float) -> None:
         state = self._state
-        state.suspended = True
+        # No role of the new generation goes out before `change_membership`: roles follow the state's
+        # generation, which changes there (after the shards are fenced and brought to one version).
         fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(decision.generation))
         plan = state.reconcile(decision, fenced)
         if plan.restore_to is not None:

@@ -1,0 +1,220 @@
+"""The coordinator's bookkeeping (`CoordinatorState`) on event sequences, without any cluster: roles by
+rank, steps committed when every shard applied them, snapshots confirmed when every shard holds them, and
+shards brought back to one version when a worker died between its pushes."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefect_elastic.coordinator_state import CoordinatorState, Failure
+from prefect_elastic.errors import FatalError
+from prefect_elastic.messages import EventKind, ShardStatus, SnapshotInfo, StepRecord
+from prefect_elastic.schedule import Schedule
+from prefect_elastic.survival import Action, survival_check
+
+# 2 data servers of 64 samples, batches of 8, 4 micro-batches a step: 16 batches, 4 steps an epoch.
+SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=4, epochs=1, seed=0)
+
+
+def new_state(policy: str = "reassign", shards: int = 2) -> CoordinatorState:
+    return CoordinatorState("job", SCHEDULE, shards, policy, 1, 10.0)  # type: ignore[arg-type]
+
+
+def record(step: int, generation: int = 1, worker: str = "a") -> StepRecord:
+    ids = tuple(SCHEDULE.step_batches(step))
+    return StepRecord(
+        step, generation, ids, dict.fromkeys(ids, worker), {b: float(b) for b in ids}, 100.0 + step
+    )
+
+
+def status(
+    index: int,
+    version: int,
+    generation: int = 1,
+    snapshots: tuple[int, ...] = (0,),
+    since: int = 0,
+    pending: int = 0,
+) -> ShardStatus:
+    return ShardStatus(
+        index=index,
+        generation=generation,
+        version=version,
+        records=tuple(record(s, generation) for s in range(since, version)),
+        snapshots=tuple(SnapshotInfo(v, 50.0 + v, 0.01) for v in snapshots),
+        pending=pending,
+        refused=0,
+    )
+
+
+def admit(state: CoordinatorState, workers: set[str], versions: tuple[int, ...] = (0, 0)) -> None:
+    """A survival check that changes the membership, carried out as the coordinator actor does."""
+    decision = survival_check(state.survival_state(), workers, now=1.0)
+    fenced = [status(i, v, decision.generation, since=state.committed_steps) for i, v in enumerate(versions)]
+    plan = state.reconcile(decision, fenced)
+    state.change_membership(decision, plan, fenced, "test", now=2.0, began=1.5)
+    state.after_decision(decision, now=2.0, began=1.5)
+
+
+def test_the_first_members_get_roles_by_rank_and_a_start_event() -> None:
+    state = new_state()
+    assert state.role("a", -1) is None, "nothing is handed out before the first survival check"
+    admit(state, {"b", "a"})
+    assert [e.kind for e in state.events] == [EventKind.START]
+    assert state.events[0].steps_lost == 0 and state.events[0].batches_dropped == 0
+    a, b = state.role("a", -1), state.role("b", -1)
+    assert a is not None and b is not None
+    assert (a.rank, b.rank, a.members, a.start_step, a.generation) == (0, 1, ("a", "b"), 0, 1)
+    assert state.role("a", a.generation) is None, "a worker that has its role waits for the next one"
+    assert state.role("c", -1) is None, "not a member"
+    # Each member's share of the open step: micro-batches dealt by rank.
+    assert state.holding() == (("a", 2), ("b", 2))
+    assert SCHEDULE.share(0, 0, 2) + SCHEDULE.share(0, 1, 2) == (0, 2, 1, 3)
+
+
+def test_a_step_commits_when_every_shard_applied_it() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    state.absorb(status(0, 2))
+    assert state.committed_steps == 0, "shard 1 has not applied step 0 yet"
+    state.absorb(status(1, 1))
+    assert state.committed_steps == 1
+    assert state.history == [sum(range(4)) / 4]
+    state.absorb(status(1, 2, since=1))
+    assert state.committed_steps == 2
+    assert [e.batch_id for e in state.ledger.entries()] == list(range(8))
+    assert state.commit_times == [100.0, 101.0]
+
+
+def test_an_answer_from_before_a_fence_is_ignored() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    admit(state, {"a"})  # generation 2
+    assert state.absorb(status(0, 1, generation=1)) == []
+    assert state.versions[0] == 0 and state.committed_steps == 0
+
+
+def test_a_snapshot_is_confirmed_when_every_shard_holds_it() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    state.absorb(status(0, 1))
+    state.absorb(status(1, 1))
+    version = state.want_snapshot(progressed=True)
+    assert version == 2, "a running job is asked one version ahead of the newest shard"
+    state.absorb(status(0, 2, snapshots=(0, 2), since=1))
+    assert state.ledger.snapshot_step == 0, "shard 1 has not taken it yet"
+    events = state.absorb(status(1, 2, snapshots=(0, 2), since=1))
+    assert [e.kind for e in events] == [EventKind.SNAPSHOT]
+    assert state.ledger.snapshot_step == 2 and state.snapshot_wanted is None
+    assert events[0].seconds > 0
+    assert state.want_snapshot(progressed=False) is None, "nothing new since"
+
+
+def test_a_job_that_stands_still_is_snapshotted_where_it_stands() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    state.absorb(status(0, 3))
+    state.absorb(status(1, 3))
+    assert state.want_snapshot(progressed=False) == 3
+
+
+def test_shards_a_version_apart_go_back_to_the_snapshot_even_with_reassign() -> None:
+    """A worker died after its push to shard 0 and before its push to shard 1: shard 0 applied step 2,
+    shard 1 never will. Both go back to the last snapshot (step 1); step 2 was never committed."""
+    state = new_state("reassign")
+    admit(state, {"a", "b"})
+    state.absorb(status(0, 1))
+    state.absorb(status(1, 1))
+    state.want_snapshot(progressed=True)
+    state.snapshot_wanted = 1
+    state.absorb(status(0, 1, snapshots=(0, 1), since=1))
+    state.absorb(status(1, 1, snapshots=(0, 1), since=1))
+    assert state.ledger.snapshot_step == 1
+    state.absorb(status(0, 2, since=1))
+    state.absorb(status(1, 2, since=1))
+    assert state.committed_steps == 2
+    decision = survival_check(state.survival_state(), {"a"}, now=5.0)
+    assert decision.action is Action.REASSIGN
+    fenced = [status(0, 3, 2, since=2), status(1, 2, 2, since=2)]
+    plan = state.reconcile(decision, fenced)
+    assert plan.restore_to == 1 and not plan.consistent and plan.versions == (3, 2)
+    assert state.committed_steps == 2, "step 2, applied by one shard only, was never committed"
+    event = state.change_membership(decision, plan, fenced, "worker event", now=6.0, began=5.0)
+    assert event.kind is EventKind.REASSIGN and event.steps_lost == 1 and event.left == ("b",)
+    assert "shards were at versions [3, 2]" in event.reason
+    assert state.committed_steps == 1 and len(state.history) == 1
+    assert state.counters["inconsistent_fences"] == 1
+    state.after_decision(decision, now=6.0, began=5.0)
+    role = state.role("a", 1)
+    assert role is not None and (role.rank, role.size, role.start_step) == (0, 1, 1)
+
+
+def test_reassign_with_shards_that_agree_loses_no_committed_step() -> None:
+    state = new_state("reassign")
+    admit(state, {"a", "b"})
+    decision = survival_check(state.survival_state(), {"a", "c"}, now=5.0)
+    fenced = [status(0, 2, 2, pending=3), status(1, 2, 2, pending=1)]
+    plan = state.reconcile(decision, fenced)
+    assert plan.restore_to is None
+    event = state.change_membership(decision, plan, fenced, "worker event", now=6.0, began=5.0)
+    assert (event.steps_lost, event.batches_dropped, event.step) == (0, 4, 2)
+    assert event.joined == ("c",) and event.left == ("b",)
+
+
+def test_rollback_goes_back_to_the_snapshot() -> None:
+    state = new_state("rollback")
+    admit(state, {"a", "b"})
+    decision = survival_check(state.survival_state(), {"a"}, now=5.0)
+    fenced = [status(0, 3, 2), status(1, 3, 2)]
+    plan = state.reconcile(decision, fenced)
+    assert plan.restore_to == 0 and plan.consistent
+    event = state.change_membership(decision, plan, fenced, "worker event", now=6.0, began=5.0)
+    assert event.kind is EventKind.ROLLBACK and event.steps_lost == 3 and state.committed_steps == 0
+    assert state.ledger.dropped_batches == 12
+
+
+def test_shards_more_than_a_version_apart_is_a_bug_never_papered_over() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    decision = survival_check(state.survival_state(), {"a"}, now=5.0)
+    with pytest.raises(FatalError, match="more than one step apart"):
+        state.reconcile(decision, [status(0, 3, 2), status(1, 1, 2)])
+
+
+def test_shards_that_applied_different_batch_ids_is_a_bug() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    odd = StepRecord(0, 1, (0, 1, 2, 5), {}, dict.fromkeys((0, 1, 2, 5), 0.0), 1.0)
+    state.absorb(ShardStatus(0, 1, 1, (odd,), (), 0, 0))
+    with pytest.raises(FatalError, match="different batch ids"):
+        state.absorb(status(1, 1))
+
+
+def test_the_end_stops_every_loop() -> None:
+    state = new_state()
+    admit(state, {"a"})
+    state.absorb(status(0, 4))
+    events = state.absorb(status(1, 4))
+    assert [e.kind for e in events] == [EventKind.DONE]
+    assert state.finished and state.progress().state == "done"
+    role = state.role("a", 1)
+    assert role is not None and role.stop
+    assert state.holding() == ()
+
+
+def test_a_failure_is_recorded_once() -> None:
+    state = new_state()
+    admit(state, {"a"})
+    assert [e.kind for e in state.fail(Failure("model", "boom", 0, 3), now=1.0)] == [EventKind.FAILED]
+    assert state.fail(Failure("internal", "again", None), now=2.0) == []
+    progress = state.progress()
+    assert (progress.state, progress.failure_kind, progress.failure_batch) == ("failed", "model", 3)
+
+
+def test_below_min_workers_nothing_is_handed_out() -> None:
+    state = CoordinatorState("job", SCHEDULE, 2, "reassign", 2, 10.0)
+    decision = survival_check(state.survival_state(), {"a"}, now=1.0)
+    fenced = [status(0, 0, 1), status(1, 0, 1)]
+    state.change_membership(decision, state.reconcile(decision, fenced), fenced, "t", now=1.0, began=1.0)
+    events = state.after_decision(decision, now=1.0, began=1.0)
+    assert [e.kind for e in events] == [EventKind.WAITING]
+    assert state.role("a", -1) is None and state.progress().state == "waiting"
