@@ -35,9 +35,9 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
 from .connect import Connection, connect
-from .messages import MembershipEvent, Progress
 from .errors import TrainingStopped
 from .job import ElasticJob
+from .messages import MembershipEvent, Progress
 from .training import Prepared, TrainingRun, TrainResult, prepare
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class PrefectReporter:
         update_progress_artifact(self.progress_id, progress=100.0 * fraction)
 
     def event(self, e: MembershipEvent) -> None:
-        if e.kind in ("rollback", "reassign", "waiting", "failed"):
+        if e.kind in ("start", "rollback", "reassign", "waiting", "failed"):
             self.rows.append(
                 {
                     "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
@@ -90,7 +90,7 @@ class PrefectReporter:
                     "joined": ", ".join(e.joined),
                     "lost": ", ".join(e.left),
                     "steps lost": e.steps_lost,
-                    "micro-batches re-queued": e.batches_dropped,
+                    "micro-batches trained again": e.batches_dropped,
                     "seconds": round(e.seconds, 3),
                     "step": e.step,
                     "reason": e.reason,
@@ -102,18 +102,26 @@ class PrefectReporter:
                 description=f"membership events of job {self.job.job_id}",
             )
             self.logger.info(
-                "generation %d, step %d: %s (%d live workers)", e.generation, e.step, e.kind, len(e.workers)
+                "generation %d, step %d: %s (%d live workers)",
+                e.generation,
+                e.step,
+                e.kind.value,
+                len(e.workers),
             )
         for worker in e.joined:
             self._emit("worker.joined", e, worker=worker)
         for worker in e.left:
             self._emit("worker.lost", e, worker=worker)
         if e.kind in ("snapshot", "rollback", "reassign"):
-            self._emit(e.kind, e)
+            self._emit(e.kind.value, e)
         if e.kind == "waiting" and not self.waiting:
             self.waiting = True
             self._emit("suspended", e)
-        elif e.kind in ("rollback", "reassign") and self.waiting and len(e.workers) >= self.job.min_workers:
+        elif (
+            e.kind in ("start", "rollback", "reassign")
+            and self.waiting
+            and len(e.workers) >= self.job.min_workers
+        ):
             self.waiting = False
             self._emit("resumed", e)
 

@@ -351,12 +351,6 @@ class ElasticJob(BaseModel):
         keys = ("model", "dataset", "loss", "optimizer", "batch_size", "micro_batches", "epochs")
         return {k: getattr(self, k) for k in (*keys, "data_servers", "seed")}
 
-    @property
-    def assignment_lease(self) -> float:
-        """Seconds a compute worker may hold batches before they are handed to another (a frozen worker
-        is only dropped by the scheduler after its worker-ttl, 5 minutes by default)."""
-        return max(self.call_timeout, 4 * self.liveness_interval)
-
     def initial_state(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers before training (its `state_dict`); the same for a seed."""
         return self.initial_model().state_dict()

@@ -547,6 +547,8 @@ class TrainingRun:
             self.loop_stats.append(loop.result())
         elif loop.status == "error":
             error = loop.exception()
+            if isinstance(error, FatalError):
+                raise error  # a shard said the job cannot go on: no restart would help
             log.warning("job %s: compute loop on %s ended with %r", self.job.job_id, addr, error)
             if self.loop_restarts.get(addr, 0) > MAX_LOOP_RESTARTS:
                 # An error that survives restarts (the model does not import there, a version mismatch)

@@ -92,7 +92,7 @@ class ProgressLine:
                 f"lost {', '.join(e.left)}" if e.left else "",
                 f"joined {', '.join(e.joined)}" if e.joined else "",
                 f"{e.steps_lost} committed steps undone" if e.steps_lost else "",
-                f"{e.batches_dropped} in-flight micro-batches re-queued" if e.batches_dropped else "",
+                f"{e.batches_dropped} in-flight micro-batches trained again" if e.batches_dropped else "",
             )
             if part
         )
@@ -151,7 +151,7 @@ def run_demo(
         say(f"  {when} {e['kind']:<9} {where}  {e['reason']}")
     say(f"  faults injected: {', '.join(f'{r.kind} {r.target} at step {r.step}' for r in faults.log)}")
     say(f"  snapshots taken: {summary['snapshots']}, committed steps undone: {summary['steps_lost']}, "
-        f"in-flight micro-batches re-queued: {summary['batches_dropped']}")  # fmt: skip
+        f"in-flight micro-batches trained again: {summary['batches_dropped']}")  # fmt: skip
     say("\nresult:")
     say(f"  accuracy on the digits: reference {accuracy(job, reference.state):.3f}, "
         f"elastic {accuracy(job, elastic.state):.3f}")  # fmt: skip
