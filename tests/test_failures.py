@@ -88,6 +88,16 @@ def test_batch_larger_than_a_partition(digits_url: str) -> None:
     assert "5000" in str(err.value)
 
 
+def test_nothing_listening_at_the_address_fails_at_once_naming_it(digits_url: str) -> None:
+    with pytest.raises(FatalError, match=f"no Dask scheduler answers at {NOWHERE}"):
+        train(make_job(digits_url), address=NOWHERE)
+
+
+def test_a_cluster_that_is_not_a_cluster_is_refused_naming_the_argument(digits_url: str) -> None:
+    with pytest.raises(JobConfigError, match="cluster=42: not a Dask cluster object"):
+        train(make_job(digits_url), cluster=42)
+
+
 def test_compute_worker_holds_no_parameters(digits_url: str) -> None:
     """Invariant 3: the compute worker's model has shapes only; values come from each pull."""
     j = make_job(digits_url, model="tests.models:cnn_bn")
@@ -121,7 +131,8 @@ def test_model_failure_ends_job_naming_step_and_batch(
 ) -> None:
     top_up(cluster, 2)
     with pytest.raises(TrainingFailedError) as err:
-        train(make_job(digits_url, model=model, job_id="failing"), cluster=cluster)
+        # A scheduler address where a cluster object goes is taken as distributed.Client takes it.
+        train(make_job(digits_url, model=model, job_id="failing"), cluster=cluster.scheduler_address)
     assert words in str(err.value)
     assert err.value.step == 0 and err.value.batch_id is not None
     assert f"batch {err.value.batch_id}" in str(err.value)
