@@ -364,28 +364,55 @@ def recovery(
     return result
 
 
-def steady(workload: str, data: str, workdir: Path, steps: int = 60, limit: float = 120.0) -> dict[str, Any]:
-    """Throughput of a torchrun job with two workers (one agent) and no failure."""
+def steady(
+    workload: str,
+    data: str,
+    workdir: Path,
+    steps: int = 60,
+    limit: float = 120.0,
+    *,
+    nproc: int = 2,
+    standalone: bool = True,
+    skip: int = 5,
+) -> dict[str, Any]:
+    """Throughput of torchrun DDP with `nproc` processes (one agent, gloo) and no failure: `steps` global
+    steps of 128 samples per process, no checkpoint. `standalone` (the default): `--standalone`, the fixed
+    single-node group DDP is run with when nothing is elastic; False: the elastic configuration of
+    `recovery` (`--nnodes=1:2`, c10d rendezvous). The whole run, start-up included, is bounded by `limit` s;
+    every process is killed before this returns. Samples/s as `throughput` counts them, after `skip` steps.
+    """
     log_file, checkpoint, output = prepare(workdir, f"steady-{workload}")
     command = torchrun_command(
-        workload, data, log_file, checkpoint, port=free_port(), nproc=2, steps=steps, checkpoint_every=10**9
-    )
+        workload, data, log_file, checkpoint, port=free_port(), nproc=nproc, steps=steps,
+        checkpoint_every=10**9, standalone=standalone, max_restarts=0,
+    )  # fmt: skip
     steplog = StepLog(log_file)
     started = time.time()
     with agents(steplog) as group:
         agent = group.start(command, worker_env(FRESH_STORE_ENV), output)
-        finished = steplog.wait(lambda s: progress(s, 0) >= steps and agent.poll() is not None, limit)
+        finished = steplog.wait(lambda s: agent.poll() is not None, limit, interval=0.1)
+        agent_exit = agent.poll()
+    steplog.poll()
     records = steplog.steps()
     first_group = [r for r in records if r["restart"] == 0]  # a failed worker restarts all from step 0
+    ends: dict[int, float] = {}  # step -> time its last rank finished it
+    for r in first_group:
+        ends[r["step"]] = max(ends.get(r["step"], 0.0), r["t"])
+    intervals = [b - a for a, b in itertools.pairwise(ends[k] for k in sorted(ends)[skip:])]
+    done = len(ends)
     return {
-        "system": "torchrun-elastic",
+        "system": "torchrun-ddp",
         "workload": workload,
+        "nproc": nproc,
         "config": {"command": shlex.join(command), "env": {"OMP_NUM_THREADS": "1", **FRESH_STORE_ENV}},
-        "finished": finished,
+        "finished": finished and agent_exit == 0 and done >= steps,
+        "agent_exit": agent_exit,
         "waited": None if finished else limit,
+        "steps_done": done,
         "restarts": max((r["restart"] for r in records), default=0),
         "startup_s": min(r["t"] for r in records) - started if records else None,
-        "samples_per_s": throughput(first_group),
+        "samples_per_s": throughput(first_group, skip),
+        "median_step_ms": 1000 * statistics.median(intervals) if intervals else None,
         "loadavg": os.getloadavg(),
         "steps": relative(records, started),
     }
@@ -497,6 +524,7 @@ if __name__ == "__main__":
     parser.add_argument("--workload", default="cnn")
     parser.add_argument("--samples", type=int, default=4096)
     parser.add_argument("--kills", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60, help="steady: global steps")
     parser.add_argument("--limit", type=float, default=60.0)
     parser.add_argument("--share-store", action="store_true", help="torch's default store sharing")
     parser.add_argument("--standalone", action="store_true", help="recovery with --standalone")
@@ -515,7 +543,7 @@ if __name__ == "__main__":
         kill_at, join_at, duration = (float(x) for x in cli.times.split(","))
         out = timeline(cli.workload, dataset, workdir, kill_at, join_at, duration)
     else:
-        out = steady(cli.workload, dataset, workdir)
+        out = steady(cli.workload, dataset, workdir, steps=cli.steps, limit=cli.limit)
     if not cli.full:
         out["steps"] = f"{len(out['steps'])} records"
     print(json.dumps(out, indent=1))
