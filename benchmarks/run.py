@@ -1,9 +1,9 @@
 """Run the benchmark suite: `python -m benchmarks.run [--smoke]`.
 
 Every figure of docs/benchmarks.md, measured in this one invocation on this machine: the plain PyTorch
-loop, prefect-elastic, and torchrun elastic on the same two workloads (benchmarks/workloads.py). Writes
-the raw results as JSON (`--raw`) and the table and plots into `--docs`. `--smoke` runs every scenario at
-tiny sizes (the test suite does, to keep this code working); its numbers mean nothing.
+loop, prefect-elastic, torchrun DDP and torchrun elastic on the same workloads (benchmarks/workloads.py).
+Writes the raw results as JSON (`--raw`) and the table and plots into `--docs`. `--smoke` runs every
+scenario at tiny sizes (the test suite does, to keep this code working); its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 SCALED = ("cnn", "mlp")  # the workloads measured with 1, 2 and 4 compute workers
+FROZEN_WORKLOAD = "cnn-20"  # a light step: the bound on the frozen worker's stall is tightest there
 # torchrun's timeline counts from its launch, which takes 5 to 6 s to the first step on this machine;
 # its kill and join come this much later so both systems train about as long before each.
 TORCHRUN_STARTUP = 6.0
@@ -44,10 +45,18 @@ class Sizes:
     samples: int = 16384  # 128 steps of 128 per epoch
     memory_samples: int = 60000  # a data server must hold 94 MB of it
     # Epochs of a steady-state run, by workload: about 20 s each on 2 cores, so a run holds 20 snapshots.
-    steady_epochs: tuple[tuple[str, int], ...] = (("cnn", 2), ("mlp", 6), ("cnn-tiny", 3))
+    steady_epochs: tuple[tuple[str, int], ...] = (("cnn", 1), ("cnn-20", 6), ("mlp", 10))
     repeats: int = 3  # runs of each steady-state figure, interleaved; medians are reported
+    # 2 compute workers against torchrun DDP with 2 processes: epochs of 64 steps of 2 x 128 samples.
+    ddp_epochs: tuple[tuple[str, int], ...] = (("cnn-20", 8), ("cnn", 2))
+    ddp_repeats: int = 3
     kills: int = 5
     recovery_epochs: int = 8
+    # Frozen worker: SIGSTOP after `frozen_settle` steps together, SIGCONT `freeze_s` s later.
+    frozen_epochs: int = 12
+    freeze_s: float = 8.0
+    frozen_settle: int = 20
+    frozen_policies: tuple[str, ...] = ("reassign", "rollback")
     scaling_workers: tuple[int, ...] = (1, 2, 4)
     scaling_epochs: int = 3
     timeline_epochs: int = 6
@@ -60,10 +69,16 @@ class Sizes:
 SMOKE = Sizes(
     samples=2048,
     memory_samples=4096,  # must differ from samples: the memory figure compares the two
-    steady_epochs=(("cnn", 1), ("mlp", 1), ("cnn-tiny", 1)),
+    steady_epochs=(("cnn", 1), ("cnn-20", 1), ("mlp", 1)),
     repeats=1,
+    ddp_epochs=(("cnn-20", 2),),  # 16 steps: a throughput needs more than 5 after the first
+    ddp_repeats=1,
     kills=1,
     recovery_epochs=4,
+    frozen_epochs=20,  # long enough for a freeze of 3 s to start and end inside the run
+    freeze_s=3.0,
+    frozen_settle=5,
+    frozen_policies=("reassign",),
     scaling_workers=(1, 2),
     scaling_epochs=2,
     timeline_epochs=3,
@@ -117,7 +132,7 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
     loop also with the workers' allocator settings."""
     # The first job on a fresh cluster ran up to 20% slower in every phase (workers still settling, caches
     # cold): one short job first, not counted.
-    attempt(results, "warm-up", elastic.steady, pool, "cnn-tiny", data, 1, NO_SNAPSHOTS)
+    attempt(results, "warm-up", elastic.steady, pool, "cnn-20", data, 1, NO_SNAPSHOTS)
     for w in WORKLOADS:
         plain: list[float] = []
         tuned: list[float] = []
@@ -179,12 +194,83 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
             "placebo": statistics.median(x["placebo"]["overhead"] for x in bare_runs),
             "window_s": statistics.median(x["in_run"]["window_s"] for x in snap_runs),
         }
+        # The fixed cost of a step, from the runs with snapshots (the default configuration): the median
+        # over the repeats of each figure, and every phase per step.
+        plain_runs = [x for x in runs if x.get("allocator") == "default"]
+        costs = [x for x in snap_runs if x.get("fixed_ms") is not None]
+        if costs:
+            names = sorted({k for x in costs for k in x["phase_ms"]})
+            results["fixed_cost"][w] = {
+                "fixed_ms": statistics.median(x["fixed_ms"] for x in costs),
+                "step_ms": statistics.median(x["step_ms"] for x in costs),
+                "compute_ms": statistics.median(x["compute_ms"] for x in costs),
+                "phase_ms": {k: statistics.median(x["phase_ms"].get(k, 0.0) for x in costs) for k in names},
+                "repeats": [x["fixed_ms"] for x in costs],
+                # The plain loop's step in the same repeats: what the framework adds over it, compute
+                # included (the workers' compute may differ from the plain loop's: allocator, threads).
+                "plain_step_ms": statistics.median(x["step_ms"] for x in plain_runs),
+            }
+
+
+def ddp_figures(
+    results: dict[str, Any], pool: elastic.ClusterPool, data: str, workdir: Path, sizes: Sizes
+) -> None:
+    """2 compute workers (2 micro-batches of 128 a step: one each) against torchrun DDP with 2 processes
+    (128 samples each a step), the same global batch and number of steps, alternating, `ddp_repeats` times;
+    the ratio is the median of the repeats' ratios. The idle Dask cluster stays up during torchrun's runs."""
+    from . import torchrun_bench
+
+    for w, epochs in sizes.ddp_epochs:
+        steps = epochs * (sizes.samples // (2 * BATCH))
+        ours: list[float] = []
+        theirs: list[float] = []
+        runs: list[dict[str, Any]] = []
+        for i in range(sizes.ddp_repeats):
+            got: dict[str, Any] = {}
+            order = ["elastic", "ddp"] if i % 2 == 0 else ["ddp", "elastic"]
+            for kind in order:
+                if kind == "elastic":
+                    got[kind] = attempt(
+                        results, f"elastic {w} x2 #{i}", elastic.steady, pool, w, data, epochs, 1.0, workers=2
+                    )
+                else:
+                    got[kind] = attempt(
+                        results, f"torchrun ddp {w} #{i}", torchrun_bench.steady, w, data,
+                        workdir / "torchrun-ddp", steps=steps, limit=120.0 + 2.0 * steps,
+                    )  # fmt: skip
+            a, b = got["elastic"], got["ddp"]
+            if a and b and b["samples_per_s"] and b["finished"]:
+                ours.append(a["samples_per_s"])
+                theirs.append(b["samples_per_s"])
+                runs += [a, {k: v for k, v in b.items() if k != "steps"}]
+            elif b and not b["finished"]:
+                results.setdefault("errors", {})[f"torchrun ddp {w} #{i}"] = (
+                    f"did not finish: {b['steps_done']} of {steps} steps, agent exit {b['agent_exit']}"
+                )
+        if ours:
+            ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
+            results["ddp"][w] = {
+                "elastic": statistics.median(ours),
+                "ddp": statistics.median(theirs),
+                "ratio": statistics.median(ratios),
+                "pair_ratios": ratios,
+                "steps": steps,
+                "runs": runs,
+            }
 
 
 def run_elastic(
-    results: dict[str, Any], pool: elastic.ClusterPool, data: str, big: str, sizes: Sizes
+    results: dict[str, Any],
+    pool: elastic.ClusterPool,
+    data: str,
+    big: str,
+    workdir: Path,
+    sizes: Sizes,
+    torchrun: bool = True,
 ) -> None:
     steady_figures(results, pool, data, sizes)
+    if torchrun:
+        ddp_figures(results, pool, data, workdir, sizes)
     results["calls"] = attempt(results, "actor calls", calls.calls, pool, sizes.call_repeats)
     for policy in ("reassign", "rollback"):
         results["recovery"][policy] = attempt(
@@ -202,6 +288,12 @@ def run_elastic(
         results, "elastic timeline", elastic.timeline, pool, "cnn", data, sizes.timeline_epochs,
         sizes.kill_at, sizes.join_at,
     )  # fmt: skip
+    # Last on the shared cluster: a worker that was frozen and woken may leave it unsettled.
+    for policy in sizes.frozen_policies:
+        results["frozen"][policy] = attempt(
+            results, f"elastic frozen worker ({policy})", elastic.frozen, pool, FROZEN_WORKLOAD, data, policy,
+            sizes.frozen_epochs, sizes.freeze_s, 1.0, sizes.frozen_settle,
+        )  # fmt: skip
 
 
 def torchrun_figures(results: dict[str, Any], data: str, workdir: Path, sizes: Sizes) -> None:
@@ -249,14 +341,17 @@ def main(argv: list[str] | None = None) -> int:
         "sizes": sizes.__dict__,
         "steady": {},
         "snapshot": {},
+        "fixed_cost": {},
+        "ddp": {},
         "recovery": {},
+        "frozen": {},
         "scaling": {},
         "timeline_workload": "cnn",
     }
     say(f"benchmarks on {results['machine']['cpus']} cores; dataset {data}")
     pool = elastic.ClusterPool()
     try:
-        run_elastic(results, pool, data, big, sizes)
+        run_elastic(results, pool, data, big, workdir, sizes, torchrun=not args.no_torchrun)
     finally:
         pool.close()
     if not args.no_torchrun:

@@ -8,11 +8,12 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from benchmarks.elastic import snapshot_excess
+from benchmarks.elastic import fixed_cost, longest_gap, snapshot_excess
 from benchmarks.report import END, START, figures
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +47,30 @@ def test_snapshot_excess_needs_steps() -> None:
         snapshot_excess([0.0, 0.1], [], skip=0)
 
 
+def test_fixed_cost_is_step_time_minus_compute() -> None:
+    # 11 commits 25 ms apart after 5 slower ones; the loop computed 16 steps at 20 ms each.
+    times = steps_of([0.05] * 5 + [0.025] * 10)
+    loop = SimpleNamespace(steps=16, phases={"compute": 16 * 0.020, "push": 16 * 0.002, "pull": 0.016})
+    result = SimpleNamespace(commit_times=times, loops=[loop], steps=16)
+    cost = fixed_cost(result, skip=5)
+    assert cost["step_ms"] == pytest.approx(25.0)
+    assert cost["compute_ms"] == pytest.approx(20.0)
+    assert cost["fixed_ms"] == pytest.approx(5.0)
+    assert cost["phase_ms"] == pytest.approx({"compute": 20.0, "push": 2.0, "pull": 1.0})
+    # A loop that does not count its steps: the committed steps stand in; no compute phase, no figure.
+    loop = SimpleNamespace(steps=0, phases={"forward": 16 * 0.020})
+    cost = fixed_cost(SimpleNamespace(commit_times=times, loops=[loop], steps=16), skip=5)
+    assert cost["phase_steps_from"] == "commits" and cost["phase_ms"] == pytest.approx({"forward": 20.0})
+    assert cost["compute_ms"] is None and cost["fixed_ms"] is None
+
+
+def test_longest_gap_counts_the_gap_the_freeze_falls_in() -> None:
+    times = [0.0, 0.1, 0.2, 2.5, 2.6, 2.7, 3.5, 3.6]
+    assert longest_gap(times, after=1.0) == pytest.approx((2.3, 0.2))  # from the last commit before it
+    assert longest_gap(times, after=2.6) == pytest.approx((0.8, 2.7))
+    assert longest_gap(times, after=4.0) is None
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(900)
 def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
@@ -60,7 +85,7 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads(raw.read_text())
     assert not r.get("errors")
-    for w in ("cnn", "mlp", "cnn-tiny"):
+    for w in ("cnn", "cnn-20", "mlp"):
         assert r["steady"][w]["plain"] > 0 and r["steady"][w]["elastic"] > 0
         assert r["steady"][w]["plain_tuned"] > 0
         assert {x.get("allocator") for x in r["steady"][w]["runs"]} == {"default", "tuned", None}
@@ -68,6 +93,16 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         snap = r["snapshot"][w]
         assert all(math.isfinite(snap[k]) for k in ("in_run", "placebo", "window_s")), snap
         assert len(snap["pair_overheads"]) == 1
+        cost = r["fixed_cost"][w]
+        assert math.isfinite(cost["fixed_ms"]) and cost["step_ms"] > cost["compute_ms"] > 0, cost
+        assert cost["phase_ms"]["compute"] == cost["compute_ms"]
+    # Smoke runs compare with DDP on cnn-20 only, and freeze a worker under one policy only.
+    ddp = r["ddp"]["cnn-20"]
+    assert ddp["ratio"] > 0 and len(ddp["pair_ratios"]) == 1, ddp
+    assert {x["system"] for x in ddp["runs"]} == {"prefect-elastic", "torchrun-ddp"}
+    frozen = r["frozen"]["reassign"]
+    assert frozen["frozen"] and frozen["longest_gap_s"] > 0, frozen
+    assert frozen["cont_t"] > frozen["stop_t"]
     assert set(r["calls"]["ms"]) == {"empty", "cnn share", "mlp share"}
     assert all(v > 0 for by in r["calls"]["ms"].values() for v in by.values())
     for w in ("cnn", "mlp"):
@@ -90,3 +125,4 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         assert f"| {row[0]} | {row[1]} |" in text
     assert (tmp_path / "img" / "bench-timeline.png").stat().st_size > 10_000
     assert (tmp_path / "img" / "bench-ratios.png").stat().st_size > 10_000
+    assert (tmp_path / "img" / "bench-fixed-cost.png").stat().st_size > 10_000
