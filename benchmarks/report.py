@@ -324,9 +324,9 @@ def plot_ratios(r: Results, path: Path) -> None:
 def plot_fixed_cost(r: Results, path: Path) -> None:
     """Per workload, a step's time by phase (ms, stacked), its compute left out, beside the fixed cost."""
     costs = r["fixed_cost"]
-    names = sorted({k for c in costs.values() for k in c["phase_ms"] if k != "compute"})
+    names = list(dict.fromkeys(k for c in costs.values() for k in c["phase_ms"] if k != "compute"))
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.8 * len(costs)))
-    colors = plt.get_cmap("tab10")
+    colors = plt.get_cmap("Set2")  # no red: red is the target
     for row, c in enumerate(costs.values()):
         left = 0.0
         for i, name in enumerate(names):

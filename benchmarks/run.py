@@ -199,7 +199,7 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
         plain_runs = [x for x in runs if x.get("allocator") == "default"]
         costs = [x for x in snap_runs if x.get("fixed_ms") is not None]
         if costs:
-            names = sorted({k for x in costs for k in x["phase_ms"]})
+            names = list(dict.fromkeys(k for x in costs for k in x["phase_ms"]))  # the loop's order
             results["fixed_cost"][w] = {
                 "fixed_ms": statistics.median(x["fixed_ms"] for x in costs),
                 "step_ms": statistics.median(x["step_ms"] for x in costs),
