@@ -1,6 +1,5 @@
 """prefect-elastic: elastic PyTorch training on Dask clusters whose workers come and go."""
 
-from .messages import MembershipEvent, Progress
 from .errors import (
     CheckpointMismatchError,
     DataServerLostError,
@@ -15,6 +14,7 @@ from .errors import (
 )
 from .job import ElasticJob
 from .ledger import LedgerEntry
+from .messages import MembershipEvent, Progress
 from .training import TrainResult, train
 
 __all__ = [
