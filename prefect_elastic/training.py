@@ -67,7 +67,7 @@ MAX_LOOP_RESTARTS = 5
 
 
 class FaultInjector(Protocol):
-    """Anything that acts on the cluster as training progresses (see `prefect_elastic.testing`)."""
+    """Anything that acts on the cluster as training progresses (see `prefect_elastic.local.faults`)."""
 
     def bind(self, cluster: Any) -> Any: ...
 
@@ -365,15 +365,17 @@ class TrainingRun:
         self.registered = True
 
     def _static_workers(self) -> list[str]:
-        workers = self.client.scheduler_info(n_workers=-1)["workers"]
-        static = [a for a, w in workers.items() if is_static_worker(w, self.job.static_resource)]
+        # Read on the scheduler, not from `Client.scheduler_info()`: the client's periodic refresh of that
+        # cache (which carries no workers) can land between its fetch and its return.
+        rows = self.client.run_on_scheduler(_scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        static = [r for r in rows if is_static_worker(r, self.job.static_resource)]
         if not static:
             raise FatalError(
                 f"no static workers on the cluster: start some with "
                 f"`dask worker <scheduler> --resources {self.job.static_resource}=1`; data servers and the "
                 "coordinator must live on workers that are never taken away"
             )
-        return sorted(static, key=lambda a: (str(workers[a].get("name")), a))
+        return [r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))]
 
     def _start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
         job = self.job
