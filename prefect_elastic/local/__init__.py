@@ -4,6 +4,8 @@ their jobs before they take them to a real cluster.
 - `cluster.LocalElasticCluster`: a Dask scheduler with static and elastic worker processes on 127.0.0.1,
   which can add, kill (SIGKILL, SIGSTOP, with or without the nanny restarting) and retire workers;
 - `faults.FaultSchedule`: such actions at given steps of a training run (`train(..., faults=...)`);
+- `push_faults.KillBetweenPushes`: a worker plugin that SIGKILLs a worker after its push to one shard and
+  before its push to the next (the one fault no outside signal can place);
 - `prefect_server.PrefectServer`: a local `prefect server start` (SQLite, its own PREFECT_HOME);
 - `demo`: the README's demo (`prefect-elastic demo`);
 - `processes`: starting and stopping the process groups the others run.
