@@ -3,9 +3,9 @@
 - `cnn`: compute-bound; a small CNN on 28x28 images (three 3x3 convolutions of 32, 64 and 64 channels,
   global average pooling, a linear layer; 56,394 parameters, 226 KB), batch 128: nearly all of a step is
   convolution (90 ms a step on one thread on the machine of the first runs).
-- `cnn-20`: the same network at a quarter of the width and less (CNN20_CHANNELS), batch 128: a plain step
-  of about 20 ms on one thread, the step of a model a user brings to a GPU (5 to 30 ms), where the
-  framework's fixed cost per step decides the throughput.
+- `cnn-20`: the same network narrower (8, 16 and 32 channels; 6,218 parameters, 25 KB), batch 128: a
+  fifth of the cnn's step, so about 20 ms where the cnn takes 90 ms; the step of a model a user brings to
+  a GPU (5 to 30 ms), where the framework's fixed cost per step decides the throughput.
 - `mlp`: communication-bound; 784-512-512-10 (669,706 parameters, 2.68 MB of float32), batch 128 (a
   step moves the parameters and their gradient, and computes little).
 
@@ -52,8 +52,9 @@ def cnn() -> nn.Module:
     return conv3((32, 64, 64))
 
 
-# Chosen by timing the plain loop (benchmarks.plain, one thread, batch 128) on the benchmark machine at
-# several widths until a step took 18 to 25 ms.
+# Chosen by timing the plain loop (one thread, batch 128) at several widths in fresh processes, on an idle
+# machine, beside the cnn: (8, 16, 32) took 0.18 to 0.23 of the cnn's step (2026-11-23: 28 to 41 ms
+# against 148 to 228 ms; 23 ms in a faster hour); (8, 16, 16) 25 to 33 ms, (8, 8, 16) 21 to 28 ms.
 CNN20_CHANNELS = (8, 16, 32)
 
 
@@ -88,7 +89,7 @@ class Workload:
 
 WORKLOADS = {
     "cnn": Workload("cnn", "benchmarks.workloads:cnn", "compute-bound"),
-    "cnn-20": Workload("cnn-20", "benchmarks.workloads:cnn20", "a 20 ms step"),
+    "cnn-20": Workload("cnn-20", "benchmarks.workloads:cnn20", "light compute, a fifth of the cnn"),
     "mlp": Workload("mlp", "benchmarks.workloads:mlp", "communication-bound"),
 }
 
