@@ -215,7 +215,17 @@ class CoordinatorState:
         # The window in which the snapshot could slow a step: from the first copy's start to the last end.
         began = min(t - s for t, s in times)
         end = max(t for t, _ in times)
-        return [self.record(EventKind.SNAPSHOT, reason="membership unchanged", now=end, seconds=end - began)]
+        # The event's step is the snapshot's own: the ledger may have committed further while the last
+        # shard was copying, and a rollback goes back to `wanted`, not to where the ledger stands.
+        return [
+            self.record(
+                EventKind.SNAPSHOT,
+                reason="membership unchanged",
+                now=end,
+                seconds=end - began,
+                step=wanted,
+            )
+        ]
 
     def want_snapshot(self, progressed: bool) -> int | None:
         """The version to ask every shard to snapshot, or None when there is nothing new.
@@ -344,12 +354,13 @@ class CoordinatorState:
         reason: str = "",
         now: float,
         seconds: float = 0.0,
+        step: int | None = None,
     ) -> MembershipEvent:
         event = MembershipEvent(
             time=now,
             kind=kind,
             generation=self.generation,
-            step=self.ledger.committed_steps,
+            step=self.ledger.committed_steps if step is None else step,
             workers=tuple(sorted(self.members)),
             joined=tuple(sorted(joined)),
             left=tuple(sorted(left)),

@@ -104,7 +104,9 @@ class MembershipEvent:
     time: float
     kind: EventKind
     generation: int
-    step: int  # committed steps (the parameter version) after the event
+    # Committed steps (the parameter version) after the event; for a snapshot, the version it holds (the
+    # ledger may have committed further by the time every shard confirmed it).
+    step: int
     workers: tuple[str, ...]
     joined: tuple[str, ...] = ()
     left: tuple[str, ...] = ()

@@ -109,6 +109,23 @@ def test_a_snapshot_is_confirmed_when_every_shard_holds_it() -> None:
     assert state.want_snapshot(progressed=False) is None, "nothing new since"
 
 
+def test_a_snapshot_confirmed_late_records_its_own_step_which_a_rollback_goes_back_to() -> None:
+    # The last shard reports its copy of version 2 only after step 2 committed too (the case CI once hit:
+    # the event said step 3, the rollback went back to 2).
+    state = new_state("rollback")
+    admit(state, {"a", "b"})
+    state.absorb(status(0, 1))
+    state.absorb(status(1, 1))
+    assert state.want_snapshot(progressed=True) == 2
+    state.absorb(status(0, 3, snapshots=(0, 2), since=1))
+    events = state.absorb(status(1, 3, snapshots=(0, 2), since=1))
+    assert state.committed_steps == 3
+    assert [(e.kind, e.step) for e in events] == [(EventKind.SNAPSHOT, 2)]
+    admit(state, {"a"}, versions=(3, 3))
+    rollback = state.events[-1]
+    assert (rollback.kind, rollback.step, rollback.steps_lost) == (EventKind.ROLLBACK, 2, 1)
+
+
 def test_a_job_that_stands_still_is_snapshotted_where_it_stands() -> None:
     state = new_state()
     admit(state, {"a", "b"})
