@@ -1,10 +1,11 @@
-"""What a Dask actor call costs a compute worker: the floor under the framework's fixed cost per step.
+"""What a round trip costs a compute worker: the floor under the framework's fixed cost per step.
 
-A step of one compute worker makes, one after the other: the pull of every shard's parameters (calls that
-receive, sent together), the gradient, the push to every shard (calls that send, sent together), and the
-report, whose answer waits for the coordinator's `apply` call to every shard. This measures those calls
-alone, between the same processes the benchmark's training uses (a task on the elastic worker, actors on
-the two static workers), with empty payloads and with one shard's share of each workload's parameters.
+A step of one compute worker sends every shard one frame on the step path's connection (channel.py: its
+share of the gradients) and reads one back (the next step's parameters). This measures that exchange
+alone (`channel`: a frame of one shard's share to both static workers at once, and one of that size back
+from each), beside what the same payloads cost as Dask actor calls (the step path's transport before
+channel.py: `send_one`, `send_all`, `receive_all`), between the same processes the benchmark's training
+uses (a task on the elastic worker, actors and listeners on the two static workers).
 """
 
 from __future__ import annotations
@@ -16,18 +17,35 @@ from typing import Any
 
 import torch
 
+from prefect_elastic.channel import Entry, Frame, ShardLink, ShardServer
+
 from .elastic import ClusterPool
 from .workloads import WORKLOADS
 
 
 class Sink:
-    """An actor that takes and gives tensors and does nothing else."""
+    """An actor that takes and gives tensors and does nothing else, as actor calls and on a channel."""
+
+    def __init__(self) -> None:
+        self.server: ShardServer | None = None
 
     async def take(self, tensors: dict[str, torch.Tensor]) -> int:
         return len(tensors)
 
     async def give(self, numel: int) -> dict[str, torch.Tensor]:
         return {"w": torch.zeros(numel)} if numel else {}
+
+    async def open_channel(self, host: str) -> tuple[str, int]:
+        async def answer(frame: Frame) -> Frame:
+            numel = int(frame.header["numel"])
+            return Frame({"ok": True}, [(Entry("state", -1, "w"), torch.zeros(numel))] if numel else [])
+
+        self.server = ShardServer(answer)
+        return await self.server.start(host)
+
+    async def close_channel(self) -> None:
+        if self.server is not None:
+            await self.server.aclose()
 
 
 def _send_one(sinks: list[Any], payload: Any) -> None:
@@ -54,18 +72,34 @@ def _median_ms(call: Callable[[list[Any], Any], None], sinks: list[Any], arg: An
     return 1000 * statistics.median(times)
 
 
-def _measure(sinks: list[Any], shares: dict[str, int], repeats: int) -> dict[str, dict[str, float]]:
+def _exchange(links: list[ShardLink], numel: int) -> None:
+    frame = Frame({"numel": numel}, [(Entry("grad", 0, "w"), torch.randn(numel))] if numel else [])
+    for link in links:
+        link.send(frame)
+    for link in links:
+        link.receive()
+
+
+def _measure(
+    sinks: list[Any], channels: list[tuple[str, int]], shares: dict[str, int], repeats: int
+) -> dict[str, dict[str, float]]:
     from distributed import secede
 
     secede()  # like the compute loop: a long task that leaves its thread slot free
+    links = [ShardLink(address, timeout=30.0) for address in channels]
     out: dict[str, dict[str, float]] = {}
-    for label, numel in shares.items():
-        payload = {"w": torch.randn(numel)} if numel else {}
-        out[label] = {
-            "send_one": _median_ms(_send_one, sinks, payload, repeats),
-            "send_all": _median_ms(_send_all, sinks, payload, repeats),
-            "receive_all": _median_ms(_receive_all, sinks, numel, repeats),
-        }
+    try:
+        for label, numel in shares.items():
+            payload = {"w": torch.randn(numel)} if numel else {}
+            out[label] = {
+                "channel": _median_ms(_exchange, links, numel, repeats),
+                "send_one": _median_ms(_send_one, sinks, payload, repeats),
+                "send_all": _median_ms(_send_all, sinks, payload, repeats),
+                "receive_all": _median_ms(_receive_all, sinks, numel, repeats),
+            }
+    finally:
+        for link in links:
+            link.close()
     return out
 
 
@@ -75,8 +109,11 @@ def shard_numel(workload: str, shards: int = 2) -> int:
 
 
 def calls(pool: ClusterPool, repeats: int) -> dict[str, Any]:
-    """Median milliseconds of an actor call from the elastic worker, by payload: to one static worker, to
-    both at once, and a reply of that size from both at once."""
+    """Median milliseconds, by payload, from the elastic worker: a channel exchange with both static
+    workers (a frame out and one back, as a step does), and actor calls to one static worker, to both at
+    once, and a reply of that size from both at once."""
+    from distributed.comm import get_address_host
+
     shares = {"empty": 0, **{f"{w} share": shard_numel(w) for w in ("cnn", "mlp")}}
     with pool.elastic(1) as cluster:
         client = cluster.client(set_as_default=False)
@@ -84,10 +121,15 @@ def calls(pool: ClusterPool, repeats: int) -> dict[str, Any]:
             static = [cluster.address_of(n) for n in cluster.worker_names(static=True)]
             elastic = [cluster.address_of(n) for n in cluster.worker_names(static=False)]
             futures = [client.submit(Sink, actor=True, workers=[a], pure=False) for a in static]
-            sinks = [f.result() for f in futures]
+            sinks: list[Any] = [f.result() for f in futures]  # actor proxies
+            channels = [
+                s.open_channel(get_address_host(str(a))).result() for s, a in zip(sinks, static, strict=True)
+            ]
             measured = client.submit(
-                _measure, sinks, shares, repeats, workers=elastic[:1], pure=False
+                _measure, sinks, channels, shares, repeats, workers=elastic[:1], pure=False
             ).result()
+            for sink in sinks:
+                sink.close_channel().result()
         finally:
             client.close()
     return {

@@ -219,7 +219,14 @@ def fixed_cost(result: TrainResult, skip: int = 5) -> dict[str, Any]:
     steps = counted or result.steps
     phase_ms = {name: 1000 * seconds / max(1, steps) for name, seconds in phases.items()}
     compute_ms = phase_ms.get(COMPUTE_PHASE)
+    # The shards' side of the step path, per committed step: each shard's `handle` (its part of the push
+    # and the answer, the optimizer step included), `apply` (the optimizer step alone) and `send`.
+    shard_ms = [
+        {k: 1000 * v / max(1, result.steps) for k, v in phases.items() if k != "frames"}
+        for phases in getattr(result, "shard_phases", [])
+    ]
     return {
+        "shard_ms": shard_ms,
         "step_ms": 1000 * step_s,
         "compute_ms": compute_ms,
         "fixed_ms": None if compute_ms is None else 1000 * step_s - compute_ms,

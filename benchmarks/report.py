@@ -60,12 +60,17 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
         )
     for w, c in r.get("fixed_cost", {}).items():
         phases = ", ".join(f"{k} {v:.2f}" for k, v in c["phase_ms"].items())
+        shards = "; ".join(
+            f"shard {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in phases_i.items())
+            for i, phases_i in enumerate(c.get("shard_ms", []))
+        )
         rows.append(
             (
                 f"fixed cost of a step, 1 worker ({w}): step time minus its compute, ms",
                 f"{c['fixed_ms']:.2f} (step {c['step_ms']:.2f} - compute {c['compute_ms']:.2f})"
                 + _spread(c.get("repeats", []))
                 + f"; phases per step: {phases}"
+                + (f"; on the shards per step ({shards})" if shards else "")
                 + f"; the plain loop's step {c['plain_step_ms']:.2f}",
                 f"≤ {FIXED_COST_TARGET_MS:.0f} ms",
                 _verdict(c["fixed_ms"] <= FIXED_COST_TARGET_MS),
@@ -173,15 +178,27 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
     c = r.get("calls")
     if c:
         sizes = " / ".join(f"{label} ({c['bytes'][label] / 1e3:.0f} KB)" for label in c["ms"])
+        first = next(iter(c["ms"].values()))
+        if "channel" in first:
+            rows.append(
+                (
+                    f"the step path's exchange (channel.py: a frame to both shards, one back from each), "
+                    f"median ms: {sizes}",
+                    " / ".join(f"{v['channel']:.2f}" for v in c["ms"].values()),
+                    "reported: the floor under the fixed cost of a step",
+                    "reported",
+                )
+            )
         what = {"send_one": "to one shard", "send_all": "to both at once", "receive_all": "from both at once"}
         rows.append(
             (
-                f"a Dask actor call from the compute worker, median ms: {sizes}",
+                f"a Dask actor call from the compute worker (the step path's transport before channel.py), "
+                f"median ms: {sizes}",
                 "; ".join(
                     f"{text} " + " / ".join(f"{v[key]:.2f}" for v in c["ms"].values())
                     for key, text in what.items()
                 ),
-                "reported: the floor under the fixed cost of a step",
+                "reported",
                 "reported",
             )
         )

@@ -207,6 +207,14 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
                 "compute_ms": statistics.median(x["compute_ms"] for x in costs),
                 "phase_ms": {k: statistics.median(x["phase_ms"].get(k, 0.0) for x in costs) for k in names},
                 "repeats": [x["fixed_ms"] for x in costs],
+                # Each shard's side of the step path, per step (median over the repeats).
+                "shard_ms": [
+                    {
+                        k: statistics.median(x["shard_ms"][i].get(k, 0.0) for x in costs)
+                        for k in costs[0]["shard_ms"][i]
+                    }
+                    for i in range(min(len(x.get("shard_ms", [])) for x in costs))
+                ],
                 # The plain loop's step in the same repeats: what the framework adds over it, compute
                 # included (the workers' compute may differ from the plain loop's: allocator, threads).
                 "plain_step_ms": statistics.median(x["step_ms"] for x in plain_runs),

@@ -24,15 +24,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.func import functional_call
 
 from .allocator import tune_allocator
+from .channel import Entry, Frame, ShardLink, raise_error
 from .errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
 from .job import ElasticJob, StateLayout
-from .messages import Call, CoordinatorHandle, Role, ShardHandle, Tensors
+from .messages import CoordinatorHandle, Role, Tensors
 from .schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -71,19 +72,66 @@ class LoopStats:
 
 
 @dataclass
-class Prefetch:
-    """The calls for one step sent before it starts: its parameters from every shard and its batches."""
+class Ahead:
+    """The answers for one step, asked for before it starts: from every shard, its parameters of that
+    step (sent the moment the shard applied the step before) and the batches of the share it holds, or
+    the error that came instead (not applied within the wait, a fence)."""
 
     generation: int
     step: int
-    pulls: list[Call[Tensors]]
-    fetches: dict[int, Call[tuple[torch.Tensor, torch.Tensor]]]
+    frames: list[Frame]
+
+    def unpack(self) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        state: Tensors = {}
+        xs: dict[int, torch.Tensor] = {}
+        ys: dict[int, torch.Tensor] = {}
+        for frame in self.frames:
+            error = frame.header.get("next_error")
+            if error is not None:
+                raise_error(error)
+            for entry, tensor in frame.tensors:
+                if entry.kind == "state":
+                    state[entry.name] = tensor
+                elif entry.kind == "x":
+                    xs[entry.batch_id] = tensor
+                elif entry.kind == "y":
+                    ys[entry.batch_id] = tensor
+        return state, {b: (x, ys[b]) for b, x in xs.items()}
+
+
+def send_all(links: list[ShardLink], frames: list[Frame | None]) -> None:
+    for link, frame in zip(links, frames, strict=True):
+        if frame is not None:
+            link.send(frame)
+
+
+def receive_all(links: list[ShardLink], count: list[int], timeout: float) -> list[Frame]:
+    """Read `count[i]` answers from shard `i`, every one of them even after an error (no connection is
+    left with an answer unread); raises the first error."""
+    answers: list[Frame] = []
+    first: BaseException | None = None
+    for link, n in zip(links, count, strict=True):
+        for _ in range(n):
+            try:
+                answers.append(link.receive(timeout))
+            except Exception as exc:
+                first = first or exc
+                break  # the link closed itself: nothing more to read there
+    if first is not None:
+        raise first
+    return answers
+
+
+def exchange(links: list[ShardLink], frames: list[Frame], timeout: float) -> list[Frame]:
+    """One frame to every shard, then every answer."""
+    send_all(links, list(frames))
+    return receive_all(links, [1] * len(links), timeout)
 
 
 def compute_loop(
     job: ElasticJob,
     coordinator: CoordinatorHandle,
-    shards: list[ShardHandle],
+    channels: list[tuple[str, int]],
     plan: list[list[str]],
     layout: StateLayout,
     schedule: Schedule,
@@ -94,6 +142,7 @@ def compute_loop(
     from distributed.worker import thread_state
 
     worker = get_worker()
+    address = worker.address
     key = thread_state.key
     # Leave the worker's thread slot free: this task runs for the whole job, beside other jobs' loops.
     secede()
@@ -102,7 +151,7 @@ def compute_loop(
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     trainer = MicroBatchTrainer(job, plan, layout, device)
     hook: PushHook | None = worker.plugins.get(PUSH_HOOK)  # type: ignore[assignment]
-    stats = LoopStats(worker=worker.address, device=str(device))
+    stats = LoopStats(worker=address, device=str(device))
     timeout = job.call_timeout
 
     def wanted() -> bool:
@@ -112,24 +161,45 @@ def compute_loop(
         running = ts is not None and ts.state in ("executing", "long-running")
         return running and worker.status.name in ("running", "paused")
 
+    # One connection to every shard (channel.py), opened on first use and again after any error.
+    shards = [ShardLink(channel, timeout) for channel in channels]
+    try:
+        return _run(address, coordinator, shards, trainer, schedule, stats, hook, timeout, wanted)
+    finally:
+        for link in shards:
+            link.close()
+
+
+def _run(
+    address: str,
+    coordinator: CoordinatorHandle,
+    shards: list[ShardLink],
+    trainer: MicroBatchTrainer,
+    schedule: Schedule,
+    stats: LoopStats,
+    hook: PushHook | None,
+    timeout: float,
+    wanted: Callable[[], bool],
+) -> LoopStats:
+    job = trainer.job
     role: Role | None = None
     known = -1  # the generation whose role the loop has (or had)
     step = 0
     errors = 0
     retries = 0
-    ahead: Prefetch | None = None
+    ahead: Ahead | None = None
     while wanted():
         if role is None or step >= schedule.total_steps:
             # No role yet, a new generation, or past the last step: ask (a long poll of the coordinator).
             try:
                 asked = time.perf_counter()
-                got = coordinator.role(worker.address, known).result(timeout=timeout)
+                got = coordinator.role(address, known).result(timeout=timeout)
                 stats.add("role", time.perf_counter() - asked)
                 errors = 0
             except Exception as exc:
                 errors += 1
                 stats.call_errors += 1
-                log.warning("compute %s: role failed (%s: %s)", worker.address, type(exc).__name__, exc)
+                log.warning("compute %s: role failed (%s: %s)", address, type(exc).__name__, exc)
                 if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
                     raise
                 time.sleep(min(1.0, job.liveness_interval))
@@ -139,7 +209,7 @@ def compute_loop(
             if got.stop:
                 break
             role, known, step, ahead, retries = got, got.generation, got.start_step, None, 0
-            log.debug("compute %s: rank %d of %d from step %d", worker.address, role.rank, role.size, step)
+            log.debug("compute %s: rank %d of %d from step %d", address, role.rank, role.size, step)
             continue
         share = schedule.share(step, role.rank, role.size)
         if not share:
@@ -151,12 +221,12 @@ def compute_loop(
             errors = retries = 0
         except ModelFailure as failure:
             coordinator.report_failure(
-                role.generation, worker.address, failure.step, failure.batch_id, "model", str(failure)
+                role.generation, address, failure.step, failure.batch_id, "model", str(failure)
             ).result(timeout=timeout)
             role, ahead = None, None  # the job ends, or (an old generation's failure) the loop goes on
         except StaleGenerationError as exc:
             stats.stale += 1
-            log.debug("compute %s: step %d of an old generation: %s", worker.address, step, exc)
+            log.debug("compute %s: step %d of an old generation: %s", address, step, exc)
             role, ahead = None, None
         except RecoverableError as exc:
             # The step before was not applied within the pull's wait (a straggler, or a member that froze
@@ -164,7 +234,7 @@ def compute_loop(
             # role again, which a fence answers.
             ahead = None
             retries += 1
-            log.debug("compute %s: step %d not ready: %s", worker.address, step, exc)
+            log.debug("compute %s: step %d not ready: %s", address, step, exc)
             if retries >= MAX_CONSECUTIVE_CALL_ERRORS:
                 role, known = None, -1
         except FatalError:
@@ -176,7 +246,7 @@ def compute_loop(
             ahead = None
             errors += 1
             stats.call_errors += 1
-            log.warning("compute %s: step %d failed (%s: %s)", worker.address, step, type(exc).__name__, exc)
+            log.warning("compute %s: step %d failed (%s: %s)", address, step, type(exc).__name__, exc)
             if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
                 raise
     return stats
@@ -200,35 +270,63 @@ class MicroBatchTrainer:
         self.shard_of = {name: i for i, names in enumerate(plan) for name in names}
         self.pull_wait = min(PULL_WAIT_SECONDS, job.call_timeout / 2)
 
-    def prefetch(
-        self, role: Role, step: int, shards: list[ShardHandle], schedule: Schedule
-    ) -> Prefetch | None:
-        """Send the calls of `step` (the parameters, waiting for the step before, and the batches)."""
+    def then(
+        self, role: Role, step: int, schedule: Schedule, params: bool = True, batches: bool = True
+    ) -> list[dict[str, Any] | None]:
+        """What to ask every shard for `step`: its parameters (the shard waits until it has applied the
+        step before) and the batches of this worker's share that it holds. None where there is nothing
+        to ask (past the last step, no batch of the share there)."""
         if step >= schedule.total_steps:
-            return None
-        share = schedule.share(step, role.rank, role.size)
-        if not share:
-            return None
-        gen = role.generation
-        return Prefetch(
-            gen,
-            step,
-            [s.pull(gen, step, self.pull_wait) for s in shards],
-            {b: shards[schedule.server_of(b)].get_batch(gen, b) for b in share},
-        )
+            return [None] * len(self.plan)
+        share = schedule.share(step, role.rank, role.size) if batches else ()
+        asks: list[dict[str, Any] | None] = []
+        for i in range(len(self.plan)):
+            held = [b for b in share if schedule.server_of(b) == i]
+            if params or held:
+                asks.append({"step": step if params else None, "wait": self.pull_wait, "batches": held})
+            else:
+                asks.append(None)
+        return asks
+
+    def fetch(self, role: Role, step: int, shards: list[ShardLink], schedule: Schedule) -> Ahead:
+        """Ask every shard for `step` alone (a loop's first step in a generation, or after a failure)."""
+        frames = [
+            Frame({"op": "pull", "generation": role.generation, "then": then})
+            for then in self.then(role, step, schedule)
+        ]
+        return Ahead(role.generation, step, exchange(shards, frames, self.job.call_timeout))
 
     def step(
         self,
         role: Role,
         step: int,
         share: tuple[int, ...],
-        shards: list[ShardHandle],
+        shards: list[ShardLink],
         schedule: Schedule,
         stats: LoopStats,
-        ahead: Prefetch | None,
+        ahead: Ahead | None,
         hook: PushHook | None = None,
-    ) -> Prefetch | None:
-        """Train this worker's share of `step` and push it; returns the calls of its next step, sent."""
+    ) -> Ahead | None:
+        """Train this worker's share of `step` and push it; returns the answers for its next step."""
+        try:
+            return self._step(role, step, share, shards, schedule, stats, ahead, hook)
+        except BaseException:
+            for link in shards:
+                if link.pending:
+                    link.close()  # an answer left unread would be taken for the next one
+            raise
+
+    def _step(
+        self,
+        role: Role,
+        step: int,
+        share: tuple[int, ...],
+        shards: list[ShardLink],
+        schedule: Schedule,
+        stats: LoopStats,
+        ahead: Ahead | None,
+        hook: PushHook | None,
+    ) -> Ahead | None:
         timeout = self.job.call_timeout
         clock = time.perf_counter()
 
@@ -239,52 +337,71 @@ class MicroBatchTrainer:
             clock = now
 
         gen = role.generation
-        calls = ahead if ahead is not None and (ahead.generation, ahead.step) == (gen, step) else None
-        if calls is None:
-            calls = self.prefetch(role, step, shards, schedule)
-            assert calls is not None
-        state: Tensors = {}
-        for f in calls.pulls:
-            state.update(f.result(timeout=timeout))
+        if ahead is None or (ahead.generation, ahead.step) != (gen, step):
+            ahead = self.fetch(role, step, shards, schedule)
+        state, batches = ahead.unpack()
+        del ahead
+        # The next step's batches do not depend on this step: ask for them now, so that the shards send
+        # them while this step computes (their answers wait in the socket until read).
+        early = [
+            None if then is None else Frame({"op": "pull", "generation": gen, "then": then})
+            for then in self.then(role, step + 1, schedule, params=False)
+        ]
+        if hook is None:
+            send_all(shards, early)
+        else:
+            early = [None] * len(shards)
         lap("pull")
         params = {n: state[n].to(self.device).requires_grad_(True) for n in self.param_names}
         buffers = {n: t for n, t in state.items() if n not in params}
 
-        grads: list[dict[int, Tensors]] = [{} for _ in shards]
-        new_buffers: list[dict[int, Tensors]] = [{} for _ in shards]
-        losses: dict[int, float] = {}
+        frames = [
+            Frame(
+                {
+                    "op": "push",
+                    "generation": gen,
+                    "step": step,
+                    "worker": role.members[role.rank],
+                    "losses": {},
+                    "then": None,
+                }
+            )
+            for _ in shards
+        ]
         for b in share:
-            x, y = calls.fetches[b].result(timeout=timeout)
-            lap("fetch")
+            x, y = batches[b]
             loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
-            losses[b] = loss
+            # Every shard hears of every batch id (the losses name them), also a shard that holds no
+            # parameters or no buffers: each applies the step when it holds all of its batch ids.
+            for frame in frames:
+                frame.header["losses"][str(b)] = loss
             for name, t in g.items():
-                grads[self.shard_of[name]].setdefault(b, {})[name] = t
+                frames[self.shard_of[name]].tensors.append((Entry("grad", b, name), t))
             for name, t in bufs.items():
-                new_buffers[self.shard_of[name]].setdefault(b, {})[name] = t
+                frames[self.shard_of[name]].tensors.append((Entry("buffer", b, name), t))
             lap("compute")
-        del state, params, buffers
-        worker = role.members[role.rank]
-        # Every shard hears of every batch id (the losses name them), also a shard that holds no
-        # parameters or no buffers: each applies the step when it holds all of its batch ids.
+        del state, params, buffers, batches
+        following = self.then(role, step + 1, schedule, batches=False)
         if hook is None:
-            pushes = [
-                s.push(gen, step, worker, grads[i], new_buffers[i], losses) for i, s in enumerate(shards)
-            ]
-            following = self.prefetch(role, step + 1, shards, schedule)
-            for pushed in pushes:
-                pushed.result(timeout=timeout)
-        else:
-            for i, s in enumerate(shards):
-                s.push(gen, step, worker, grads[i], new_buffers[i], losses).result(timeout=timeout)
+            # One frame to every shard: this step's gradients, and a request for the next step's
+            # parameters, which the shard answers once it has applied this step.
+            for frame, then in zip(frames, following, strict=True):
+                frame.header["then"] = then
+            send_all(shards, list(frames))
+            answers = receive_all(shards, [1 + (e is not None) for e in early], timeout)
+            lap("push")
+            return Ahead(gen, step + 1, answers) if following[0] is not None else None
+        for i, (link, frame) in enumerate(zip(shards, frames, strict=True)):
+            link.request(frame, timeout)
 
-                def wait_applied(shard: ShardHandle = s) -> None:
-                    shard.pull(gen, step + 1, self.pull_wait).result(timeout=timeout)
+            def wait_applied(link: ShardLink = link) -> None:
+                wait = {"step": step + 1, "wait": self.pull_wait, "batches": []}
+                answer = link.request(Frame({"op": "pull", "generation": gen, "then": wait}), timeout)
+                raise_error(answer.header.get("next_error") or {})
 
-                hook.after_push(i, step, wait_applied)
-            following = self.prefetch(role, step + 1, shards, schedule)
+            hook.after_push(i, step, wait_applied)
         lap("push")
-        return following
+        return None
 
     def gradient(
         self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int

@@ -14,13 +14,15 @@ Owns, for one job:
 
 Does not own: the generation (the coordinator raises it with `fence`), which snapshot is the committed
 one, or what happens when shards disagree (the coordinator decides; see docs/design/commit-point.md).
-Called by compute workers (`pull`, `get_batch`, `push`) and by the coordinator (`fence`, `restore`,
-`snapshot_at`, `status`). Every call carries the generation and a call from another generation raises
-`StaleGenerationError` (and is counted), so a message of a worker that was declared dead can never touch
-the parameters.
+Called by compute workers over its own connection (`channel.py`: one frame each way per step, carrying
+`push`, then `pull` and `get_batch` of the step the worker trains next), and by the coordinator as a Dask
+actor (`fence`, `restore`, `snapshot_at`, `status`). Every call carries the generation and a call from
+another generation raises `StaleGenerationError` (and is counted), so a message of a worker that was
+declared dead can never touch the parameters.
 
 All methods are `async def`: Dask runs them on the worker's event loop, where actor-to-actor calls cannot
-deadlock; the optimizer step of a big shard runs in a thread so heartbeats go on.
+deadlock, and the channel's frames are handled on that same loop, so the shard's state is only ever
+touched from one thread; the optimizer step of a big shard runs in a thread so heartbeats go on.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ import contextlib
 import copy
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .allocator import tune_allocator
+from .channel import Entry, Frame, ShardServer, error_header
 from .dataset import DatasetInfo, load_partition, partition_bounds
 from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
@@ -124,6 +128,9 @@ class DataServer:
         self._snapshots: dict[int, _Snapshot] = {first.version: first}
         self._snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
         self._snapshotting: asyncio.Task[None] | None = None
+        self._host = _worker_host()
+        self._apply_seconds = 0.0
+        self._server: ShardServer | None = None
         log.info(
             "data server %d of job %s: samples [%d, %d), %d params, %d buffers",
             index,
@@ -140,6 +147,67 @@ class DataServer:
             raise StaleGenerationError(generation, self.generation, what)
 
     # -- compute workers -------------------------------------------------------------------------
+
+    async def open_channel(self) -> tuple[str, int]:
+        """Start listening for compute loops (`channel.py`) on this worker's host; returns the address."""
+        if self._server is None or self._server.address is None:
+            server = ShardServer(_weak_handler(self))
+            await server.start(self._host)
+            loop = asyncio.get_running_loop()
+
+            def close_later() -> None:
+                with contextlib.suppress(RuntimeError):  # the worker's loop is already closed
+                    loop.call_soon_threadsafe(server.close)
+
+            # When the actor is released (the job ends, its controller is gone), stop listening.
+            weakref.finalize(self, close_later)
+            self._server = server
+        assert self._server.address is not None
+        return self._server.address
+
+    async def phases(self) -> dict[str, float]:
+        """Seconds spent on the step path by phase, summed over the run: the channel's `handle` and
+        `send`, and `apply` (the optimizer step within `handle`); `frames` counts the frames answered."""
+        server = self._server
+        return {
+            **(server.phases if server is not None else {}),
+            "apply": self._apply_seconds,
+            "frames": float(server.frames if server is not None else 0),
+        }
+
+    async def close_channel(self) -> None:
+        if self._server is not None:
+            await self._server.aclose()
+
+    async def on_frame(self, frame: Frame) -> Frame:
+        """One frame of a compute loop: a push (gradients, buffers and losses of its share of a step)
+        and/or what it needs next (`then`: the parameters of a step, once applied here, and batches that
+        live here). A failed push fails the frame; a failed `then` (not ready within its wait, a fence)
+        is answered as `next_error`, since the push itself went in."""
+        header = frame.header
+        generation = int(header["generation"])
+        if header["op"] == "push":
+            grads: dict[int, Tensors] = {}
+            buffers: dict[int, Tensors] = {}
+            for entry, tensor in frame.tensors:
+                target = grads if entry.kind == "grad" else buffers
+                target.setdefault(entry.batch_id, {})[entry.name] = tensor
+            losses = {int(b): float(v) for b, v in header["losses"].items()}
+            await self.push(generation, int(header["step"]), str(header["worker"]), grads, buffers, losses)
+        then = header.get("then")
+        if then is None:
+            return Frame({"ok": True})
+        tensors: list[tuple[Entry, torch.Tensor]] = []
+        try:
+            if then.get("step") is not None:
+                state = await self.pull(generation, int(then["step"]), float(then["wait"]))
+                tensors = [(Entry("state", -1, name), t) for name, t in state.items()]
+            for b in then["batches"]:
+                x, y = await self.get_batch(generation, int(b))
+                tensors += [(Entry("x", int(b), ""), x), (Entry("y", int(b), ""), y)]
+        except Exception as exc:
+            return Frame({"ok": True, "next_error": error_header(exc)})
+        return Frame({"ok": True}, tensors)
 
     async def get_batch(self, generation: int, batch_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(generation, "get_batch")
@@ -219,10 +287,12 @@ class DataServer:
         try:
             if self._snapshotting is not None:
                 await self._snapshotting  # a snapshot of this version still reads the tensors
+            began = time.perf_counter()
             if self._apply_inline:
                 self._apply(grads, buffers)
             else:
                 await asyncio.to_thread(self._apply, grads, buffers)
+            self._apply_seconds += time.perf_counter() - began
         finally:
             self._applying = False
         self.version += 1
@@ -362,6 +432,31 @@ class DataServer:
         buffers = {n: t.clone() for n, t in self._buffers.items()}
         optimizer = copy.deepcopy(self._optimizer.state_dict()) if self._optimizer is not None else {}
         return _Snapshot(self.version, params, buffers, optimizer, time.time(), time.perf_counter() - began)
+
+
+def _worker_host() -> str:
+    """The host this shard's Dask worker listens on: compute loops reach it there as they reach Dask."""
+    try:
+        from distributed import get_worker
+        from distributed.comm import get_address_host
+
+        return str(get_address_host(get_worker().address))
+    except Exception:
+        return "127.0.0.1"  # made outside a worker (unit tests)
+
+
+def _weak_handler(server: DataServer) -> Any:
+    """The shard's frame handler without a strong reference: the listener must not keep a released actor
+    (and its data partition) alive."""
+    ref = weakref.ref(server)
+
+    async def handle(frame: Frame) -> Frame:
+        target = ref()
+        if target is None:
+            raise ConnectionError("this data server was released")
+        return await target.on_frame(frame)
+
+    return handle
 
 
 def _combine_buffer(values: list[torch.Tensor]) -> torch.Tensor:

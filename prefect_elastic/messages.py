@@ -7,7 +7,9 @@ time (every method returns a future whose `result(timeout)` gives the value).
 
 Who sends what (docs/architecture.md has the picture):
 - coordinator -> compute loop: `Role` (its rank in a generation's member list; the answer to `role`);
-- compute loop -> data server: `pull`, `get_batch`, `push` (gradients, buffers and losses of one share);
+- compute loop <-> data server: one frame each way per step on the step path's own connection
+  (`channel.py`: the gradients, buffers and losses of one share, then the next step's parameters and
+  batches); JSON headers and raw tensor bytes, not these dataclasses;
 - data server -> coordinator: `ShardStatus` with `StepRecord`s (what each shard applied), read by the
   coordinator off the step path;
 - coordinator -> controller: `Progress`, `MembershipEvent`, `Outcome`; controller -> coordinator:
@@ -168,19 +170,11 @@ class Call(Protocol[T_co]):
 class ShardHandle(Protocol):
     """A data server with its parameter shard (`data_server.DataServer`), as callers see it."""
 
-    def pull(self, generation: int, step: int, wait: float = 0.0) -> Call[Tensors]: ...
+    def open_channel(self) -> Call[tuple[str, int]]: ...
 
-    def get_batch(self, generation: int, batch_id: int) -> Call[tuple[torch.Tensor, torch.Tensor]]: ...
+    def close_channel(self) -> Call[None]: ...
 
-    def push(
-        self,
-        generation: int,
-        step: int,
-        worker: str,
-        grads: dict[int, Tensors],
-        buffers: dict[int, Tensors],
-        losses: dict[int, float],
-    ) -> Call[None]: ...
+    def phases(self) -> Call[dict[str, float]]: ...
 
     def status(self, since: int) -> Call[ShardStatus]: ...
 

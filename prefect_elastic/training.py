@@ -90,6 +90,9 @@ class TrainResult:
     commit_times: list[float] = field(default_factory=list)  # wall time of each step in `history`
     checkpoint: str | None = None  # the last persistent checkpoint written
     resumed_from: str | None = None  # the checkpoint this run started from
+    # Per data server, seconds spent on the step path by phase, summed over the run (`DataServer.phases`):
+    # where a step's fixed cost goes on the shards' side.
+    shard_phases: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -285,6 +288,7 @@ class TrainingRun:
         self.started = time.monotonic()
         self.coordinator: Any = None  # a CoordinatorHandle once started
         self.shards: list[Any] = []  # ShardHandles
+        self.channels: list[tuple[str, int]] = []  # where each shard listens for compute loops
         self.plan: list[list[str]] = []
 
     # -- setup -----------------------------------------------------------------------------------
@@ -334,6 +338,7 @@ class TrainingRun:
         state: dict[str, torch.Tensor] = {}
         for f in [s.state() for s in shards]:
             state.update(f.result(timeout=self.job.call_timeout))
+        shard_phases = [f.result(timeout=timeout) for f in [s.phases() for s in shards]]
         self._stop_loops()
         return TrainResult(
             job=self.job,
@@ -350,6 +355,7 @@ class TrainingRun:
             commit_times=outcome.commit_times,
             checkpoint=self.persistence.last_written,
             resumed_from=self.persistence.resumed_from,
+            shard_phases=shard_phases,
         )
 
     def _register(self) -> None:
@@ -410,6 +416,8 @@ class TrainingRun:
         actors = [f.result(timeout=startup_timeout) for f in self.actor_futures]
         shards, coordinator = actors[:-1], actors[-1]
         coordinator.attach(shards).result(timeout=job.call_timeout)
+        # The step path's own connections (channel.py): compute loops reach each shard there.
+        self.channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
         return coordinator, shards, plan
 
     # -- supervision -----------------------------------------------------------------------------
@@ -538,7 +546,7 @@ class TrainingRun:
                 restarts = self.loop_restarts.get(addr, 0)
                 self.loop_restarts[addr] = restarts + 1
                 self.loops[addr] = self.client.submit(
-                    compute_loop, self.job, coordinator, shards, plan, self.layout, self.schedule,
+                    compute_loop, self.job, coordinator, self.channels, plan, self.layout, self.schedule,
                     key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-compute-{addr}-{restarts}",
                     workers=[addr], allow_other_workers=False, pure=False,
                 )  # fmt: skip
@@ -588,6 +596,9 @@ class TrainingRun:
         for loop in self.loops.values():
             loop.cancel()
         self.loops.clear()
+        for shard in self.shards:
+            with contextlib.suppress(Exception):
+                shard.close_channel().result(timeout=5)
         if self.actor_futures:
             try:
                 self.client.cancel(self.actor_futures)

@@ -1,0 +1,351 @@
+"""The step path's wire: one frame each way between a compute loop and a shard per step, over a TCP
+connection of their own, beside Dask.
+
+Why not Dask actor calls: a step needs the gradients to every shard and the next step's parameters and
+batches back. As actor calls that was five calls a step (two pushes, two pulls, a batch fetch), each
+hopping from the loop's thread to the worker's event loop, through Dask's message framing and its
+serializers, and back: 8 to 13 ms a step on this machine whatever the model (docs/benchmarks.md). Here a
+step is one frame to each shard (its gradients, the losses, and which step and batches the loop needs
+next) and one frame back (the parameters of that step, once the shard has applied this one, and the
+batches): a blocking socket in the loop's thread, and the shard's own event loop on the other side.
+
+A frame is a JSON header and the raw bytes of its tensors, nothing pickled:
+
+    !I header length | header (JSON, utf-8) | tensor bytes, back to back, in the header's order
+
+The header names each tensor with `[kind, batch_id, name, dtype, shape]`; the receiver reads the whole
+body into one buffer and makes every tensor a view of it (no copy). The control calls (fence, restore,
+snapshot, status) stay Dask actor calls: they are rare, and the coordinator makes them.
+
+Every message carries the generation (in its header), and every wait is bounded: a socket op by the
+caller's timeout, a shard's wait for a step by the `wait` the frame names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import FatalError, RecoverableError, StaleGenerationError
+
+_LENGTH = struct.Struct("!I")
+# A header is a few kilobytes at most (names of tensors, losses); anything larger is not a frame of ours.
+MAX_HEADER_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a frame: what it is (`kind`: param, grad, buffer, x, y), for which batch id (-1 when
+    none) and under which name."""
+
+    kind: str
+    batch_id: int
+    name: str
+
+
+@dataclass
+class Frame:
+    header: dict[str, Any]
+    tensors: list[tuple[Entry, torch.Tensor]] = field(default_factory=list)
+
+    def by_kind(self, kind: str) -> dict[tuple[int, str], torch.Tensor]:
+        return {(e.batch_id, e.name): t for e, t in self.tensors if e.kind == kind}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def encode(frame: Frame) -> list[memoryview]:
+    """The frame as buffers to send in order; tensor bytes are views of the tensors' memory, not copies."""
+    described = []
+    bodies: list[memoryview] = []
+    for entry, tensor in frame.tensors:
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        described.append([entry.kind, entry.batch_id, entry.name, str(t.dtype), list(t.shape)])
+        if t.numel():
+            raw = t.reshape(-1).view(torch.uint8).numpy()
+            bodies.append(memoryview(raw))  # type: ignore[arg-type]
+    header = json.dumps({**frame.header, "tensors": described}, separators=(",", ":")).encode()
+    return [memoryview(_LENGTH.pack(len(header)) + header), *bodies]
+
+
+def _body_size(described: list[list[Any]]) -> int:
+    total = 0
+    for _, _, _, dtype, shape in described:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        total += n * _dtype(dtype).itemsize
+    return total
+
+
+def decode(header_bytes: bytes, body: bytearray) -> Frame:
+    header = json.loads(header_bytes)
+    described = header.pop("tensors")
+    tensors: list[tuple[Entry, torch.Tensor]] = []
+    offset = 0
+    for kind, batch_id, name, dtype_name, shape in described:
+        dtype = _dtype(dtype_name)
+        count = 1
+        for d in shape:
+            count *= int(d)
+        if count:
+            flat = torch.frombuffer(body, dtype=dtype, count=count, offset=offset)
+        else:
+            flat = torch.empty(0, dtype=dtype)
+        offset += count * dtype.itemsize
+        tensors.append((Entry(kind, int(batch_id), name), flat.reshape(shape)))
+    return Frame(header, tensors)
+
+
+# -- the loop's side: blocking sockets in its own thread ------------------------------------------------
+
+
+class ShardLink:
+    """A compute loop's connection to one shard. Frames are answered in the order they were sent, so a
+    loop may send a second frame before it reads the first answer. Any error closes the connection (a
+    half-read stream cannot be trusted), and the next `send` opens a new one."""
+
+    def __init__(self, address: tuple[str, int], timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self.pending = 0  # frames sent whose answer was not read yet
+
+    def _connected(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.create_connection(self.address, timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+        return self._sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+        self.pending = 0
+
+    def send(self, frame: Frame) -> None:
+        try:
+            sock = self._connected()
+            sock.settimeout(self.timeout)
+            _send_all(sock, encode(frame))
+            self.pending += 1
+        except BaseException:
+            self.close()
+            raise
+
+    def receive(self, timeout: float | None = None) -> Frame:
+        """The answer to the last `send`; raises what the shard raised (stale generation, not ready,
+        fatal) as the same error type."""
+        sock = self._sock
+        if sock is None or not self.pending:
+            raise ConnectionError(f"no request in flight to the shard at {self.address}")
+        try:
+            sock.settimeout(self.timeout if timeout is None else timeout)
+            (length,) = _LENGTH.unpack(_recv_exactly(sock, _LENGTH.size))
+            if length > MAX_HEADER_BYTES:
+                raise ConnectionError(f"the shard at {self.address} sent a header of {length} bytes")
+            header_bytes = _recv_exactly(sock, length)
+            described = json.loads(header_bytes)["tensors"]
+            body = bytearray(_body_size(described))
+            _recv_into(sock, memoryview(body))
+        except BaseException:
+            self.close()
+            raise
+        self.pending -= 1
+        frame = decode(header_bytes, body)
+        raise_error(frame.header)
+        return frame
+
+    def request(self, frame: Frame, timeout: float | None = None) -> Frame:
+        self.send(frame)
+        return self.receive(timeout)
+
+
+def _send_all(sock: socket.socket, parts: Sequence[memoryview]) -> None:
+    pending = [p.cast("B") for p in parts if p.nbytes]
+    while pending:
+        sent = sock.sendmsg(pending)
+        while sent:
+            if sent >= pending[0].nbytes:
+                sent -= pending[0].nbytes
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][sent:]
+                sent = 0
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    while view.nbytes:
+        got = sock.recv_into(view)
+        if not got:
+            raise ConnectionError("the shard closed the connection")
+        view = view[got:]
+
+
+# -- errors across the wire -----------------------------------------------------------------------------
+
+
+def error_header(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, StaleGenerationError):
+        return {"error": "stale", "got": exc.got, "current": exc.current, "what": exc.what}
+    if isinstance(exc, RecoverableError):
+        return {"error": "recoverable", "message": str(exc)}
+    if isinstance(exc, FatalError):
+        return {"error": "fatal", "message": str(exc)}
+    return {"error": "internal", "message": f"{type(exc).__name__}: {exc}"}
+
+
+def raise_error(header: dict[str, Any]) -> None:
+    kind = header.get("error")
+    if kind is None:
+        return
+    if kind == "stale":
+        raise StaleGenerationError(int(header["got"]), int(header["current"]), str(header["what"]))
+    if kind == "recoverable":
+        raise RecoverableError(str(header["message"]))
+    if kind == "fatal":
+        raise FatalError(str(header["message"]))
+    raise RuntimeError(f"the shard failed: {header.get('message')}")
+
+
+# -- the shard's side: its worker's event loop ------------------------------------------------------------
+
+Handler = Callable[[Frame], Awaitable[Frame]]
+
+
+class ShardServer:
+    """Listens on the static worker's host for compute loops; each connection is served in turn, one
+    frame at a time, by `handler` on the worker's event loop (where the shard's actor methods run too, so
+    the shard's state is only ever touched from that loop)."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self._listener: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.address: tuple[str, int] | None = None
+        # Seconds by phase, summed: `handle` (the handler, waits for other workers' pushes included) and
+        # `send` (writing answers into the sockets).
+        self.phases: dict[str, float] = {"handle": 0.0, "send": 0.0}
+        self.frames = 0
+
+    async def start(self, host: str) -> tuple[str, int]:
+        listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(64)
+        listener.setblocking(False)
+        self._listener = listener
+        self.address = (host, int(listener.getsockname()[1]))
+        self._spawn(self._accept(listener))
+        return self.address
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(listener)
+            except OSError:
+                return  # closed
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                frame = await _read_frame(loop, conn)
+                if frame is None:
+                    return
+                began = time.perf_counter()
+                try:
+                    answer = await self.handler(frame)
+                except Exception as exc:
+                    answer = Frame(error_header(exc))
+                handled = time.perf_counter()
+                for part in encode(answer):
+                    await loop.sock_sendall(conn, part)
+                self.phases["handle"] += handled - began
+                self.phases["send"] += time.perf_counter() - handled
+                self.frames += 1
+        except (OSError, ConnectionError, ValueError):
+            return  # the loop went away (killed, cancelled) or sent garbage: drop the connection
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def aclose(self) -> None:
+        """`close`, then wait until every connection's task has ended."""
+        tasks = list(self._tasks)
+        self.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _read_frame(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> Frame | None:
+    head = bytearray(_LENGTH.size)
+    if not await _read_into(loop, conn, memoryview(head), eof_ok=True):
+        return None
+    (length,) = _LENGTH.unpack(head)
+    if length > MAX_HEADER_BYTES:
+        raise ValueError(f"a header of {length} bytes")
+    header_bytes = bytearray(length)
+    await _read_into(loop, conn, memoryview(header_bytes))
+    described = json.loads(header_bytes)["tensors"]
+    body = bytearray(_body_size(described))
+    await _read_into(loop, conn, memoryview(body))
+    return decode(bytes(header_bytes), body)
+
+
+async def _read_into(
+    loop: asyncio.AbstractEventLoop, conn: socket.socket, view: memoryview, eof_ok: bool = False
+) -> bool:
+    first = True
+    while view.nbytes:
+        got = await loop.sock_recv_into(conn, view)
+        if not got:
+            if first and eof_ok:
+                return False
+            raise ConnectionError("the connection closed mid-frame")
+        first = False
+        view = view[got:]
+    return True
+
+
+def tensors_of(kind: str, items: Iterable[tuple[int, str, torch.Tensor]]) -> list[tuple[Entry, torch.Tensor]]:
+    return [(Entry(kind, b, n), t) for b, n, t in items]

@@ -1,0 +1,146 @@
+"""The step path's wire (`channel.py`) on real sockets, without a cluster: frames keep every tensor
+bitwise, answers come back in order when a loop sends two frames before reading, a shard's errors come
+back as the same error types, and a connection that failed is never read again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from prefect_elastic.channel import Entry, Frame, ShardLink, ShardServer, decode, encode
+from prefect_elastic.errors import FatalError, RecoverableError, StaleGenerationError
+
+
+class Served:
+    """A ShardServer on an event loop in a thread, as on a static worker."""
+
+    def __init__(self, handler: object) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = ShardServer(handler)  # type: ignore[arg-type]
+        self.address = asyncio.run_coroutine_threadsafe(self.server.start("127.0.0.1"), self.loop).result(5)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.aclose(), self.loop).result(5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def echo() -> Iterator[Served]:
+    async def handler(frame: Frame) -> Frame:
+        op = frame.header["op"]
+        if op == "stale":
+            raise StaleGenerationError(1, 2, "push")
+        if op == "wait":
+            raise RecoverableError("not applied yet")
+        if op == "fatal":
+            raise FatalError("batch 7 lives on data server 1")
+        if op == "bug":
+            raise KeyError("oops")
+        if op == "slow":
+            await asyncio.sleep(float(frame.header["seconds"]))
+        return Frame({"ok": True, "echo": frame.header}, frame.tensors)
+
+    served = Served(handler)
+    yield served
+    served.close()
+
+
+def tensors() -> list[tuple[Entry, torch.Tensor]]:
+    return [
+        (Entry("grad", 3, "conv.weight"), torch.randn(4, 3, 3, 3)),
+        (Entry("buffer", 3, "bn.num_batches_tracked"), torch.tensor(5)),
+        (Entry("x", 9, ""), torch.randn(2, 1, 4, 4).to(torch.bfloat16)),
+        (Entry("y", 9, ""), torch.tensor([1, 0], dtype=torch.int64)),
+        (Entry("state", -1, "mask"), torch.tensor([True, False, True])),
+        (Entry("state", -1, "empty"), torch.empty(0, 5)),
+        (Entry("state", -1, "strided"), torch.arange(12.0).reshape(3, 4).t()),  # not contiguous
+    ]
+
+
+def test_a_frame_keeps_every_tensor_bitwise_without_pickle() -> None:
+    sent = Frame({"op": "push", "generation": 4, "losses": {"3": 0.25}}, tensors())
+    parts = encode(sent)
+    wire = b"".join(bytes(p) for p in parts)
+    length = int.from_bytes(wire[:4], "big")
+    got = decode(wire[4 : 4 + length], bytearray(wire[4 + length :]))
+    assert got.header == {"op": "push", "generation": 4, "losses": {"3": 0.25}}
+    assert [e for e, _ in got.tensors] == [e for e, _ in sent.tensors]
+    for (_, a), (_, b) in zip(sent.tensors, got.tensors, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert json.loads(wire[4 : 4 + length])["tensors"][0] == [
+        "grad",
+        3,
+        "conv.weight",
+        "torch.float32",
+        [4, 3, 3, 3],
+    ]
+
+
+def test_answers_come_in_order_and_match_what_was_sent(echo: Served) -> None:
+    link = ShardLink(echo.address, timeout=5)
+    try:
+        first = Frame({"op": "a", "generation": 1}, tensors()[:1])
+        second = Frame({"op": "b", "generation": 1}, tensors()[3:4])
+        link.send(first)
+        link.send(second)  # a second frame before the first answer is read (the batches ahead)
+        assert link.pending == 2
+        a, b = link.receive(), link.receive()
+        assert a.header["echo"]["op"] == "a" and b.header["echo"]["op"] == "b"
+        assert torch.equal(a.tensors[0][1], first.tensors[0][1])
+        assert torch.equal(b.tensors[0][1], second.tensors[0][1])
+        assert link.pending == 0
+    finally:
+        link.close()
+
+
+@pytest.mark.parametrize(
+    ("op", "error", "text"),
+    [
+        ("stale", StaleGenerationError, "generation 1, current generation is 2"),
+        ("wait", RecoverableError, "not applied yet"),
+        ("fatal", FatalError, "batch 7 lives on data server 1"),
+        ("bug", RuntimeError, "KeyError"),
+    ],
+)
+def test_a_shards_error_comes_back_as_its_type(echo: Served, op: str, error: type, text: str) -> None:
+    link = ShardLink(echo.address, timeout=5)
+    try:
+        with pytest.raises(error, match=text) as caught:
+            link.request(Frame({"op": op, "generation": 1}))
+        if op == "stale":
+            assert isinstance(caught.value, StaleGenerationError) and caught.value.current == 2
+        # The connection is still in step: the next frame gets its own answer.
+        assert link.request(Frame({"op": "ok", "generation": 1})).header["echo"]["op"] == "ok"
+    finally:
+        link.close()
+
+
+def test_a_timeout_closes_the_connection_and_the_next_frame_opens_another(echo: Served) -> None:
+    link = ShardLink(echo.address, timeout=5)
+    try:
+        with pytest.raises(TimeoutError):
+            link.request(Frame({"op": "slow", "seconds": 1.0}), timeout=0.1)
+        assert link.pending == 0, "a connection that timed out is dropped, never read again"
+        # The late answer of the slow frame must not be taken for this one's.
+        assert link.request(Frame({"op": "after"})).header["echo"]["op"] == "after"
+    finally:
+        link.close()
+
+
+def test_nothing_listening_fails_at_once() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    link = ShardLink(("127.0.0.1", port), timeout=5)
+    with pytest.raises(ConnectionRefusedError):
+        link.request(Frame({"op": "x"}))
+    assert link.pending == 0
