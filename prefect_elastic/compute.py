@@ -20,7 +20,9 @@ not finite is reported to the coordinator as a failure that ends the job, naming
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -255,6 +257,10 @@ def _run(
 class MicroBatchTrainer:
     """Computes and pushes the gradients of one share of a step; keeps nothing between steps."""
 
+    # Send a shard its frame during the backward pass of the share's last micro-batch, as soon as all of
+    # its gradients are in (see `gradient`); off, every frame goes after the backward pass.
+    early_push = True
+
     def __init__(
         self, job: ElasticJob, plan: list[list[str]], layout: StateLayout, device: torch.device
     ) -> None:
@@ -343,18 +349,18 @@ class MicroBatchTrainer:
         del ahead
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
-        early = [
-            None if then is None else Frame({"op": "pull", "generation": gen, "then": then})
+        early_asks = [
+            None
+            if then is None or hook is not None
+            else Frame({"op": "pull", "generation": gen, "then": then})
             for then in self.then(role, step + 1, schedule, params=False)
         ]
-        if hook is None:
-            send_all(shards, early)
-        else:
-            early = [None] * len(shards)
+        send_all(shards, early_asks)
         lap("pull")
         params = {n: state[n].to(self.device).requires_grad_(True) for n in self.param_names}
         buffers = {n: t for n, t in state.items() if n not in params}
 
+        following = self.then(role, step + 1, schedule, batches=False)
         frames = [
             Frame(
                 {
@@ -363,32 +369,63 @@ class MicroBatchTrainer:
                     "step": step,
                     "worker": role.members[role.rank],
                     "losses": {},
-                    "then": None,
+                    "then": then if hook is None else None,
                 }
             )
-            for _ in shards
+            for then in following
         ]
+        sent = [False] * len(shards)
+        failed: list[BaseException] = []
+
+        def add(i: int, b: int, grads: Tensors, bufs: Tensors) -> None:
+            for name in self.plan[i]:
+                if name in grads:
+                    frames[i].tensors.append((Entry("grad", b, name), grads[name]))
+                elif name in bufs:
+                    frames[i].tensors.append((Entry("buffer", b, name), bufs[name]))
+
+        def ready(b: int, i: int, loss: float, grads: Tensors, bufs: Tensors) -> None:
+            # During the backward pass of the share's last micro-batch, every gradient of shard i is in:
+            # its frame goes now, and the shard applies the step while backward computes the rest.
+            # (Called from inside autograd: it must not raise, or the error would read as the model's.)
+            nonlocal clock
+            if failed:
+                return
+            began = time.perf_counter()
+            try:
+                for frame in frames:
+                    frame.header["losses"][str(b)] = loss
+                add(i, b, grads, bufs)
+                shards[i].send(frames[i])
+                sent[i] = True
+            except Exception as exc:
+                failed.append(exc)
+            # Sending is the push's time, not the compute's (for the phases in docs/benchmarks.md).
+            spent = time.perf_counter() - began
+            stats.add("push", spent)
+            clock += spent
+
         for b in share:
             x, y = batches[b]
-            loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
+            last = hook is None and b == share[-1] and self.early_push
+            early = functools.partial(ready, b) if last else None
+            loss, g, bufs = self.gradient(params, buffers, x, y, step, b, early)
+            if failed:
+                raise failed[0]
             # Every shard hears of every batch id (the losses name them), also a shard that holds no
             # parameters or no buffers: each applies the step when it holds all of its batch ids.
             for frame in frames:
                 frame.header["losses"][str(b)] = loss
-            for name, t in g.items():
-                frames[self.shard_of[name]].tensors.append((Entry("grad", b, name), t))
-            for name, t in bufs.items():
-                frames[self.shard_of[name]].tensors.append((Entry("buffer", b, name), t))
+            for i in range(len(shards)):
+                if not sent[i]:
+                    add(i, b, g, bufs)
             lap("compute")
         del state, params, buffers, batches
-        following = self.then(role, step + 1, schedule, batches=False)
         if hook is None:
-            # One frame to every shard: this step's gradients, and a request for the next step's
-            # parameters, which the shard answers once it has applied this step.
-            for frame, then in zip(frames, following, strict=True):
-                frame.header["then"] = then
-            send_all(shards, list(frames))
-            answers = receive_all(shards, [1 + (e is not None) for e in early], timeout)
+            # One frame to every shard (some already went during backward): this step's gradients, and a
+            # request for the next step's parameters, which the shard answers once it applied this step.
+            send_all(shards, [None if done else frame for frame, done in zip(frames, sent, strict=True)])
+            answers = receive_all(shards, [1 + (e is not None) for e in early_asks], timeout)
             lap("push")
             return Ahead(gen, step + 1, answers) if following[0] is not None else None
         for i, (link, frame) in enumerate(zip(shards, frames, strict=True)):
@@ -404,13 +441,26 @@ class MicroBatchTrainer:
         return None
 
     def gradient(
-        self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int
+        self,
+        params: Tensors,
+        buffers: Tensors,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        step: int,
+        batch_id: int,
+        on_shard_ready: Callable[[int, float, Tensors, Tensors], None] | None = None,
     ) -> tuple[float, Tensors, Tensors]:
-        """Loss, gradient and updated buffers of one micro-batch, all on the CPU."""
+        """Loss, gradient and updated buffers of one micro-batch, all on the CPU.
+
+        `on_shard_ready(shard, loss, grads, buffers)` is called during the backward pass as soon as every
+        gradient of a shard's parameters is computed (the last layers' come first), with that shard's
+        gradients; shards whose parameters get no gradient are not called.
+        """
         # Every micro-batch starts from the pulled buffers, so none depends on which ran first.
         bufs = {n: t.to(self.device).clone() for n, t in buffers.items()}
         tensors = {**params, **bufs}
         tensors.update({alias: tensors[name] for alias, name in self.aliases.items()})
+        hooks: list[Any] = []
         try:
             # Random ops (dropout) draw from a generator seeded by the batch id, not from whatever this
             # process drew before, so a micro-batch gives the same gradient on any worker.
@@ -418,23 +468,52 @@ class MicroBatchTrainer:
                 torch.manual_seed(micro_batch_seed(self.job.seed, batch_id))
                 out = functional_call(self.model, tensors, (x.to(self.device),))
                 loss = self.loss_fn(out, y.to(self.device))
+                value = float(loss.detach())
+                # Checked before backward: a gradient of a loss that is not finite is never pushed.
+                if not math.isfinite(value):
+                    raise ModelFailure(step, batch_id, f"loss is {value} at step {step}, batch {batch_id}")
+                new_bufs = {n: t.detach().cpu() for n, t in bufs.items()}
+                if on_shard_ready is not None:
+                    hooks = self._shard_hooks(params, value, new_bufs, on_shard_ready)
                 grads = torch.autograd.grad(
                     loss, list(params.values()), allow_unused=True, materialize_grads=True
                 )
+        except ModelFailure:
+            raise
         except Exception as exc:
             raise ModelFailure(
                 step,
                 batch_id,
                 f"the model raised at step {step}, batch {batch_id}: {type(exc).__name__}: {exc}",
             ) from exc
-        value = float(loss.detach())
-        if not torch.isfinite(loss.detach()):
-            raise ModelFailure(step, batch_id, f"loss is {value} at step {step}, batch {batch_id}")
-        return (
-            value,
-            {n: g.detach().cpu() for n, g in zip(params, grads, strict=True)},
-            {n: t.detach().cpu() for n, t in bufs.items()},
-        )
+        finally:
+            for handle in hooks:
+                handle.remove()
+        return value, {n: g.detach().cpu() for n, g in zip(params, grads, strict=True)}, new_bufs
+
+    def _shard_hooks(
+        self,
+        params: Tensors,
+        loss: float,
+        bufs: Tensors,
+        on_shard_ready: Callable[[int, float, Tensors, Tensors], None],
+    ) -> list[Any]:
+        """Tensor hooks that call `on_shard_ready` once all of a shard's parameters have their gradient
+        (a tied weight's hook fires once, with the sum of both uses)."""
+        waiting = [set(names) & params.keys() for names in self.plan]
+        got: Tensors = {}
+
+        def hook(name: str) -> Callable[[torch.Tensor], None]:
+            def on_grad(grad: torch.Tensor) -> None:
+                i = self.shard_of[name]
+                got[name] = grad.detach().cpu()
+                waiting[i].discard(name)
+                if not waiting[i]:
+                    on_shard_ready(i, loss, {n: got[n] for n in self.plan[i] if n in got}, bufs)
+
+            return on_grad
+
+        return [params[n].register_hook(hook(n)) for n in params]
 
 
 def micro_batch_seed(seed: int, batch_id: int) -> int:

@@ -310,6 +310,11 @@ class DataServer:
         # independent of which worker computed which micro-batch.
         with torch.no_grad():
             for name, p in self._params.items():
+                if len(grads) == 1:
+                    # One micro-batch: its gradient as it came (a buffer of its own, read from the wire);
+                    # dividing by 1 would change no bit.
+                    p.grad = grads[0][name]
+                    continue
                 total = grads[0][name].clone()
                 for g in grads[1:]:
                     total.add_(g[name])
