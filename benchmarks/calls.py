@@ -81,11 +81,13 @@ def _exchange(links: list[ShardLink], numel: int) -> None:
 
 
 def _measure(
-    sinks: list[Any], channels: list[tuple[str, int]], shares: dict[str, int], repeats: int
+    sinks: list[Any], hosts: list[str], shares: dict[str, int], repeats: int
 ) -> dict[str, dict[str, float]]:
     from distributed import secede
 
     secede()  # like the compute loop: a long task that leaves its thread slot free
+    # Opened from here: an actor handle works from a task, not from a client that is not the default.
+    channels = [s.open_channel(host).result() for s, host in zip(sinks, hosts, strict=True)]
     links = [ShardLink(address, timeout=30.0) for address in channels]
     out: dict[str, dict[str, float]] = {}
     try:
@@ -100,6 +102,8 @@ def _measure(
     finally:
         for link in links:
             link.close()
+        for sink in sinks:
+            sink.close_channel().result()
     return out
 
 
@@ -121,15 +125,11 @@ def calls(pool: ClusterPool, repeats: int) -> dict[str, Any]:
             static = [cluster.address_of(n) for n in cluster.worker_names(static=True)]
             elastic = [cluster.address_of(n) for n in cluster.worker_names(static=False)]
             futures = [client.submit(Sink, actor=True, workers=[a], pure=False) for a in static]
-            sinks: list[Any] = [f.result() for f in futures]  # actor proxies
-            channels = [
-                s.open_channel(get_address_host(str(a))).result() for s, a in zip(sinks, static, strict=True)
-            ]
+            sinks = [f.result() for f in futures]
+            hosts = [get_address_host(str(a)) for a in static]
             measured = client.submit(
-                _measure, sinks, channels, shares, repeats, workers=elastic[:1], pure=False
+                _measure, sinks, hosts, shares, repeats, workers=elastic[:1], pure=False
             ).result()
-            for sink in sinks:
-                sink.close_channel().result()
         finally:
             client.close()
     return {

@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import FatalError, RecoverableError, StaleGenerationError
@@ -99,7 +100,13 @@ def _body_size(described: list[list[Any]]) -> int:
     return total
 
 
-def decode(header_bytes: bytes, body: bytearray) -> Frame:
+def _body_buffer(described: list[list[Any]]) -> np.ndarray:
+    # Not zero-filled (a bytearray is): every byte is overwritten by the read, and a mlp's frame is
+    # megabytes, read every step.
+    return np.empty(_body_size(described), dtype=np.uint8)
+
+
+def decode(header_bytes: bytes, body: bytearray | np.ndarray) -> Frame:
     header = json.loads(header_bytes)
     described = header.pop("tensors")
     tensors: list[tuple[Entry, torch.Tensor]] = []
@@ -169,8 +176,8 @@ class ShardLink:
                 raise ConnectionError(f"the shard at {self.address} sent a header of {length} bytes")
             header_bytes = _recv_exactly(sock, length)
             described = json.loads(header_bytes)["tensors"]
-            body = bytearray(_body_size(described))
-            _recv_into(sock, memoryview(body))
+            body = _body_buffer(described)
+            _recv_into(sock, body.data)
         except BaseException:
             self.close()
             raise
@@ -339,8 +346,8 @@ async def _read_frame(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> F
     header_bytes = bytearray(length)
     await _read_into(loop, conn, memoryview(header_bytes))
     described = json.loads(header_bytes)["tensors"]
-    body = bytearray(_body_size(described))
-    await _read_into(loop, conn, memoryview(body))
+    body = _body_buffer(described)
+    await _read_into(loop, conn, body.data)
     return decode(bytes(header_bytes), body)
 
 

@@ -20,11 +20,10 @@ not finite is reported to the coordinator as a failure that ends the job, naming
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -101,7 +100,7 @@ class Ahead:
         return state, {b: (x, ys[b]) for b, x in xs.items()}
 
 
-def send_all(links: list[ShardLink], frames: list[Frame | None]) -> None:
+def send_all(links: list[ShardLink], frames: Sequence[Frame | None]) -> None:
     for link, frame in zip(links, frames, strict=True):
         if frame is not None:
             link.send(frame)
@@ -126,7 +125,7 @@ def receive_all(links: list[ShardLink], count: list[int], timeout: float) -> lis
 
 def exchange(links: list[ShardLink], frames: list[Frame], timeout: float) -> list[Frame]:
     """One frame to every shard, then every answer."""
-    send_all(links, list(frames))
+    send_all(links, frames)
     return receive_all(links, [1] * len(links), timeout)
 
 
@@ -257,10 +256,6 @@ def _run(
 class MicroBatchTrainer:
     """Computes and pushes the gradients of one share of a step; keeps nothing between steps."""
 
-    # Send a shard its frame during the backward pass of the share's last micro-batch, as soon as all of
-    # its gradients are in (see `gradient`); off, every frame goes after the backward pass.
-    early_push = True
-
     def __init__(
         self, job: ElasticJob, plan: list[list[str]], layout: StateLayout, device: torch.device
     ) -> None:
@@ -374,57 +369,28 @@ class MicroBatchTrainer:
             )
             for then in following
         ]
-        sent = [False] * len(shards)
-        failed: list[BaseException] = []
-
-        def add(i: int, b: int, grads: Tensors, bufs: Tensors) -> None:
-            for name in self.plan[i]:
-                if name in grads:
-                    frames[i].tensors.append((Entry("grad", b, name), grads[name]))
-                elif name in bufs:
-                    frames[i].tensors.append((Entry("buffer", b, name), bufs[name]))
-
-        def ready(b: int, i: int, loss: float, grads: Tensors, bufs: Tensors) -> None:
-            # During the backward pass of the share's last micro-batch, every gradient of shard i is in:
-            # its frame goes now, and the shard applies the step while backward computes the rest.
-            # (Called from inside autograd: it must not raise, or the error would read as the model's.)
-            nonlocal clock
-            if failed:
-                return
-            began = time.perf_counter()
-            try:
-                for frame in frames:
-                    frame.header["losses"][str(b)] = loss
-                add(i, b, grads, bufs)
-                shards[i].send(frames[i])
-                sent[i] = True
-            except Exception as exc:
-                failed.append(exc)
-            # Sending is the push's time, not the compute's (for the phases in docs/benchmarks.md).
-            spent = time.perf_counter() - began
-            stats.add("push", spent)
-            clock += spent
-
         for b in share:
             x, y = batches[b]
-            last = hook is None and b == share[-1] and self.early_push
-            early = functools.partial(ready, b) if last else None
-            loss, g, bufs = self.gradient(params, buffers, x, y, step, b, early)
-            if failed:
-                raise failed[0]
+            loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
             # Every shard hears of every batch id (the losses name them), also a shard that holds no
             # parameters or no buffers: each applies the step when it holds all of its batch ids.
             for frame in frames:
                 frame.header["losses"][str(b)] = loss
-            for i in range(len(shards)):
-                if not sent[i]:
-                    add(i, b, g, bufs)
+            for i, names in enumerate(self.plan):
+                for name in names:
+                    if name in g:
+                        frames[i].tensors.append((Entry("grad", b, name), g[name]))
+                    elif name in bufs:
+                        frames[i].tensors.append((Entry("buffer", b, name), bufs[name]))
             lap("compute")
         del state, params, buffers, batches
         if hook is None:
-            # One frame to every shard (some already went during backward): this step's gradients, and a
-            # request for the next step's parameters, which the shard answers once it applied this step.
-            send_all(shards, [None if done else frame for frame, done in zip(frames, sent, strict=True)])
+            # One frame to every shard: this step's gradients, and a request for the next step's
+            # parameters, which the shard answers once it has applied this step. (Sending a shard its
+            # frame during backward, once its gradients are in, was tried: 4% faster on cnn-20, but a
+            # worker killed during backward then leaves the shards a version apart, which costs a
+            # rollback to the snapshot; see docs/design/step-channel.md.)
+            send_all(shards, frames)
             answers = receive_all(shards, [1 + (e is not None) for e in early_asks], timeout)
             lap("push")
             return Ahead(gen, step + 1, answers) if following[0] is not None else None
@@ -441,26 +407,13 @@ class MicroBatchTrainer:
         return None
 
     def gradient(
-        self,
-        params: Tensors,
-        buffers: Tensors,
-        x: torch.Tensor,
-        y: torch.Tensor,
-        step: int,
-        batch_id: int,
-        on_shard_ready: Callable[[int, float, Tensors, Tensors], None] | None = None,
+        self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int
     ) -> tuple[float, Tensors, Tensors]:
-        """Loss, gradient and updated buffers of one micro-batch, all on the CPU.
-
-        `on_shard_ready(shard, loss, grads, buffers)` is called during the backward pass as soon as every
-        gradient of a shard's parameters is computed (the last layers' come first), with that shard's
-        gradients; shards whose parameters get no gradient are not called.
-        """
+        """Loss, gradient and updated buffers of one micro-batch, all on the CPU."""
         # Every micro-batch starts from the pulled buffers, so none depends on which ran first.
         bufs = {n: t.to(self.device).clone() for n, t in buffers.items()}
         tensors = {**params, **bufs}
         tensors.update({alias: tensors[name] for alias, name in self.aliases.items()})
-        hooks: list[Any] = []
         try:
             # Random ops (dropout) draw from a generator seeded by the batch id, not from whatever this
             # process drew before, so a micro-batch gives the same gradient on any worker.
@@ -469,12 +422,10 @@ class MicroBatchTrainer:
                 out = functional_call(self.model, tensors, (x.to(self.device),))
                 loss = self.loss_fn(out, y.to(self.device))
                 value = float(loss.detach())
-                # Checked before backward: a gradient of a loss that is not finite is never pushed.
+                # Checked before backward: a loss that is not finite fails the job; its gradient is
+                # never computed, let alone pushed.
                 if not math.isfinite(value):
                     raise ModelFailure(step, batch_id, f"loss is {value} at step {step}, batch {batch_id}")
-                new_bufs = {n: t.detach().cpu() for n, t in bufs.items()}
-                if on_shard_ready is not None:
-                    hooks = self._shard_hooks(params, value, new_bufs, on_shard_ready)
                 grads = torch.autograd.grad(
                     loss, list(params.values()), allow_unused=True, materialize_grads=True
                 )
@@ -486,34 +437,11 @@ class MicroBatchTrainer:
                 batch_id,
                 f"the model raised at step {step}, batch {batch_id}: {type(exc).__name__}: {exc}",
             ) from exc
-        finally:
-            for handle in hooks:
-                handle.remove()
-        return value, {n: g.detach().cpu() for n, g in zip(params, grads, strict=True)}, new_bufs
-
-    def _shard_hooks(
-        self,
-        params: Tensors,
-        loss: float,
-        bufs: Tensors,
-        on_shard_ready: Callable[[int, float, Tensors, Tensors], None],
-    ) -> list[Any]:
-        """Tensor hooks that call `on_shard_ready` once all of a shard's parameters have their gradient
-        (a tied weight's hook fires once, with the sum of both uses)."""
-        waiting = [set(names) & params.keys() for names in self.plan]
-        got: Tensors = {}
-
-        def hook(name: str) -> Callable[[torch.Tensor], None]:
-            def on_grad(grad: torch.Tensor) -> None:
-                i = self.shard_of[name]
-                got[name] = grad.detach().cpu()
-                waiting[i].discard(name)
-                if not waiting[i]:
-                    on_shard_ready(i, loss, {n: got[n] for n in self.plan[i] if n in got}, bufs)
-
-            return on_grad
-
-        return [params[n].register_hook(hook(n)) for n in params]
+        return (
+            value,
+            {n: g.detach().cpu() for n, g in zip(params, grads, strict=True)},
+            {n: t.detach().cpu() for n, t in bufs.items()},
+        )
 
 
 def micro_batch_seed(seed: int, batch_id: int) -> int:

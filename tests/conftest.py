@@ -4,14 +4,15 @@ Cluster tests start real scheduler and worker processes (`LocalElasticCluster`) 
 signals. A reference run is the same job trained with one compute worker and no faults; invariant 1
 says every faulty run must end with parameters bitwise equal to it.
 
-The signal files of `tests.models` (`GATE`, `FAIL_ONCE`) live in a folder made fresh for each test session
-and named in the environment here, at import, before any test module imports `tests.models` and before any
-cluster starts: the worker processes inherit the environment, and two test runs on one machine never share
-a file.
+The signal files of `tests.models` (`GATE`, `FAIL_ONCE`, `HOLD`) live in a folder made fresh for each
+test session and named in the environment here, at import, before any test module imports `tests.models`
+and before any cluster starts: the worker processes inherit the environment, and two test runs on one
+machine never share a file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -32,6 +33,22 @@ from .prefect_harness import prefect_server  # noqa: F401  (a session fixture: a
 _SIGNALS = Path(tempfile.mkdtemp(prefix="prefect-elastic-tests-"))
 os.environ["ELASTIC_TESTS_GATE"] = str(_SIGNALS / "gate")
 os.environ["ELASTIC_TESTS_FAIL_ONCE"] = str(_SIGNALS / "fail-once")
+os.environ["ELASTIC_TESTS_HOLD"] = str(_SIGNALS / "hold")
+
+
+@contextlib.contextmanager
+def held_training() -> Iterator[None]:
+    """Arm the hold of `tests.models:held_mlp`: training stands at a step of at least 4 from its 9th
+    forward pass on until the block ends, so a test places a fault (a kill, a failure, a cancel) at a
+    standing job, never in a race with a job that may already be over."""
+    from .models import GATE, HOLD
+
+    HOLD.touch()
+    try:
+        yield
+    finally:
+        HOLD.unlink(missing_ok=True)
+        GATE.unlink(missing_ok=True)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -153,3 +153,32 @@ class _FailsOnce(nn.Sequential):
 
 def fails_once() -> nn.Module:
     return _FailsOnce(*mlp())
+
+
+# While this file exists, a compute loop's model closes the gate (`GATE`) at its 9th forward pass: a test
+# arms it before a run, and training then stands at a step of at least 4 (2 workers, 4 micro-batches) until
+# the test opens the gate (removing this file first), however fast training is. Standing still, the job is
+# snapshotted once where it stands (checkpointed there with checkpoint_every=1).
+HOLD = _signal_file("ELASTIC_TESTS_HOLD")
+HOLD_AFTER_FORWARDS = 8
+
+
+class _HeldFailsOnce(_FailsOnce):
+    """Held at the gate once armed (`HOLD`), then fails once where the test put `FAIL_ONCE`."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.forwards = 0  # of this instance: every compute loop builds its own model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.forwards += 1
+        if self.forwards > HOLD_AFTER_FORWARDS and HOLD.exists():
+            GATE.touch()
+        deadline = time.monotonic() + 120
+        while GATE.exists() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return super().forward(x)
+
+
+def held_mlp() -> nn.Module:
+    return _HeldFailsOnce(*mlp())

@@ -22,7 +22,14 @@ from prefect_elastic.errors import FatalError
 from prefect_elastic.ledger import LedgerEntry
 from prefect_elastic.local.cluster import LocalElasticCluster
 
-from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job, top_up
+from .conftest import (
+    References,
+    assert_ledger_exactly_once,
+    assert_same_parameters,
+    held_training,
+    make_job,
+    top_up,
+)
 
 NOWHERE = "tcp://127.0.0.1:9"
 
@@ -150,27 +157,32 @@ def test_controller_sigkilled_then_run_again_resumes(
     """The whole controller process dies (as a flow process would); the same job run again picks up at
     its last checkpoint, trains no committed batch twice, and ends with the same parameters."""
     top_up(cluster, 2)
-    j = checkpointed_job(digits_url, tmp_path, job_id="ckpt-killed")
+    # A checkpoint at every snapshot: a job that stands still is snapshotted once where it stands.
+    j = checkpointed_job(
+        digits_url, tmp_path, job_id="ckpt-killed", model="tests.models:held_mlp", checkpoint_every=1
+    )
     spec = tmp_path / "job.yaml"
     spec.write_text(j.to_yaml())
     script = tmp_path / "controller.py"
     script.write_text(CONTROLLER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(spec), cluster.scheduler_address],
-        stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd(),
-    )  # fmt: skip
-    assert proc.stdout is not None
     store = CheckpointStore(str(j.checkpoint))
-    for line in proc.stdout:
-        if line.startswith("step") and int(line.split()[1]) >= 20 and store.names():
-            break
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
+    with held_training():  # the job stands at a step until the controller is dead
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(spec), cluster.scheduler_address],
+            stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd(),
+        )  # fmt: skip
+        assert proc.stdout is not None
+        for _ in proc.stdout:
+            found = store.latest()
+            if found is not None and found[0].committed_steps > 0:
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
     written = store.latest()
     assert written is not None
     resumed_at = written[0].committed_steps
-    assert resumed_at > 0
+    assert 0 < resumed_at < reference(j).steps, "the checkpoint is of a step before the end"
 
     deadline = time.monotonic() + 60
     while True:  # the dead controller's client leaves the scheduler within its heartbeat

@@ -23,7 +23,7 @@ from prefect_elastic import ElasticJob
 from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.local.cluster import LocalElasticCluster
 
-from .conftest import References, assert_same_state, make_job, top_up
+from .conftest import References, assert_same_state, held_training, make_job, top_up
 from .models import FAIL_ONCE, GATE
 from .prefect_harness import PrefectServer
 
@@ -132,8 +132,8 @@ def flow_job(digits_url: str, **overrides: object) -> ElasticJob:
 def checkpointed_job(digits_url: str, model: str, tmp_path: Path) -> tuple[ElasticJob, CheckpointStore]:
     folder = f"file://{tmp_path}/ckpt"
     job = flow_job(
-        digits_url, model=model, epochs=2, liveness_interval=0.3, checkpoint=folder, checkpoint_every=2
-    )
+        digits_url, model=model, epochs=2, liveness_interval=0.3, checkpoint=folder, checkpoint_every=1
+    )  # a checkpoint at every snapshot: a job held still is snapshotted once where it stands
     return job, CheckpointStore(folder)
 
 
@@ -190,19 +190,20 @@ def test_cancelled_flow_run_ends_cancelled_with_a_final_checkpoint(
     prefect_server: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
 ) -> None:
     top_up(cluster, 1)
-    job = flow_job(digits_url, model="tests.models:paced_mlp", epochs=3, checkpoint=f"file://{tmp_path}/ckpt")
-    run = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path)
+    job = flow_job(digits_url, model="tests.models:held_mlp", epochs=3, checkpoint=f"file://{tmp_path}/ckpt")
+    with held_training():  # training stands at a step until the run is over: the cancel cannot come late
+        run = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path)
 
-    def some_progress() -> bool:
-        progress = [a for k, a in run.artifacts().items() if k.endswith("-progress")]
-        return bool(progress) and float(progress[0]["data"] or 0) > 5.0
+        def some_progress() -> bool:
+            progress = [a for k, a in run.artifacts().items() if k.endswith("-progress")]
+            return bool(progress) and float(progress[0]["data"] or 0) > 0.0
 
-    wait_for("training to make progress", some_progress)
-    reply = run.api.post(
-        f"/flow_runs/{run.id}/set_state", json={"state": {"type": "CANCELLING", "message": "test"}}
-    )
-    assert reply.json()["status"] == "ACCEPT"
-    out = run.finish()
+        wait_for("training to make progress", some_progress)
+        reply = run.api.post(
+            f"/flow_runs/{run.id}/set_state", json={"state": {"type": "CANCELLING", "message": "test"}}
+        )
+        assert reply.json()["status"] == "ACCEPT"
+        out = run.finish()
     assert "STATE CANCELLED" in out, out[-3000:]
     assert run.state() == "CANCELLED"
     written = CheckpointStore(str(job.checkpoint)).latest()
@@ -219,18 +220,19 @@ def test_flow_process_sigkilled_then_run_again_resumes(
     tmp_path: Path,
 ) -> None:
     top_up(cluster, 2)
-    job, store = checkpointed_job(digits_url, "tests.models:slow_mlp", tmp_path)
+    job, store = checkpointed_job(digits_url, "tests.models:held_mlp", tmp_path)
 
-    def checkpoint_past_step_10() -> bool:
+    def checkpoint_past_the_start() -> bool:
         found = store.latest()
-        return found is not None and found[0].committed_steps >= 10
+        return found is not None and found[0].committed_steps > 0
 
-    first = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path / "first")
-    wait_for("a checkpoint past step 10", checkpoint_past_step_10)
-    first.proc.kill()  # SIGKILL: no finally block runs, no final checkpoint is written
-    first.proc.wait(30)
+    with held_training():  # the job stands at a step until its flow process is dead
+        first = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path / "first")
+        wait_for("a checkpoint past the start", checkpoint_past_the_start)
+        first.proc.kill()  # SIGKILL: no finally block runs, no final checkpoint is written
+        first.proc.wait(30)
     at = store.latest()
-    assert at is not None
+    assert at is not None and at[0].committed_steps < reference(job).steps
 
     second = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path / "second")
     out = second.finish()
@@ -248,12 +250,13 @@ def test_flow_run_retried_by_prefect_resumes_from_the_checkpoint(
     tmp_path: Path,
 ) -> None:
     top_up(cluster, 2)
-    job, store = checkpointed_job(digits_url, "tests.models:fails_once", tmp_path)
+    job, store = checkpointed_job(digits_url, "tests.models:held_mlp", tmp_path)
     FAIL_ONCE.unlink(missing_ok=True)
-    run = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path, retries=1)
     try:
-        wait_for("a checkpoint", lambda: bool(store.names()))
-        FAIL_ONCE.touch()  # the next forward pass raises: the first attempt fails, Prefect retries
+        with held_training():  # the job stands at a step until the failure is in place
+            run = FlowRun(prefect_server, job, cluster.scheduler_address, tmp_path, retries=1)
+            wait_for("a checkpoint", lambda: bool(store.names()))
+            FAIL_ONCE.touch()  # the next forward pass raises: the first attempt fails, Prefect retries
         out = run.finish()
     finally:
         FAIL_ONCE.unlink(missing_ok=True)
