@@ -46,7 +46,7 @@ class Sizes:
     memory_samples: int = 60000  # a data server must hold 94 MB of it
     # Epochs of a steady-state run, by workload: about 20 s each on 2 cores, so a run holds 20 snapshots.
     # (The machine's speed drifts: on 2026-11-23 the plain cnn took 150 to 230 ms a step, not 90.)
-    steady_epochs: tuple[tuple[str, int], ...] = (("cnn", 1), ("cnn-20", 5), ("mlp", 10))
+    steady_epochs: tuple[tuple[str, int], ...] = (("cnn", 1), ("cnn-20", 5), ("transformer", 5), ("mlp", 10))
     repeats: int = 3  # runs of each steady-state figure, interleaved; medians are reported
     # 2 compute workers against torchrun DDP with 2 processes: epochs of 64 steps of 2 x 128 samples.
     ddp_epochs: tuple[tuple[str, int], ...] = (("cnn-20", 8), ("cnn", 2))
@@ -70,7 +70,7 @@ class Sizes:
 SMOKE = Sizes(
     samples=2048,
     memory_samples=4096,  # must differ from samples: the memory figure compares the two
-    steady_epochs=(("cnn", 1), ("cnn-20", 1), ("mlp", 1)),
+    steady_epochs=(("cnn", 1), ("cnn-20", 1), ("transformer", 1), ("mlp", 1)),
     repeats=1,
     ddp_epochs=(("cnn-20", 2),),  # 16 steps: a throughput needs more than 5 after the first
     ddp_repeats=1,

@@ -38,7 +38,7 @@ from .connect import Connection, connect
 from .errors import TrainingStopped
 from .job import ElasticJob
 from .messages import MembershipEvent, Progress
-from .training import Prepared, TrainingRun, TrainResult, prepare
+from .training import PROGRESS_POLL_IDLE_SECONDS, Prepared, TrainingRun, TrainResult, prepare
 
 log = logging.getLogger(__name__)
 
@@ -300,8 +300,14 @@ def elastic_training(
             Client(where.address, set_as_default=False) as client,
             client.as_current(),
         ):
+            # The reporter updates the UI at most once a second: the idle poll serves it.
             run = TrainingRun(
-                client, prepared, on_progress=reporter.progress, on_event=reporter.event, stop=watch.stop
+                client,
+                prepared,
+                on_progress=reporter.progress,
+                on_event=reporter.event,
+                stop=watch.stop,
+                progress_poll=PROGRESS_POLL_IDLE_SECONDS,
             )
             try:
                 start_servers(run)

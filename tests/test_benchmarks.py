@@ -85,7 +85,7 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads(raw.read_text())
     assert not r.get("errors")
-    for w in ("cnn", "cnn-20", "mlp"):
+    for w in ("cnn", "cnn-20", "transformer", "mlp"):
         assert r["steady"][w]["plain"] > 0 and r["steady"][w]["elastic"] > 0
         assert r["steady"][w]["plain_tuned"] > 0
         assert {x.get("allocator") for x in r["steady"][w]["runs"]} == {"default", "tuned", None}
