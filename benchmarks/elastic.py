@@ -211,19 +211,22 @@ def fixed_cost(result: TrainResult, skip: int = 5) -> dict[str, Any]:
     if len(times) - 1 - skip < 1:
         raise ValueError(f"too few steps ({len(times)}) for a step time")
     step_s = (times[-1] - times[skip]) / (len(times) - 1 - skip)
+    # The loops' phases from their steady steps on (leaving out each loop's first steps, as the step time
+    # leaves out the first commits), else over the whole run.
+    steady = sum(loop.steady_steps for loop in result.loops)
     phases: dict[str, float] = {}
     for loop in result.loops:
-        for name, seconds in loop.phases.items():
+        for name, seconds in (loop.steady_phases if steady else loop.phases).items():
             phases[name] = phases.get(name, 0.0) + seconds
-    counted = sum(loop.steps for loop in result.loops)
+    counted = steady or sum(loop.steps for loop in result.loops)
     steps = counted or result.steps
     phase_ms = {name: 1000 * seconds / max(1, steps) for name, seconds in phases.items()}
     compute_ms = phase_ms.get(COMPUTE_PHASE)
     # The shards' side of the step path, per committed step: each shard's `handle` (its part of the push
     # and the answer, the optimizer step included), `apply` (the optimizer step alone) and `send`.
     shard_ms = [
-        {k: 1000 * v / max(1, result.steps) for k, v in phases.items() if k != "frames"}
-        for phases in getattr(result, "shard_phases", [])
+        {k: 1000 * v / max(1, result.steps) for k, v in shard.items() if k != "frames"}
+        for shard in result.shard_phases
     ]
     return {
         "shard_ms": shard_ms,
@@ -233,7 +236,7 @@ def fixed_cost(result: TrainResult, skip: int = 5) -> dict[str, Any]:
         "phase_ms": phase_ms,
         "phase_sum_ms": sum(phase_ms.values()),
         "phase_steps": steps,
-        "phase_steps_from": "loops" if counted else "commits",
+        "phase_steps_from": "steady loop steps" if steady else ("loops" if counted else "commits"),
     }
 
 

@@ -45,6 +45,8 @@ MAX_CONSECUTIVE_CALL_ERRORS = 5
 # How long a pull waits on a shard for the step before it to be applied; a step that takes longer (a
 # straggler, a frozen member not yet removed) costs one more pull, never a hung call.
 PULL_WAIT_SECONDS = 5.0
+# Steps a loop trains before its phases count as steady (`LoopStats.steady_phases`).
+WARMUP_STEPS = 5
 # The name of a Dask worker plugin that, where present, is told of every push (see `PushHook`).
 PUSH_HOOK = "prefect-elastic-push-hook"
 
@@ -67,9 +69,20 @@ class LoopStats:
     device: str = "cpu"
     # Seconds spent in each phase of the loop, summed over the run (see docs/benchmarks.md).
     phases: dict[str, float] = field(default_factory=dict)
+    # The same from the loop's `WARMUP_STEPS + 1`-th step on, and how many steps that is: the first steps
+    # of a process are slower (lazy initialization), and a steady-state figure leaves them out.
+    steady_phases: dict[str, float] = field(default_factory=dict)
+    steady_steps: int = 0
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
+        if self.steps >= WARMUP_STEPS:
+            self.steady_phases[phase] = self.steady_phases.get(phase, 0.0) + seconds
+
+    def trained(self) -> None:
+        if self.steps >= WARMUP_STEPS:
+            self.steady_steps += 1
+        self.steps += 1
 
 
 @dataclass
@@ -218,6 +231,7 @@ def _run(
             continue
         try:
             ahead = trainer.step(role, step, share, shards, schedule, stats, ahead, hook)
+            stats.trained()
             step += 1
             errors = retries = 0
         except ModelFailure as failure:

@@ -47,19 +47,29 @@ def test_snapshot_excess_needs_steps() -> None:
         snapshot_excess([0.0, 0.1], [], skip=0)
 
 
-def test_fixed_cost_is_step_time_minus_compute() -> None:
-    # 11 commits 25 ms apart after 5 slower ones; the loop computed 16 steps at 20 ms each.
+def test_fixed_cost_is_step_time_minus_the_steady_compute() -> None:
+    # 11 commits 25 ms apart after 5 slower ones; the loop's steady steps (from its 6th on) computed 20 ms
+    # each, its first 5 took 45 ms (in `phases` only, as a fresh process's first steps are slower).
     times = steps_of([0.05] * 5 + [0.025] * 10)
-    loop = SimpleNamespace(steps=16, phases={"compute": 16 * 0.020, "push": 16 * 0.002, "pull": 0.016})
-    result = SimpleNamespace(commit_times=times, loops=[loop], steps=16)
+    steady = {"compute": 11 * 0.020, "push": 11 * 0.002, "pull": 0.011}
+    whole = {"compute": 5 * 0.045 + 11 * 0.020, "push": 16 * 0.002, "pull": 0.016}
+    loop = SimpleNamespace(steps=16, steady_steps=11, phases=whole, steady_phases=steady)
+    shards = [{"handle": 16 * 0.001, "apply": 16 * 0.0005, "frames": 32.0}]
+    result = SimpleNamespace(commit_times=times, loops=[loop], steps=16, shard_phases=shards)
     cost = fixed_cost(result, skip=5)
     assert cost["step_ms"] == pytest.approx(25.0)
     assert cost["compute_ms"] == pytest.approx(20.0)
     assert cost["fixed_ms"] == pytest.approx(5.0)
     assert cost["phase_ms"] == pytest.approx({"compute": 20.0, "push": 2.0, "pull": 1.0})
+    assert cost["phase_steps_from"] == "steady loop steps"
+    assert cost["shard_ms"] == [pytest.approx({"handle": 1.0, "apply": 0.5})]
+    # Loops too short for steady steps: their phases over the whole run.
+    loop = SimpleNamespace(steps=16, steady_steps=0, phases={"compute": 16 * 0.020}, steady_phases={})
+    cost = fixed_cost(SimpleNamespace(commit_times=times, loops=[loop], steps=16, shard_phases=[]), skip=5)
+    assert cost["phase_steps_from"] == "loops" and cost["compute_ms"] == pytest.approx(20.0)
     # A loop that does not count its steps: the committed steps stand in; no compute phase, no figure.
-    loop = SimpleNamespace(steps=0, phases={"forward": 16 * 0.020})
-    cost = fixed_cost(SimpleNamespace(commit_times=times, loops=[loop], steps=16), skip=5)
+    loop = SimpleNamespace(steps=0, steady_steps=0, phases={"forward": 16 * 0.020}, steady_phases={})
+    cost = fixed_cost(SimpleNamespace(commit_times=times, loops=[loop], steps=16, shard_phases=[]), skip=5)
     assert cost["phase_steps_from"] == "commits" and cost["phase_ms"] == pytest.approx({"forward": 20.0})
     assert cost["compute_ms"] is None and cost["fixed_ms"] is None
 
@@ -94,7 +104,9 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         assert all(math.isfinite(snap[k]) for k in ("in_run", "placebo", "window_s")), snap
         assert len(snap["pair_overheads"]) == 1
         cost = r["fixed_cost"][w]
-        assert math.isfinite(cost["fixed_ms"]) and cost["step_ms"] > cost["compute_ms"] > 0, cost
+        # Smoke runs are too short for a steady step: only that the figures are there is checked.
+        assert math.isfinite(cost["fixed_ms"]) and cost["step_ms"] > 0 and cost["compute_ms"] > 0, cost
+        assert len(cost["shard_ms"]) == 2 and all(s["handle"] > 0 for s in cost["shard_ms"]), cost
         assert cost["phase_ms"]["compute"] == cost["compute_ms"]
     # Smoke runs compare with DDP on cnn-20 only, and freeze a worker under one policy only.
     ddp = r["ddp"]["cnn-20"]
