@@ -106,7 +106,7 @@ class ProgressLine:
 
 
 def run_demo(
-    policy: str = "rollback", epochs: int = 8, keep_server: bool = False, out: TextIO = sys.stdout
+    policy: str = "rollback", epochs: int = 20, keep_server: bool = False, out: TextIO = sys.stdout
 ) -> bool:
     def say(text: str) -> None:
         out.write(text + "\n")
@@ -138,8 +138,9 @@ def run_demo(
             say("\n2) elastic: a second worker joins, another is added, one is SIGKILLed mid-step")
             cluster.add_worker()
             steps = reference.summary["total_steps"]
-            # The new worker is started early: a process takes a few seconds to start and join.
-            faults = FaultSchedule(seed=0).add_worker(at_step=steps // 10).kill_worker(at_step=steps // 3)
+            # The new worker is started early, the kill comes at half-way: a process takes a few seconds
+            # to start and join, and a step here takes a few milliseconds (20 epochs: about 15 s).
+            faults = FaultSchedule(seed=0).add_worker(at_step=steps // 20).kill_worker(at_step=steps // 2)
             elastic = _run_flow(job, cluster, "elastic  ", faults, workdir / "elastic.pt", ui_url, say)
 
     summary = elastic.summary
@@ -225,7 +226,7 @@ def prefect_api(say: Callable[[str], None], keep: bool) -> Iterator[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefect-elastic demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--policy", choices=["rollback", "reassign"], default="rollback")
-    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument(
         "--keep-server", action="store_true", help="keep the local Prefect server up at the end"
     )
