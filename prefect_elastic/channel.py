@@ -29,7 +29,7 @@ import json
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,9 +62,6 @@ class Frame:
     header: dict[str, Any]
     tensors: list[tuple[Entry, torch.Tensor]] = field(default_factory=list)
 
-    def by_kind(self, kind: str) -> dict[tuple[int, str], torch.Tensor]:
-        return {(e.batch_id, e.name): t for e, t in self.tensors if e.kind == kind}
-
 
 def _dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
@@ -88,6 +85,19 @@ def encode(frame: Frame) -> list[memoryview]:
             bodies.append(memoryview(raw))  # type: ignore[arg-type]
     header = json.dumps({**frame.header, "tensors": described}, separators=(",", ":")).encode()
     return [memoryview(_LENGTH.pack(len(header)) + header), *bodies]
+
+
+@contextlib.contextmanager
+def unread_answers_dropped(links: Iterable[ShardLink]) -> Iterator[None]:
+    """On an error inside the block, close every link that still owes an answer: an answer left unread
+    would be taken for the next frame's."""
+    try:
+        yield
+    except BaseException:
+        for link in links:
+            if link.pending:
+                link.close()
+        raise
 
 
 def _body_size(described: list[list[Any]]) -> int:
@@ -364,7 +374,3 @@ async def _read_into(
         first = False
         view = view[got:]
     return True
-
-
-def tensors_of(kind: str, items: Iterable[tuple[int, str, torch.Tensor]]) -> list[tuple[Entry, torch.Tensor]]:
-    return [(Entry(kind, b, n), t) for b, n, t in items]

@@ -1,12 +1,12 @@
 """Compute worker (seed 000's computing server): a long-running loop, one per elastic worker per job.
 
 Once per generation it asks the coordinator for its `Role` (its rank in the generation's member list);
-from then on it trains its share of every step (`Schedule.share`) with no call to the coordinator: it
-pulls the step's parameters from every shard, fetches its batches from the data servers that hold them,
-computes one gradient per micro-batch with torch, and pushes every shard its slice with the losses,
-tagged (generation, step). The shard that holds all of a step's gradients applies the step. Right after
-its pushes the loop asks every shard for the next step's parameters (the shard answers the moment it has
-applied this step) and fetches the next step's batches, so the only wait between two steps is the apply.
+from then on it trains its share of every step (`Schedule.share`) with no call to the coordinator. On its
+own connection to every shard (`channel.py`) it asks for the next step's batches before a step computes,
+computes one gradient per micro-batch with torch, and sends every shard one frame: its slice of the
+gradients with the losses, tagged (generation, step), and a request for the next step's parameters. The
+shard that holds all of a step's gradients applies the step and answers, so the only wait between two
+steps is the round trip and the apply.
 
 Stateless by construction: the model is built on torch's `meta` device, which holds shapes and no
 values, and each micro-batch runs through `torch.func.functional_call` with the tensors just pulled;
@@ -31,7 +31,7 @@ import torch
 from torch.func import functional_call
 
 from .allocator import tune_allocator
-from .channel import Entry, Frame, ShardLink, raise_error
+from .channel import Entry, Frame, ShardLink, raise_error, unread_answers_dropped
 from .errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
 from .job import ElasticJob, StateLayout
 from .messages import CoordinatorHandle, Role, Tensors
@@ -230,7 +230,8 @@ def _run(
             step += 1  # more members than micro-batches in this step
             continue
         try:
-            ahead = trainer.step(role, step, share, shards, schedule, stats, ahead, hook)
+            with unread_answers_dropped(shards):
+                ahead = trainer.step(role, step, share, shards, schedule, stats, ahead, hook)
             stats.trained()
             step += 1
             errors = retries = 0
@@ -323,25 +324,6 @@ class MicroBatchTrainer:
         hook: PushHook | None = None,
     ) -> Ahead | None:
         """Train this worker's share of `step` and push it; returns the answers for its next step."""
-        try:
-            return self._step(role, step, share, shards, schedule, stats, ahead, hook)
-        except BaseException:
-            for link in shards:
-                if link.pending:
-                    link.close()  # an answer left unread would be taken for the next one
-            raise
-
-    def _step(
-        self,
-        role: Role,
-        step: int,
-        share: tuple[int, ...],
-        shards: list[ShardLink],
-        schedule: Schedule,
-        stats: LoopStats,
-        ahead: Ahead | None,
-        hook: PushHook | None,
-    ) -> Ahead | None:
         timeout = self.job.call_timeout
         clock = time.perf_counter()
 

@@ -125,11 +125,16 @@ def _signal_file(variable: str) -> Path:
 GATE = _signal_file("ELASTIC_TESTS_GATE")
 
 
+def _wait_at_gate() -> None:
+    # A file is the only signal every worker process can see; polled, and bounded so nothing hangs.
+    deadline = time.monotonic() + 120
+    while GATE.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 class _GatedMlp(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        deadline = time.monotonic() + 120
-        while GATE.exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_at_gate()
         return super().forward(x)
 
 
@@ -174,9 +179,7 @@ class _HeldFailsOnce(_FailsOnce):
         self.forwards += 1
         if self.forwards > HOLD_AFTER_FORWARDS and HOLD.exists():
             GATE.touch()
-        deadline = time.monotonic() + 120
-        while GATE.exists() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        _wait_at_gate()
         return super().forward(x)
 
 
