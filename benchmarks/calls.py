@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from prefect_elastic.allocator import tune_allocator
 from prefect_elastic.channel import Entry, Frame, ShardLink, ShardServer
 
 from .elastic import ClusterPool
@@ -27,6 +28,7 @@ class Sink:
     """An actor that takes and gives tensors and does nothing else, as actor calls and on a channel."""
 
     def __init__(self) -> None:
+        tune_allocator()  # as a data server does: the receive buffers are megabytes
         self.server: ShardServer | None = None
 
     async def take(self, tensors: dict[str, torch.Tensor]) -> int:
@@ -36,9 +38,15 @@ class Sink:
         return {"w": torch.zeros(numel)} if numel else {}
 
     async def open_channel(self, host: str) -> tuple[str, int]:
+        held: dict[int, torch.Tensor] = {}
+
         async def answer(frame: Frame) -> Frame:
+            # Tensors the sink holds, as a shard sends its parameters: made once, not per answer.
             numel = int(frame.header["numel"])
-            return Frame({"ok": True}, [(Entry("state", -1, "w"), torch.zeros(numel))] if numel else [])
+            if not numel:
+                return Frame({"ok": True})
+            tensor = held.setdefault(numel, torch.zeros(numel))
+            return Frame({"ok": True}, [(Entry("state", -1, "w"), tensor)])
 
         self.server = ShardServer(answer)
         return await self.server.start(host)
@@ -72,8 +80,7 @@ def _median_ms(call: Callable[[list[Any], Any], None], sinks: list[Any], arg: An
     return 1000 * statistics.median(times)
 
 
-def _exchange(links: list[ShardLink], numel: int) -> None:
-    frame = Frame({"numel": numel}, [(Entry("grad", 0, "w"), torch.randn(numel))] if numel else [])
+def _exchange(links: list[ShardLink], frame: Frame) -> None:
     for link in links:
         link.send(frame)
     for link in links:
@@ -86,6 +93,7 @@ def _measure(
     from distributed import secede
 
     secede()  # like the compute loop: a long task that leaves its thread slot free
+    tune_allocator()
     # Opened from here: an actor handle works from a task, not from a client that is not the default.
     channels = [s.open_channel(host).result() for s, host in zip(sinks, hosts, strict=True)]
     links = [ShardLink(address, timeout=30.0) for address in channels]
@@ -93,8 +101,10 @@ def _measure(
     try:
         for label, numel in shares.items():
             payload = {"w": torch.randn(numel)} if numel else {}
+            # Made before the clock starts, as a loop's gradients exist before it sends them.
+            frame = Frame({"numel": numel}, [(Entry("grad", 0, "w"), payload["w"])] if numel else [])
             out[label] = {
-                "channel": _median_ms(_exchange, links, numel, repeats),
+                "channel": _median_ms(_exchange, links, frame, repeats),
                 "send_one": _median_ms(_send_one, sinks, payload, repeats),
                 "send_all": _median_ms(_send_all, sinks, payload, repeats),
                 "receive_all": _median_ms(_receive_all, sinks, numel, repeats),
