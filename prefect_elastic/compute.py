@@ -145,7 +145,6 @@ def exchange(links: list[ShardLink], frames: list[Frame], timeout: float) -> lis
 def compute_loop(
     job: ElasticJob,
     coordinator: CoordinatorHandle,
-    channels: list[tuple[str, int]],
     plan: list[list[str]],
     layout: StateLayout,
     schedule: Schedule,
@@ -175,8 +174,9 @@ def compute_loop(
         running = ts is not None and ts.state in ("executing", "long-running")
         return running and worker.status.name in ("running", "paused")
 
-    # One connection to every shard (channel.py), opened on first use and again after any error.
-    shards = [ShardLink(channel, timeout) for channel in channels]
+    # One connection to every shard (channel.py), opened on first use and again after any error; where
+    # the shards listen comes with each role (a data server promoted onto a standby listens elsewhere).
+    shards: list[ShardLink] = []
     try:
         return _run(address, coordinator, shards, trainer, schedule, stats, hook, timeout, wanted)
     finally:
@@ -202,6 +202,7 @@ def _run(
     errors = 0
     retries = 0
     ahead: Ahead | None = None
+    resume = (-1, 0)  # (generation, step) to go on from if the coordinator gives the same role again
     while wanted():
         if role is None or step >= schedule.total_steps:
             # No role yet, a new generation, or past the last step: ask (a long poll of the coordinator).
@@ -209,7 +210,6 @@ def _run(
                 asked = time.perf_counter()
                 got = coordinator.role(address, known).result(timeout=timeout)
                 stats.add("role", time.perf_counter() - asked)
-                errors = 0
             except Exception as exc:
                 errors += 1
                 stats.call_errors += 1
@@ -222,7 +222,17 @@ def _run(
                 continue
             if got.stop:
                 break
-            role, known, step, ahead, retries = got, got.generation, got.start_step, None, 0
+            if [link.address for link in shards] != list(got.channels):
+                for link in shards:
+                    link.close()
+                shards[:] = [ShardLink(channel, timeout) for channel in got.channels]
+            if got.generation == resume[0]:
+                # The role this loop had, asked again after a shard did not answer: go on where it was.
+                role, known, step, ahead = got, got.generation, resume[1], None
+            else:
+                role, known, step, ahead, retries = got, got.generation, got.start_step, None, 0
+                errors = 0
+            resume = (-1, 0)
             log.debug("compute %s: rank %d of %d from step %d", address, role.rank, role.size, step)
             continue
         share = schedule.share(step, role.rank, role.size)
@@ -265,6 +275,12 @@ def _run(
             log.warning("compute %s: step %d failed (%s: %s)", address, step, type(exc).__name__, exc)
             if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
                 raise
+            if isinstance(exc, OSError):
+                # A shard's worker may be gone: the coordinator then suspends training until a standby
+                # takes its role, and the next role says where it listens. Ask, after a short wait.
+                time.sleep(min(1.0, 0.05 * 2**errors))
+                resume = (role.generation, step)
+                role, known = None, -1
     return stats
 
 

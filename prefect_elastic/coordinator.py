@@ -26,7 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from .coordinator_state import CoordinatorState, Failure
-from .errors import DataServerLostError, FatalError, RecoverableError
+from .errors import FatalError, RecoverableError
 from .messages import EventKind, MembershipEvent, Outcome, Progress, Resume, Role, ShardStatus
 from .schedule import Schedule
 from .survival import Action, Decision, Policy, survival_check
@@ -38,6 +38,14 @@ log = logging.getLogger(__name__)
 ROLE_POLL_SECONDS = 0.5
 # How often the coordinator reads the shards' status (committed steps, snapshots) while the job runs.
 SYNC_SECONDS = 0.05
+
+
+class ShardUnreachable(Exception):
+    """A call to data server `index` failed (its worker is gone, or it did not answer in time)."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
 
 
 class Coordinator:
@@ -63,6 +71,7 @@ class Coordinator:
         self._lock: asyncio.Lock | None = None
         self._changed: asyncio.Condition | None = None
         self._sync_task: asyncio.Task[None] | None = None
+        self._gone: dict[int, asyncio.Event] = {}  # set when a shard is known lost: calls to it give up
 
     # asyncio primitives are made on first use, inside the worker's event loop (__init__ runs in a thread).
     def _primitives(self) -> tuple[asyncio.Lock, asyncio.Condition]:
@@ -71,9 +80,22 @@ class Coordinator:
             self._changed = asyncio.Condition()
         return self._lock, self._changed
 
-    async def attach(self, shards: list[Any]) -> None:
+    async def attach(self, shards: list[Any], channels: list[tuple[str, int]]) -> None:
+        """Take the data servers' handles and where each listens for compute loops; name each shard's
+        peer (the next shard), which keeps in memory a copy of every snapshot it takes."""
         self._shards = list(shards)
+        self._state.channels = tuple((str(host), int(port)) for host, port in channels)
+        await self._wire_peers(range(len(self._shards)))
         self._sync_task = asyncio.ensure_future(self._follow_shards())
+
+    async def _wire_peers(self, indices: Iterable[int]) -> None:
+        count = len(self._shards)
+        if count < 2:
+            return  # one shard has no peer: only a persistent checkpoint outlives its worker
+        generation = self._state.generation
+        await asyncio.gather(
+            *(self._shards[i].set_peer(generation, self._shards[(i + 1) % count]) for i in indices)
+        )
 
     async def _notify(self) -> None:
         _, changed = self._primitives()
@@ -100,8 +122,8 @@ class Coordinator:
         while not self._state.finished:
             try:
                 await self._sync()
-            except DataServerLostError as exc:
-                self._fail("data-server-lost", str(exc), self._state.committed_steps)
+            except ShardUnreachable as exc:
+                await self.shard_lost(exc.index, str(exc))
             except Exception as exc:
                 self._fail("internal", f"reading the shards failed: {type(exc).__name__}: {exc}", None)
             await asyncio.sleep(SYNC_SECONDS)
@@ -110,7 +132,7 @@ class Coordinator:
     async def _sync(self) -> None:
         lock, _ = self._primitives()
         async with lock:
-            if self._state.finished:
+            if self._state.finished or self._state.lost:
                 return
             since = self._state.committed_steps
             statuses = await self._on_shards(lambda s: s.status(since))
@@ -165,18 +187,87 @@ class Coordinator:
         began = time.time()
         lock, _ = self._primitives()
         live = frozenset(live_workers)
+        lost: ShardUnreachable | None = None
         try:
             async with lock:
-                if not self._state.finished:
+                # While a data server is lost nothing is decided: the promotion of a standby comes first,
+                # and the check after it sees whatever changed meanwhile.
+                if not self._state.finished and not self._state.lost:
                     await self._check(live, trigger, renew, began)
-        except DataServerLostError as exc:
-            self._fail("data-server-lost", str(exc), self._state.committed_steps)
+        except ShardUnreachable as exc:
+            lost = exc
         except Exception as exc:
             self._fail("internal", f"survival detection failed: {type(exc).__name__}: {exc}", None)
         finally:
             await self._notify()
+        if lost is not None:
+            await self.shard_lost(lost.index, str(lost))
         events, self._unreported = self._unreported, []
         return events
+
+    # -- a data server lost, and a standby promoted (seed 001) -----------------------------------
+
+    async def shard_lost(self, index: int, reason: str) -> int:
+        """Shard `index` is gone with its static worker (the controller saw its worker leave, or a call
+        to it failed): fence every other shard into a new generation, so compute loops stop, and hand out
+        no role until a standby took its place. Returns the version its replacement must take (the last
+        snapshot every shard holds, whose copy is on the lost shard's peer)."""
+        began = time.time()
+        lock, _ = self._primitives()
+        state = self._state
+        # Calls to it in flight (holding the lock) give up now instead of at their timeout.
+        self._gone.setdefault(index, asyncio.Event()).set()
+        async with lock:
+            if not state.finished and index not in state.lost:
+                generation = state.generation + 1
+                state.lost.add(index)  # no call to it from now on
+                try:
+                    await self._on_shards(lambda s: s.fence(generation))
+                except ShardUnreachable as other:
+                    # A second one lost at the same time: it is suspended with the first.
+                    self._take(state.lose_shard(other.index, generation, str(other), time.time()))
+                state.lost.discard(index)
+                self._take(state.lose_shard(index, generation, reason, time.time()))
+                log.warning(
+                    "job %s: data server %d lost (%s), %.3f s",
+                    self.job_id,
+                    index,
+                    reason,
+                    time.time() - began,
+                )
+        await self._notify()
+        return state.ledger.snapshot_step
+
+    async def promote(self, index: int, shard: Any, channel: tuple[str, int], worker: str) -> MembershipEvent:
+        """`shard` (a data server started on the standby `worker`, holding the replica of the last
+        snapshot) takes the role of lost shard `index`: every shard is fenced into a new generation and
+        brought to that snapshot, peers are named again, and roles go out with the new channel."""
+        began = time.time()
+        lock, _ = self._primitives()
+        state = self._state
+        async with lock:
+            if index not in state.lost:
+                raise FatalError(f"data server {index} is not lost; nothing to promote")
+            self._shards[index] = shard
+            self._gone[index] = asyncio.Event()
+            generation = state.generation + 1
+            target = state.ledger.snapshot_step
+            state.lost.discard(index)
+            try:
+                fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
+                if any(f.version != target for f in fenced):
+                    await self._on_shards(lambda s: s.restore(generation, target))
+            finally:
+                state.lost.add(index)
+            where = (str(channel[0]), int(channel[1]))
+            event = state.promote_shard(index, worker, generation, where, time.time(), began)
+            self._take([event])
+            # The promoted shard copies its snapshot to its peer, and the shard whose peer it is now copies
+            # its own to it (the copies the lost worker held are gone).
+            count = len(self._shards)
+            await self._wire_peers({index, (index - 1) % count})
+        await self._notify()
+        return event
 
     async def _check(self, live: frozenset[str], trigger: str, renew: bool, began: float) -> None:
         state = self._state
@@ -228,21 +319,37 @@ class Coordinator:
         self._take(events)
 
     async def _on_shards(self, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
-        """Run `call(shard)` on every shard at once, each bounded by the call timeout."""
+        """Run `call(shard)` on every shard that is not lost, at once, each bounded by the call timeout;
+        a shard that does not answer raises `ShardUnreachable`."""
 
         async def one(i: int, shard: Any) -> Any:
+            # A call to a worker that died can hang until Dask's connect timeout (it retries a refused
+            # connection): once the shard is known lost (`shard_lost`), the call is given up at once.
+            gone = self._gone.setdefault(i, asyncio.Event())
+            answer = asyncio.ensure_future(call(shard))
+            given_up = asyncio.ensure_future(gone.wait())
             try:
-                return await asyncio.wait_for(call(shard), self._call_timeout)
+                await asyncio.wait(
+                    {answer, given_up}, timeout=self._call_timeout, return_when="FIRST_COMPLETED"
+                )
+            finally:
+                given_up.cancel()
+            if not answer.done():
+                answer.cancel()
+                why = "its worker left" if gone.is_set() else f"no answer within {self._call_timeout:g} s"
+                raise ShardUnreachable(i, f"data server {i} did not answer ({why})")
+            try:
+                return answer.result()
             except (RecoverableError, FatalError):
                 raise
             except Exception as exc:
-                raise DataServerLostError(
-                    f"data server {i} did not answer ({type(exc).__name__}: {exc}); "
-                    "a lost static worker ends the job (standby static workers are not in this version)"
+                raise ShardUnreachable(
+                    i, f"data server {i} did not answer ({type(exc).__name__}: {exc})"
                 ) from exc
 
         outcomes = await asyncio.gather(
-            *(one(i, s) for i, s in enumerate(self._shards)), return_exceptions=True
+            *(one(i, s) for i, s in enumerate(self._shards) if i not in self._state.lost),
+            return_exceptions=True,
         )
         # Wait for every shard before raising, so no call is left running behind a decision.
         for outcome in outcomes:

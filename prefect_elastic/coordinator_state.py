@@ -84,11 +84,17 @@ class CoordinatorState:
         self._snapshots: dict[int, dict[int, tuple[float, float]]] = {}  # shard -> version -> (time, s)
         self.snapshot_wanted: int | None = None  # the version every shard was asked to snapshot
         self._refused: dict[int, int] = {}
+        # Where each shard listens for compute loops; handed out with every role (a promoted shard moves).
+        self.channels: tuple[tuple[str, int], ...] = ()
+        # Data servers lost with their static worker and not replaced yet: training is suspended, and
+        # nothing is decided about membership, until a standby takes each role (`promote_shard`).
+        self.lost: set[int] = set()
         self.counters = {
             "rollbacks": 0,
             "reassigns": 0,
             "snapshots": 0,
             "inconsistent_fences": 0,  # membership changes that found the shards at two versions
+            "promotions": 0,  # data servers that a standby static worker took over
         }
 
     # -- where the job is ------------------------------------------------------------------------
@@ -117,13 +123,19 @@ class CoordinatorState:
         """The role of `worker` in the current generation, if it needs one (it knows `generation`)."""
         if self.finished:
             return Role(self.generation, -1, (), self.ledger.committed_steps, stop=True)
-        if self.suspended or worker not in self.members or generation == self.generation:
+        if self.suspended or self.lost or worker not in self.members or generation == self.generation:
             return None
-        return Role(self.generation, self.members.index(worker), self.members, self.ledger.committed_steps)
+        return Role(
+            self.generation,
+            self.members.index(worker),
+            self.members,
+            self.ledger.committed_steps,
+            channels=self.channels,
+        )
 
     def holding(self) -> tuple[tuple[str, int], ...]:
         """Each member with the micro-batches of the open step in its share."""
-        if self.finished or self.suspended or not self.members:
+        if self.finished or self.suspended or self.lost or not self.members:
             return ()
         step, size = self.ledger.committed_steps, len(self.members)
         return tuple(
@@ -148,6 +160,7 @@ class CoordinatorState:
             failure_step=f.step if f else None,
             failure_batch=f.batch_id if f else None,
             holding=self.holding(),
+            lost_shards=tuple(sorted(self.lost)),
         )
 
     def snapshot_record(self) -> Resume:
@@ -334,6 +347,56 @@ class CoordinatorState:
                 Failure("not-enough-workers", decision.failure, self.ledger.committed_steps), now
             )
         return events
+
+    # -- a data server lost, and its role taken by a standby (seed 001) -----------------------------
+
+    def lose_shard(self, index: int, generation: int, reason: str, now: float) -> list[MembershipEvent]:
+        """Shard `index` is gone with its static worker; every other shard was fenced into `generation`.
+        No role is handed out until a standby took its place; the open step's micro-batches are dropped
+        (the fence dropped their gradients). Returns the event (none if it was known lost already)."""
+        if index in self.lost:
+            return []
+        dropped = 0
+        if not self.suspended and self.members and self.ledger.committed_steps < self.schedule.total_steps:
+            dropped = len(self.schedule.step_batches(self.ledger.committed_steps))
+        self.lost.add(index)
+        self.generation = generation
+        for records in self._records.values():
+            records.clear()
+        self.snapshot_wanted = None
+        return [self.record(EventKind.SHARD_LOST, batches_dropped=dropped, reason=reason, now=now)]
+
+    def promote_shard(
+        self, index: int, worker: str, generation: int, channel: tuple[str, int], now: float, began: float
+    ) -> MembershipEvent:
+        """A standby (`worker`) holds shard `index` again, taken from its peer's replica of the last
+        snapshot every shard holds, and every other shard was fenced into `generation` and brought back to
+        that snapshot: the ledger drops the steps after it, and training goes on from there."""
+        if index not in self.lost:
+            raise FatalError(f"shard {index} was promoted but was not lost")
+        self.lost.discard(index)
+        channels = list(self.channels)
+        channels[index] = channel
+        self.channels = tuple(channels)
+        before = self.ledger.committed_steps
+        self.ledger.drop_after_snapshot()
+        steps_lost = before - self.ledger.committed_steps
+        del self.history[self.ledger.committed_steps :]
+        del self.commit_times[self.ledger.committed_steps :]
+        self.versions = dict.fromkeys(range(self.shards), self.ledger.committed_steps)
+        for records in self._records.values():
+            records.clear()
+        self.snapshot_wanted = None
+        self.generation = generation
+        self.counters["promotions"] += 1
+        return self.record(
+            EventKind.PROMOTED,
+            steps_lost=steps_lost,
+            reason=f"data server {index} on standby {worker}, from its peer's replica of step "
+            f"{self.ledger.committed_steps}",
+            now=now,
+            seconds=now - began,
+        )
 
     # -- the end ---------------------------------------------------------------------------------
 

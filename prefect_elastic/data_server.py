@@ -105,41 +105,59 @@ class DataServer:
         tune_allocator()  # pulls, pushes and snapshots allocate megabytes every step; see allocator.py
         self.index = index
         self.job_id = job.job_id
+        self._job = job
         self._schedule = schedule
         start, stop = partition_bounds(dataset.total, schedule.data_servers, index)
         x, y = load_partition(dataset, start, stop)
         self._x = torch.from_numpy(x)
         self._y = torch.from_numpy(y)
-        self._params = {n: t.detach().clone() for n, t in params.items()}
-        self._buffers = {n: t.detach().clone() for n, t in buffers.items()}
-        self._optimizer = job.build_optimizer(list(self._params.values())) if self._params else None
-        if optimizer_state and self._optimizer is not None:
-            self._optimizer.load_state_dict(optimizer_state)  # resuming from a checkpoint
-        # A step small enough is applied on the event loop: a thread hand-off costs more than it does.
-        self._apply_inline = sum(p.numel() for p in self._params.values()) < INLINE_APPLY_ELEMENTS
         self.generation = 0
-        self.version = version  # number of steps applied
         self._open = _OpenStep()
         self._applying = False
         self._records: list[StepRecord] = []
         self._refused = 0
         self._version_changed: asyncio.Condition | None = None  # made in the event loop, on first use
-        first = self._copy_state()
-        self._snapshots: dict[int, _Snapshot] = {first.version: first}
         self._snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
         self._snapshotting: asyncio.Task[None] | None = None
+        self._load(params, buffers, optimizer_state, version)
+        # Peer replicas (seed 001): every snapshot this shard takes is copied to its peer, shard
+        # `(index + 1) % D`, which keeps it in memory; a standby promoted to this role takes it from there.
+        # A snapshot counts (is reported to the coordinator) once its copy is whole on the peer.
+        self._replicas_on = schedule.data_servers > 1
+        self._peer: Any = None  # the peer's actor handle, once the coordinator names it (`set_peer`)
+        self._replicated: set[int] = set()  # versions of this shard's snapshots whole on the peer
+        self._replicating: dict[int, asyncio.Task[None]] = {}  # copies to the peer in flight, by version
+        self._keep = version  # the snapshot every shard holds (from `snapshot_at`): kept, and its replica
+        self._replicas: dict[int, dict[str, Any]] = {}  # version -> a snapshot of shard (index - 1) % D
         self._host = _worker_host()
         self._apply_seconds = 0.0
         self._server: ShardServer | None = None
         log.info(
-            "data server %d of job %s: samples [%d, %d), %d params, %d buffers",
+            "data server %d of job %s: samples [%d, %d), %d params, %d buffers, version %d",
             index,
             self.job_id,
             start,
             stop,
             len(self._params),
             len(self._buffers),
+            self.version,
         )
+
+    def _load(
+        self, params: Tensors, buffers: Tensors, optimizer_state: dict[str, Any] | None, version: int
+    ) -> None:
+        """Take a shard's state (at the start, or from a peer's replica on promotion) as version
+        `version`, with its own snapshot of it."""
+        self._params = {n: t.detach().clone() for n, t in params.items()}
+        self._buffers = {n: t.detach().clone() for n, t in buffers.items()}
+        self._optimizer = self._job.build_optimizer(list(self._params.values())) if self._params else None
+        if optimizer_state and self._optimizer is not None:
+            self._optimizer.load_state_dict(copy.deepcopy(optimizer_state))
+        # A step small enough is applied on the event loop: a thread hand-off costs more than it does.
+        self._apply_inline = sum(p.numel() for p in self._params.values()) < INLINE_APPLY_ELEMENTS
+        self.version = version  # number of steps applied
+        first = self._copy_state()
+        self._snapshots: dict[int, _Snapshot] = {first.version: first}
 
     def _check(self, generation: int, what: str) -> None:
         if generation != self.generation:
@@ -336,7 +354,11 @@ class DataServer:
             generation=self.generation,
             version=self.version,
             records=tuple(self._records[first:]),
-            snapshots=tuple(SnapshotInfo(s.version, s.time, s.seconds) for s in self._snapshots.values()),
+            snapshots=tuple(
+                SnapshotInfo(s.version, s.time, s.seconds)
+                for s in self._snapshots.values()
+                if s.version in self._replicated or not self._replicas_on
+            ),
             pending=len(self._open.grads),
             refused=self._refused,
         )
@@ -381,13 +403,21 @@ class DataServer:
         before. Snapshots other than `keep` (the last one every shard holds) are dropped. A shard already
         past `version` does not take it; the coordinator asks again later."""
         self._check(generation, "snapshot")
+        self._keep = keep
         for v in [v for v in self._snapshots if v not in (keep, version)]:
             del self._snapshots[v]
+        self._replicated &= set(self._snapshots)
+        self._prune_replicas()
         self._snapshot_wanted = version
         if self.version == version and not self._applying and version not in self._snapshots:
             self._start_snapshot()
         if self._snapshotting is not None and self.version == version:
             await self._snapshotting
+        copying = self._replicating.get(version)
+        if copying is not None and self.version == version:
+            # The shard stands at this version (the job waits or ends): answer once the copy is whole, so
+            # that the snapshot counts at once. A running shard's copy is reported by a later status.
+            await asyncio.shield(copying)
         return await self.status(self.version)
 
     def _start_snapshot(self) -> None:
@@ -398,8 +428,93 @@ class DataServer:
             snap = await asyncio.to_thread(self._copy_state) if not self._apply_inline else self._copy_state()
             self._snapshots[snap.version] = snap
             self._snapshotting = None
+            self._replicate(snap)
 
         self._snapshotting = asyncio.ensure_future(take())
+
+    # -- peer replicas (seed 001) ------------------------------------------------------------------
+
+    async def set_peer(self, generation: int, peer: Any) -> None:
+        """Copy this shard's snapshots to `peer` from now on (the coordinator names it at the start and
+        after a promotion); the snapshots held now are copied at once, since the old peer's copies may
+        be gone with it."""
+        self._check(generation, "set_peer")
+        self._peer = peer
+        self._replicated.clear()
+        for snap in list(self._snapshots.values()):
+            self._replicate(snap)
+
+    def _replicate(self, snap: _Snapshot) -> None:
+        """Send `snap` to the peer in the background: the step path never waits for it, and the snapshot
+        is reported (can become the one a rollback or a promotion goes back to) only once it is whole
+        there."""
+        peer = self._peer
+        if peer is None:
+            return
+        generation = self.generation
+
+        async def send() -> None:
+            try:
+                await peer.hold_replica(generation, self.index, _replica_of(snap))
+            except Exception as exc:
+                # The peer is gone or was fenced: the snapshot is not reported, and the next one (or the
+                # peer named after a promotion) is copied instead.
+                log.warning(
+                    "shard %d: copy of snapshot %d to its peer failed: %s", self.index, snap.version, exc
+                )
+                return
+            if self._peer is peer and snap.version in self._snapshots:
+                self._replicated.add(snap.version)
+
+        task = asyncio.ensure_future(send())
+        self._replicating[snap.version] = task
+
+        def done(_: asyncio.Task[None], version: int = snap.version) -> None:
+            if self._replicating.get(version) is task:
+                del self._replicating[version]
+
+        task.add_done_callback(done)
+
+    async def hold_replica(self, generation: int, source: int, replica: dict[str, Any]) -> None:
+        """Keep a copy of shard `source`'s snapshot, whole (it is stored only once all of it arrived)."""
+        if generation < self.generation:
+            self._refused += 1
+            raise StaleGenerationError(generation, self.generation, "hold_replica")
+        if source != (self.index - 1) % self._schedule.data_servers:
+            raise FatalError(f"shard {self.index} got a replica of shard {source}, which is not its peer's")
+        self._replicas[int(replica["version"])] = replica
+        self._prune_replicas()
+
+    def _prune_replicas(self) -> None:
+        # The snapshot every shard holds (the one a promotion goes back to) and the two newest: the peer
+        # may learn of a newer `keep` after the copy of the next snapshot arrived.
+        newest = sorted(v for v in self._replicas if v > self._keep)[-2:]
+        for v in [v for v in self._replicas if v != self._keep and v not in newest]:
+            del self._replicas[v]
+
+    async def replica(self, source: int, version: int) -> dict[str, Any]:
+        """The copy of shard `source`'s snapshot of `version`, for the standby that takes its role."""
+        held = self._replicas.get(version)
+        if held is None:
+            raise FatalError(
+                f"shard {self.index} holds no replica of shard {source} at version {version} "
+                f"(it holds {sorted(self._replicas)})"
+            )
+        return held
+
+    async def adopt(self, peer: Any, version: int) -> int:
+        """Take this shard's state from the replica its peer holds (a promotion: this data server starts
+        empty on a standby, with its data partition only). Returns the version taken."""
+        replica = await peer.replica(self.index, version)
+        self._load(replica["params"], replica["buffers"], replica["optimizer"], int(replica["version"]))
+        self._records = []
+        self._open = _OpenStep()
+        self._replicated.clear()
+        self._keep = self.version
+        log.info(
+            "data server %d of job %s: took version %d from its peer", self.index, self.job_id, self.version
+        )
+        return self.version
 
     # -- the controller ----------------------------------------------------------------------------
 
@@ -437,6 +552,17 @@ class DataServer:
         buffers = {n: t.clone() for n, t in self._buffers.items()}
         optimizer = copy.deepcopy(self._optimizer.state_dict()) if self._optimizer is not None else {}
         return _Snapshot(self.version, params, buffers, optimizer, time.time(), time.perf_counter() - began)
+
+
+def _replica_of(snap: _Snapshot) -> dict[str, Any]:
+    # The snapshot's own tensors, not copies: a snapshot is never changed once taken (a restore copies
+    # out of it), and the peer keeps what it was sent.
+    return {
+        "version": snap.version,
+        "params": snap.params,
+        "buffers": snap.buffers,
+        "optimizer": snap.optimizer,
+    }
 
 
 def _worker_host() -> str:

@@ -38,6 +38,8 @@ class EventKind(StrEnum):
     ROLLBACK = "rollback"  # membership changed: every shard went back to the last snapshot
     REASSIGN = "reassign"  # membership changed: only the step in flight was dropped
     WAITING = "waiting"  # fewer live workers than min_workers: no work until more join
+    SHARD_LOST = "shard-lost"  # a data server's static worker died: training suspended until promotion
+    PROMOTED = "promoted"  # a standby static worker took the lost data server's role, from its peer's replica
     FAILED = "failed"
     DONE = "done"
 
@@ -58,6 +60,9 @@ class Role:
     members: tuple[str, ...]
     start_step: int
     stop: bool = False  # the job is over: the loop ends
+    # Where each shard listens for compute loops (channel.py) in this generation: a data server promoted
+    # onto a standby listens elsewhere, and the generation that follows its promotion says where.
+    channels: tuple[tuple[str, int], ...] = ()
 
     @property
     def size(self) -> int:
@@ -133,6 +138,12 @@ class Progress:
     failure_step: int | None = None
     failure_batch: int | None = None
     holding: tuple[tuple[str, int], ...] = ()  # (worker, micro-batches of the open step in its share)
+    lost_shards: tuple[int, ...] = ()  # data servers lost with their static worker, not yet replaced
+    # Where the job's roles live (set by the controller): the static worker of each data server, of the
+    # coordinator, and the static workers that hold nothing of this job (standbys).
+    data_servers: tuple[str, ...] = ()
+    coordinator_at: str | None = None
+    standbys: tuple[str, ...] = ()
 
     def holds(self, worker: str) -> int:
         return dict(self.holding).get(worker, 0)
@@ -188,6 +199,10 @@ class ShardHandle(Protocol):
 
     def export_snapshot(self, version: int) -> Call[dict[str, Any]]: ...
 
+    def set_peer(self, generation: int, peer: Any) -> Call[None]: ...
+
+    def adopt(self, peer: Any, version: int) -> Call[int]: ...
+
     def describe(self) -> Call[dict[str, Any]]: ...
 
 
@@ -213,3 +228,9 @@ class CoordinatorHandle(Protocol):
     def snapshot_now(self) -> Call[int]: ...
 
     def snapshot_record(self) -> Call[Resume]: ...
+
+    def shard_lost(self, index: int, reason: str) -> Call[int]: ...
+
+    def promote(
+        self, index: int, shard: Any, channel: tuple[str, int], worker: str
+    ) -> Call[MembershipEvent]: ...

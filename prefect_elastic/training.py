@@ -18,14 +18,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from distributed import Client, Future
 
-from .checkpoint import Persistence
+from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
 from .connect import is_static_worker
 from .coordinator import Coordinator
@@ -226,9 +226,18 @@ def prepare(job: ElasticJob | str | os.PathLike[str]) -> Prepared:
 
 @dataclass(frozen=True)
 class WorkersView:
-    live: list[str]
+    live: list[str]  # elastic workers that run and were heard from lately
     starting: bool
-    listed: set[str]
+    listed: set[str]  # elastic workers the scheduler lists (a frozen one stays listed)
+    static: tuple[str, ...] = ()  # static workers that run, in the order roles are placed on them
+
+
+def standbys(
+    static: tuple[str, ...] | list[str], placement: list[str], coordinator_at: str
+) -> tuple[str, ...]:
+    """The live static workers that hold no role of the job: where a lost data server's role can go."""
+    held = {*placement, coordinator_at}
+    return tuple(w for w in static if w not in held)
 
 
 def _scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) -> list[dict[str, Any]]:
@@ -298,6 +307,11 @@ class TrainingRun:
         self.shards: list[Any] = []  # ShardHandles
         self.channels: list[tuple[str, int]] = []  # where each shard listens for compute loops
         self.plan: list[list[str]] = []
+        # Where the roles live: the static worker of each data server, and of the coordinator. Static
+        # workers that hold none of them are standbys: a lost data server's role goes to one of them.
+        self.placement: list[str] = []
+        self.coordinator_at = ""
+        self.standbys: tuple[str, ...] = ()
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -396,37 +410,49 @@ class TrainingRun:
         plan = plan_shards(self.persistence.initial, job.data_servers)
         static = self._static_workers()
         prefix = f"prefect-elastic-{job.job_id}-{self.run_id}"
+        self.placement = [static[i % len(static)] for i in range(len(plan))]
+        self.coordinator_at = static[0]
         for i, names in enumerate(plan):
             start = self.persistence.shard_start(i, names)
-            where = [static[i % len(static)]]
-            # The tensors go straight to the static worker, not inside the task graph (a big model would
-            # make the graph big: Dask warns, and the scheduler holds a copy).
-            tensors = self.client.scatter(
-                [start.params, start.buffers, start.optimizer_state], workers=where, hash=False
-            )
-            self.actor_futures.append(
-                self.client.submit(
-                    DataServer, i, job, self.dataset, self.schedule, *tensors, start.version,
-                    actor=True, workers=where, allow_other_workers=False,
-                    key=f"{prefix}-data-server-{i}", pure=False,
-                )
-            )  # fmt: skip
+            self.actor_futures.append(self._submit_data_server(i, self.placement[i], start))
         self.actor_futures.append(
             self.client.submit(
                 Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
                 job.min_workers, job.min_workers_timeout, job.call_timeout, self.persistence.resume(),
-                actor=True, workers=[static[0]], allow_other_workers=False, key=f"{prefix}-coordinator",
-                pure=False,
+                actor=True, workers=[self.coordinator_at], allow_other_workers=False,
+                key=f"{prefix}-coordinator", pure=False,
             )
         )  # fmt: skip
         # Reading a partition may take a while on a big dataset; the wait is still bounded.
-        startup_timeout = max(job.call_timeout, 600.0)
-        actors = [f.result(timeout=startup_timeout) for f in self.actor_futures]
+        actors = [f.result(timeout=self._startup_timeout()) for f in self.actor_futures]
         shards, coordinator = actors[:-1], actors[-1]
-        coordinator.attach(shards).result(timeout=job.call_timeout)
         # The step path's own connections (channel.py): compute loops reach each shard there.
         self.channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
+        coordinator.attach(shards, self.channels).result(timeout=job.call_timeout)
         return coordinator, shards, plan
+
+    def _startup_timeout(self) -> float:
+        return max(self.job.call_timeout, 600.0)
+
+    def _submit_data_server(
+        self, index: int, where: str, start: ShardStart | None, version: int = 0
+    ) -> Future:
+        """A data server for shard `index` on the static worker `where`: with the tensors of `start`
+        (scattered straight to that worker, not put in the task graph, which would make a big model's
+        graph big), or empty, to take its state from its peer (`adopt`) at `version`."""
+        if start is None:
+            tensors: list[Any] = [{}, {}, None]
+        else:
+            version = start.version
+            tensors = self.client.scatter(
+                [start.params, start.buffers, start.optimizer_state], workers=[where], hash=False
+            )
+        return self.client.submit(
+            DataServer, index, self.job, self.dataset, self.schedule, *tensors, version,
+            actor=True, workers=[where], allow_other_workers=False,
+            key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",
+            pure=False,
+        )  # fmt: skip
 
     # -- supervision -----------------------------------------------------------------------------
 
@@ -449,11 +475,13 @@ class TrainingRun:
                 # A starting worker turning "running", or a member that stopped sending heartbeats, is a
                 # membership change that no scheduler event announces: look, and check if it changed.
                 view = self._workers_view()
+                self._keep_roles(view, coordinator, shards)
                 triggered = view.live != known or self._loops_to_restart(view.live)
                 next_look = now + (STARTING_RECHECK_SECONDS if view.starting else MEMBERSHIP_POLL_SECONDS)
             if triggered or now >= next_check:
                 self.worker_event.clear()
                 view = self._workers_view()
+                self._keep_roles(view, coordinator, shards)
                 known = view.live
                 renew = self._ensure_loops(view, coordinator, shards, plan)
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
@@ -471,6 +499,16 @@ class TrainingRun:
                     if self.on_event is not None:
                         self.on_event(event)
             progress: Progress = self._call(coordinator.progress())
+            if progress.lost_shards:
+                # A call to a shard failed before its worker left the scheduler's list.
+                self._promote_standbys(list(progress.lost_shards), coordinator, shards)
+                progress = self._call(coordinator.progress())
+            progress = replace(
+                progress,
+                data_servers=tuple(self.placement),
+                coordinator_at=self.coordinator_at,
+                standbys=self.standbys,
+            )
             self._publish(progress)
             if self.on_progress is not None:
                 self.on_progress(progress)
@@ -482,6 +520,80 @@ class TrainingRun:
             if self.faults is not None:
                 self.faults.apply(progress)
             self.worker_event.wait(timeout=max(0.0, min(self.progress_poll, next_check - time.monotonic())))
+
+    # -- static roles: a lost data server's role goes to a standby (seed 001) ---------------------
+
+    def _keep_roles(
+        self, view: WorkersView, coordinator: CoordinatorHandle, shards: list[ShardHandle]
+    ) -> None:
+        """Check that every role's static worker is still there; give a lost data server's role to a
+        standby. The coordinator's loss ends the job (its state is not replicated in this version)."""
+        self.standbys = standbys(view.static, self.placement, self.coordinator_at)
+        if self.coordinator_at not in view.static:
+            raise DataServerLostError(
+                f"the static worker {self.coordinator_at} holding the coordinator of job {self.job.job_id} "
+                "was lost; the coordinator is not replicated in this version: run the job again (with "
+                "`checkpoint` set it resumes from the last checkpoint)"
+            )
+        lost = [i for i, where in enumerate(self.placement) if where not in view.static]
+        if lost:
+            self._promote_standbys(lost, coordinator, shards)
+
+    def _promote_standbys(
+        self, lost: list[int], coordinator: CoordinatorHandle, shards: list[ShardHandle]
+    ) -> None:
+        """Suspend training, then for each lost data server: start one on a standby static worker, from
+        its peer's in-memory replica of the last snapshot every shard holds, and let the coordinator bring
+        every shard to that snapshot in a new generation (`Coordinator.promote`)."""
+        job = self.job
+        began = time.monotonic()
+        targets = {
+            i: self._call(coordinator.shard_lost(i, f"static worker {self.placement[i]} left")) for i in lost
+        }
+        for i in lost:
+            standby = self._wait_for_standby(i)
+            peer = (i + 1) % len(shards)
+            replica = None if peer in lost or peer == i else shards[peer]
+            start: ShardStart | None = None
+            if replica is None:
+                if targets[i] != self.persistence.shard_start(i, self.plan[i]).version:
+                    raise DataServerLostError(
+                        f"data server {i} of job {job.job_id} was lost with the peer that held its "
+                        f"replica (data server {peer}); lost data servers: {sorted(lost)}. Run the job "
+                        "again: with `checkpoint` set it resumes from the last checkpoint"
+                    )
+                start = self.persistence.shard_start(i, self.plan[i])
+            future = self._submit_data_server(i, standby, start, targets[i])
+            shard = future.result(timeout=self._startup_timeout())
+            if replica is not None:
+                shard.adopt(replica, targets[i]).result(timeout=self._startup_timeout())
+            channel = shard.open_channel().result(timeout=job.call_timeout)
+            event = self._call(coordinator.promote(i, shard, channel, standby))
+            self.actor_futures.append(future)
+            shards[i], self.channels[i], self.placement[i] = shard, channel, standby
+            log.warning(
+                "job %s: data server %d now on standby %s at step %d (%.2f s after it was lost)",
+                job.job_id, i, standby, event.step, time.monotonic() - began,
+            )  # fmt: skip
+        self.standbys = tuple(w for w in self.standbys if w not in self.placement)
+
+    def _wait_for_standby(self, index: int) -> str:
+        """A static worker holding none of this job's roles; waits up to `min_workers_timeout` for one
+        to join, then fails naming the role."""
+        deadline = time.monotonic() + self.job.min_workers_timeout
+        while True:
+            view = self._workers_view()
+            free = standbys(view.static, self.placement, self.coordinator_at)
+            if free:
+                return free[0]
+            if time.monotonic() >= deadline:
+                raise DataServerLostError(
+                    f"data server {index} of job {self.job.job_id} was lost with its static worker "
+                    f"{self.placement[index]}, and no standby static worker joined within "
+                    f"{self.job.min_workers_timeout:g} s (min_workers_timeout): start one with "
+                    f"`dask worker <scheduler> --resources {self.job.static_resource}=1`"
+                )
+            time.sleep(MEMBERSHIP_POLL_SECONDS)
 
     def _publish(self, progress: Progress) -> None:
         # Anyone with a client to the cluster can follow the job (`read_progress`), at a cost of one small
@@ -519,10 +631,16 @@ class TrainingRun:
             for r in elastic
             if r["status"] in ("running", "paused") and r["silent"] <= max(silent_after, r["silent_limit"])
         )
+        static = [
+            r
+            for r in rows
+            if is_static_worker(r, self.job.static_resource) and r["status"] in ("running", "paused")
+        ]
         return WorkersView(
             live=live,
             starting=any(r["status"] == "init" for r in elastic),
             listed={r["address"] for r in elastic},
+            static=tuple(r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))),
         )
 
     def _loops_to_restart(self, live: list[str]) -> bool:
@@ -552,7 +670,7 @@ class TrainingRun:
                 restarts = self.loop_restarts.get(addr, 0)
                 self.loop_restarts[addr] = restarts + 1
                 self.loops[addr] = self.client.submit(
-                    compute_loop, self.job, coordinator, self.channels, plan, self.layout, self.schedule,
+                    compute_loop, self.job, coordinator, plan, self.layout, self.schedule,
                     key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-compute-{addr}-{restarts}",
                     workers=[addr], allow_other_workers=False, pure=False,
                 )  # fmt: skip

@@ -27,7 +27,7 @@ from .cluster import LocalElasticCluster
 
 log = logging.getLogger(__name__)
 
-FaultKind = Literal["kill", "restart", "retire", "add", "freeze"]
+FaultKind = Literal["kill", "restart", "retire", "add", "add-static", "freeze"]
 
 
 @dataclass
@@ -37,6 +37,9 @@ class Fault:
     count: int = 1
     worker: str | None = None  # a name or address; None: a live compute worker chosen at random
     sig: int = signal.SIGKILL
+    # A static role instead of a worker: "data-server-<i>" or "coordinator", resolved from the progress
+    # (`Progress.data_servers`, `Progress.coordinator_at`) when the fault is due.
+    role: str | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,21 @@ class FaultSchedule:
     def add_worker(self, at_step: int, count: int = 1) -> FaultSchedule:
         """Start `count` new elastic worker processes."""
         self.faults.append(Fault(at_step, "add", count))
+        return self
+
+    def kill_data_server(self, at_step: int, index: int, sig: int = signal.SIGKILL) -> FaultSchedule:
+        """Kill for good the static worker (worker process and nanny) that holds data server `index`."""
+        self.faults.append(Fault(at_step, "kill", 1, None, sig, role=f"data-server-{index}"))
+        return self
+
+    def kill_coordinator(self, at_step: int, sig: int = signal.SIGKILL) -> FaultSchedule:
+        """Kill for good the static worker that holds the coordinator."""
+        self.faults.append(Fault(at_step, "kill", 1, None, sig, role="coordinator"))
+        return self
+
+    def add_static_worker(self, at_step: int, count: int = 1) -> FaultSchedule:
+        """Start `count` new static worker processes (standbys for the job's static roles)."""
+        self.faults.append(Fault(at_step, "add-static", count))
         return self
 
     @classmethod
@@ -182,6 +200,8 @@ class FaultSchedule:
         assert cluster is not None
         if fault.kind == "add":
             target = cluster.add_worker(wait=False)
+        elif fault.kind == "add-static":
+            target = cluster.add_worker(static=True, wait=False)
         elif fault.kind == "freeze":
             picked = self._pick(progress, holding_only=True)
             if picked is None:
@@ -191,7 +211,9 @@ class FaultSchedule:
             self._freezing = (fault, picked)
             return  # recorded once a fresh progress shows it froze while holding batches
         else:
-            picked = fault.worker or self._pick(progress)
+            picked = fault.worker or (
+                self._holder(progress, fault.role) if fault.role else self._pick(progress)
+            )
             if picked is None:
                 log.warning(
                     "fault %s at step %d: no live compute worker to act on", fault.kind, fault.at_step
@@ -225,6 +247,14 @@ class FaultSchedule:
         else:
             self.cluster.kill_worker(target, sig=signal.SIGCONT)
             self.faults.append(fault)
+
+    @staticmethod
+    def _holder(progress: Progress, role: str) -> str | None:
+        """The static worker holding `role` ("data-server-<i>", "coordinator") as the progress says."""
+        if role == "coordinator":
+            return progress.coordinator_at
+        index = int(role.removeprefix("data-server-"))
+        return progress.data_servers[index] if index < len(progress.data_servers) else None
 
     @staticmethod
     def _holds(progress: Progress, worker: str) -> bool:
