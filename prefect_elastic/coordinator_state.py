@@ -161,6 +161,7 @@ class CoordinatorState:
             failure_batch=f.batch_id if f else None,
             holding=self.holding(),
             lost_shards=tuple(sorted(self.lost)),
+            snapshot_step=self.ledger.snapshot_step,
         )
 
     def snapshot_record(self) -> Resume:

@@ -139,6 +139,9 @@ class Progress:
     failure_batch: int | None = None
     holding: tuple[tuple[str, int], ...] = ()  # (worker, micro-batches of the open step in its share)
     lost_shards: tuple[int, ...] = ()  # data servers lost with their static worker, not yet replaced
+    snapshot_step: int = (
+        0  # the last snapshot every shard holds (and its peer a copy of): where a rollback goes
+    )
     # Where the job's roles live (set by the controller): the static worker of each data server, of the
     # coordinator, and the static workers that hold nothing of this job (standbys).
     data_servers: tuple[str, ...] = ()

@@ -235,3 +235,44 @@ def test_below_min_workers_nothing_is_handed_out() -> None:
     events = state.after_decision(decision, now=1.0, began=1.0)
     assert [e.kind for e in events] == [EventKind.WAITING]
     assert state.role("a", -1) is None and state.progress().state == "waiting"
+
+
+def snapshot_at_two(state: CoordinatorState) -> None:
+    """Step 0 committed, a snapshot of version 2 confirmed, steps 1 and 2 committed (3 of 4)."""
+    state.absorb(status(0, 1))
+    state.absorb(status(1, 1))
+    assert state.want_snapshot(progressed=True) == 2
+    state.absorb(status(0, 3, snapshots=(0, 2), since=1))
+    state.absorb(status(1, 3, snapshots=(0, 2), since=1))
+    assert (state.committed_steps, state.ledger.snapshot_step) == (3, 2)
+
+
+@pytest.mark.parametrize("policy", ["rollback", "reassign"])
+def test_a_lost_data_server_suspends_training_until_a_standby_holds_it(policy: str) -> None:
+    state = new_state(policy)
+    state.channels = (("h", 1), ("h", 2))
+    admit(state, {"a", "b"})
+    snapshot_at_two(state)
+    before = state.generation
+    events = state.lose_shard(1, before + 1, "static worker w1 left", now=3.0)
+    assert [(e.kind, e.batches_dropped) for e in events] == [(EventKind.SHARD_LOST, 4)]
+    assert state.lose_shard(1, before + 1, "again", now=3.1) == [], "a loss is recorded once"
+    assert state.progress().lost_shards == (1,)
+    assert state.role("a", -1) is None and state.holding() == (), "no role while a shard is lost"
+    # Everything after the last snapshot is undone with either policy: the replica is of that snapshot.
+    event = state.promote_shard(1, "w3", before + 2, ("h", 9), now=4.0, began=3.5)
+    assert (event.kind, event.step, event.steps_lost) == (EventKind.PROMOTED, 2, 1)
+    assert event.generation == before + 2
+    assert "standby w3" in event.reason
+    assert (state.committed_steps, state.history, state.lost) == (2, [1.5, 5.5], set())
+    assert state.counters["promotions"] == 1 and state.ledger.dropped_steps == 1
+    role = state.role("a", -1)
+    assert role is not None and role.generation == before + 2 and role.start_step == 2
+    assert role.channels == (("h", 1), ("h", 9)), "the role says where the promoted shard listens"
+
+
+def test_promoting_a_shard_that_was_not_lost_is_a_bug() -> None:
+    state = new_state()
+    admit(state, {"a"})
+    with pytest.raises(FatalError, match="not lost"):
+        state.promote_shard(0, "w", 5, ("h", 1), now=1.0, began=1.0)

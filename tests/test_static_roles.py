@@ -1,0 +1,145 @@
+"""Static workers are machines too (seed 001): a data server's static worker SIGKILLed mid-run, and a
+standby static worker takes its role from the peer's in-memory replica of the last snapshot. The result is
+still bitwise equal to the one-worker, no-fault run, and every batch id is committed once. When nothing
+can take over, the job fails with a `DataServerLostError` that says what to do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from prefect_elastic import train
+from prefect_elastic.errors import DataServerLostError
+from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.local.faults import FaultSchedule
+from prefect_elastic.messages import EventKind, Progress
+
+from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job, top_up
+from .models import GATE
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+POLICIES = ["rollback", "reassign"]
+
+
+def top_up_static(cluster: LocalElasticCluster, static: int) -> None:
+    """Start static workers until `static` are alive (tests here kill them)."""
+    cluster.wait_for_pending()
+    missing = static - len(cluster.static_addresses())
+    names = [cluster.add_worker(static=True, wait=False) for _ in range(max(0, missing))]
+    cluster.wait_for_workers(names)
+
+
+@pytest.fixture(scope="module")
+def static_cluster() -> Iterator[LocalElasticCluster]:
+    """2 static workers for the job's roles (the coordinator beside data server 0) and standbys."""
+    with LocalElasticCluster(static_workers=3, elastic_workers=2) as cluster:
+        yield cluster
+
+
+class Placement:
+    """Where the job's roles lived, from the progress the controller reports."""
+
+    def __init__(self) -> None:
+        self.seen: list[Progress] = []
+
+    def __call__(self, progress: Progress) -> None:
+        if not self.seen or progress.data_servers != self.seen[-1].data_servers:
+            self.seen.append(progress)
+
+
+class KillWhenSnapshotted:
+    """Holds training at step 12 or later (`tests.models:gated_mlp`) until a snapshot of where it stands
+    is confirmed (so its copy is on the peer), then SIGKILLs the static worker of data server `index` and
+    lets training go on: the promotion then restores a snapshot past the start, whatever the timing."""
+
+    def __init__(self, cluster: LocalElasticCluster, index: int) -> None:
+        self.cluster = cluster
+        self.index = index
+        self.killed: str | None = None
+        self.placement = Placement()
+
+    def __call__(self, progress: Progress) -> None:
+        self.placement(progress)
+        if self.killed is not None or progress.committed_steps < 12:
+            return
+        GATE.touch()
+        if progress.snapshot_step >= 12:
+            self.killed = progress.data_servers[self.index]
+            self.cluster.kill_worker(self.killed)
+            GATE.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_data_server_killed_mid_run_is_promoted_on_a_standby(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 3)
+    job = make_job(digits_url, policy, job_id=f"standby-{policy}", model="tests.models:gated_mlp")
+    kill = KillWhenSnapshotted(static_cluster, index=1)
+    try:
+        result = train(job, cluster=static_cluster, on_progress=kill)
+    finally:
+        GATE.unlink(missing_ok=True)
+
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    killed, placement = kill.killed, kill.placement
+    first, last = placement.seen[0], placement.seen[-1]
+    assert first.data_servers[1] == killed and len(first.standbys) == 1
+    assert last.data_servers[1] == first.standbys[0], "data server 1 now lives on the standby"
+    assert last.data_servers[0] == first.data_servers[0] and last.standbys == ()
+
+    kinds = [e.kind for e in result.events]
+    lost = kinds.index(EventKind.SHARD_LOST)
+    assert kinds[lost + 1] == EventKind.PROMOTED and kinds.count(EventKind.PROMOTED) == 1
+    promoted = result.events[lost + 1]
+    # The replica is of the last snapshot every shard held when the worker died: training went back there
+    # (with either policy), and nothing before it was redone.
+    snapshot = max(
+        (e.step for e in result.events[:lost] if e.kind == EventKind.SNAPSHOT),
+        default=0,
+    )
+    assert snapshot >= 12, "the replica of a snapshot past the start was used"
+    assert promoted.step == snapshot
+    assert promoted.steps_lost == result.events[lost].step - snapshot
+    assert f"standby {last.data_servers[1]}" in promoted.reason
+    assert promoted.generation > result.events[lost].generation
+    assert result.counters["promotions"] == 1
+
+
+def test_a_standby_that_joins_after_the_loss_takes_the_role(reference: References, digits_url: str) -> None:
+    with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
+        job = make_job(digits_url, "reassign", job_id="late-standby", min_workers_timeout=120.0)
+        faults = FaultSchedule().kill_data_server(at_step=30, index=1).add_static_worker(at_step=30)
+        placement = Placement()
+        result = train(job, cluster=cluster, faults=faults, on_progress=placement)
+        assert placement.seen[0].standbys == ()
+        joined = cluster.address_of(faults.log[1].target)
+        assert placement.seen[-1].data_servers[1] == joined
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    assert result.counters["promotions"] == 1
+
+
+def test_no_standby_fails_naming_the_role_and_what_to_start(digits_url: str) -> None:
+    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
+        job = make_job(digits_url, "reassign", job_id="no-standby", min_workers_timeout=2.0)
+        faults = FaultSchedule().kill_data_server(at_step=10, index=1)
+        with pytest.raises(DataServerLostError) as failed:
+            train(job, cluster=cluster, faults=faults)
+    message = str(failed.value)
+    assert "data server 1" in message and "no standby static worker joined" in message
+    assert "--resources static=1" in message
+
+
+def test_the_coordinators_worker_lost_fails_at_once_naming_it(digits_url: str) -> None:
+    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
+        job = make_job(digits_url, "reassign", job_id="no-coordinator")
+        faults = FaultSchedule().kill_coordinator(at_step=10)
+        with pytest.raises(DataServerLostError, match="holding the coordinator") as failed:
+            train(job, cluster=cluster, faults=faults)
+    assert faults.log[0].target in str(failed.value)
+    assert "checkpoint" in str(failed.value), "it says how to go on"
