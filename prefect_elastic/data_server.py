@@ -438,7 +438,9 @@ class DataServer:
         """Copy this shard's snapshots to `peer` from now on (the coordinator names it at the start and
         after a promotion); the snapshots held now are copied at once, since the old peer's copies may
         be gone with it."""
-        self._check(generation, "set_peer")
+        if generation < self.generation:  # a newer one is fine: a resumed job's shards start at 0
+            self._refused += 1
+            raise StaleGenerationError(generation, self.generation, "set_peer")
         self._peer = peer
         self._replicated.clear()
         for snap in list(self._snapshots.values()):

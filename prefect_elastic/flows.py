@@ -80,7 +80,7 @@ class PrefectReporter:
         update_progress_artifact(self.progress_id, progress=100.0 * fraction)
 
     def event(self, e: MembershipEvent) -> None:
-        if e.kind in ("start", "rollback", "reassign", "waiting", "failed"):
+        if e.kind in ("start", "rollback", "reassign", "waiting", "failed", "shard-lost", "promoted"):
             self.rows.append(
                 {
                     "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
@@ -114,6 +114,10 @@ class PrefectReporter:
             self._emit("worker.lost", e, worker=worker)
         if e.kind in ("snapshot", "rollback", "reassign"):
             self._emit(e.kind.value, e)
+        elif e.kind == "shard-lost":
+            self._emit("data-server.lost", e)
+        elif e.kind == "promoted":
+            self._emit("standby.promoted", e)
         if e.kind == "waiting" and not self.waiting:
             self.waiting = True
             self._emit("suspended", e)
