@@ -25,7 +25,7 @@ from typing import Any
 import dask
 import torch
 
-from . import calls, elastic, report
+from . import calls, elastic, report, standby
 from .plain import plain_process
 from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 
@@ -58,6 +58,11 @@ class Sizes:
     freeze_s: float = 8.0
     frozen_settle: int = 20
     frozen_policies: tuple[str, ...] = ("reassign", "rollback")
+    # A data server's static worker SIGKILLed, a standby promoted (issue 10): kills in one run of the cnn.
+    standby_kills: int = 5
+    standby_epochs: int = 5
+    standby_settle: int = 30  # steps on a placement, and a snapshot of half-way, before the next kill
+    restart_epochs: int = 1
     scaling_workers: tuple[int, ...] = (1, 2, 4)
     scaling_epochs: int = 3
     timeline_epochs: int = 6
@@ -84,6 +89,10 @@ SMOKE = Sizes(
     scaling_epochs=2,
     timeline_epochs=3,
     kill_at=0.3,
+    standby_kills=1,
+    standby_epochs=8,
+    standby_settle=6,
+    restart_epochs=3,
     join_at=0.6,
     torchrun_duration=20.0,
     call_repeats=5,
@@ -305,6 +314,20 @@ def run_elastic(
         )  # fmt: skip
 
 
+def standby_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
+    """A data server's static worker lost: promotion of a standby, against failing and running again."""
+    results["standby"] = {
+        "promotion": attempt(
+            results, "standby promotion", standby.standby_recovery, "cnn", data, sizes.standby_kills,
+            sizes.standby_epochs, settle=sizes.standby_settle,
+        ),
+        "restart": attempt(
+            results, "restart from the checkpoint", standby.restart_from_checkpoint, "cnn", data,
+            sizes.restart_epochs, kill_at=sizes.standby_settle,
+        ),
+    }  # fmt: skip
+
+
 def torchrun_figures(results: dict[str, Any], data: str, workdir: Path, sizes: Sizes) -> None:
     from . import torchrun_bench
 
@@ -328,11 +351,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", default=str(ROOT / "docs" / "benchmarks.md"))
     parser.add_argument("--no-torchrun", action="store_true", help="leave out the torchrun baseline")
     parser.add_argument("--report-only", action="store_true", help="rewrite --docs from --raw; run nothing")
+    parser.add_argument(
+        "--only",
+        choices=["standby"],
+        help="run this group of scenarios alone, and merge its results into --raw (the rest stay as stored)",
+    )
     args = parser.parse_args(argv)
     if args.report_only:
         stored: dict[str, Any] = json.loads(Path(args.raw).read_text())
         report.write(stored, Path(args.docs), Path(args.docs).parent / "img")
         return 0
+    if args.only:
+        return run_only(args)
     sizes = SMOKE if args.smoke else Sizes()
     workdir = Path(args.data_dir)
     raw, docs = Path(args.raw), Path(args.docs)
@@ -363,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         run_elastic(results, pool, data, big, workdir, sizes, torchrun=not args.no_torchrun)
     finally:
         pool.close()
+    standby_figures(results, data, sizes)
     if not args.no_torchrun:
         torchrun_figures(results, data, workdir, sizes)
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -380,3 +411,22 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_only(args: argparse.Namespace) -> int:
+    """One group of scenarios, merged into the stored raw results; the table is written again from them."""
+    sizes = SMOKE if args.smoke else Sizes()
+    raw, docs = Path(args.raw), Path(args.docs)
+    results: dict[str, Any] = json.loads(raw.read_text())
+    data = write_dataset(Path(args.data_dir) / f"synthetic-{sizes.samples}.npz", sizes.samples)
+    results.pop("errors", None)
+    standby_figures(results, data, sizes)
+    results.setdefault("partial_runs", []).append(
+        {"only": args.only, "at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
+    )
+    raw.write_text(json.dumps(results, indent=1, default=str))
+    report.write(results, docs, docs.parent / "img")
+    for row in report.figures(results):
+        if "static worker" in row[0]:
+            print(" | ".join(row))
+    return 1 if results.get("errors") else 0

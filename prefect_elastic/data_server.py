@@ -556,6 +556,15 @@ class DataServer:
         return _Snapshot(self.version, params, buffers, optimizer, time.time(), time.perf_counter() - began)
 
 
+def warm_standby(job: ElasticJob) -> None:
+    """Runs on a standby static worker, once: pay what a data server's first start pays in a fresh
+    process (building the job's optimizer the first time imports half of torch: about 1 s here) before it
+    is promoted, not while training waits for it."""
+    tune_allocator()
+    job.make_model()
+    job.build_optimizer([torch.zeros(1, requires_grad=True)])
+
+
 def _replica_of(snap: _Snapshot) -> dict[str, Any]:
     # The snapshot's own tensors, not copies: a snapshot is never changed once taken (a restore copies
     # out of it), and the peer keeps what it was sent.

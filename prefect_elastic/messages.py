@@ -126,6 +126,29 @@ class MembershipEvent:
 
 
 @dataclass(frozen=True)
+class Promotion:
+    """A lost data server's role taken by a standby, as the controller carried it out, with how long each
+    part took (seconds): `suspend` (the coordinator fenced the other shards), `start` (the data server
+    started on the standby: its data partition read), `adopt` (its shard copied from the peer's replica),
+    `promote` (every shard fenced and brought to the snapshot, peers named again)."""
+
+    index: int
+    lost_worker: str
+    standby: str
+    step: int  # the snapshot every shard went back to
+    seen: float  # wall time the controller saw the loss
+    suspend: float
+    start: float
+    adopt: float
+    promote: float
+    source: str  # "replica" (the peer's memory) or "start" (the state the run started from)
+
+    @property
+    def seconds(self) -> float:
+        return self.suspend + self.start + self.adopt + self.promote
+
+
+@dataclass(frozen=True)
 class Progress:
     generation: int
     committed_steps: int

@@ -29,7 +29,7 @@ from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
 from .connect import is_static_worker
 from .coordinator import Coordinator
-from .data_server import DataServer, plan_shards
+from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
 from .errors import (
     DataServerLostError,
@@ -41,7 +41,15 @@ from .errors import (
 )
 from .job import ElasticJob
 from .ledger import LedgerEntry
-from .messages import CoordinatorHandle, EventKind, MembershipEvent, Outcome, Progress, ShardHandle
+from .messages import (
+    CoordinatorHandle,
+    EventKind,
+    MembershipEvent,
+    Outcome,
+    Progress,
+    Promotion,
+    ShardHandle,
+)
 from .registry import claim_job, publish_progress, release_job
 from .schedule import Schedule
 
@@ -96,6 +104,8 @@ class TrainResult:
     # Per data server, seconds spent on the step path by phase, summed over the run (`DataServer.phases`):
     # where a step's fixed cost goes on the shards' side.
     shard_phases: list[dict[str, float]] = field(default_factory=list)
+    # Lost data servers whose role a standby took, with the time each part of the promotion took.
+    promotions: list[Promotion] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -312,6 +322,8 @@ class TrainingRun:
         self.placement: list[str] = []
         self.coordinator_at = ""
         self.standbys: tuple[str, ...] = ()
+        self.promotions: list[Promotion] = []
+        self.warmed: dict[str, Future] = {}  # standbys made ready to take a role (`warm_standby`)
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -378,6 +390,7 @@ class TrainingRun:
             checkpoint=self.persistence.last_written,
             resumed_from=self.persistence.resumed_from,
             shard_phases=shard_phases,
+            promotions=list(self.promotions),
         )
 
     def _register(self) -> None:
@@ -529,6 +542,13 @@ class TrainingRun:
         """Check that every role's static worker is still there; give a lost data server's role to a
         standby. The coordinator's loss ends the job (its state is not replicated in this version)."""
         self.standbys = standbys(view.static, self.placement, self.coordinator_at)
+        for worker in self.standbys:
+            if worker not in self.warmed:
+                # Fire and forget: a standby promoted before it finished is only slower to start.
+                self.warmed[worker] = self.client.submit(
+                    warm_standby, self.job, workers=[worker], allow_other_workers=False, pure=False,
+                    key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-warm-{worker}",
+                )  # fmt: skip
         if self.coordinator_at not in view.static:
             raise DataServerLostError(
                 f"the static worker {self.coordinator_at} holding the coordinator of job {self.job.job_id} "
@@ -546,10 +566,11 @@ class TrainingRun:
         its peer's in-memory replica of the last snapshot every shard holds, and let the coordinator bring
         every shard to that snapshot in a new generation (`Coordinator.promote`)."""
         job = self.job
-        began = time.monotonic()
+        seen, clock = time.time(), time.monotonic()
         targets = {
             i: self._call(coordinator.shard_lost(i, f"static worker {self.placement[i]} left")) for i in lost
         }
+        suspended = time.monotonic() - clock
         for i in lost:
             standby = self._wait_for_standby(i)
             peer = (i + 1) % len(shards)
@@ -563,18 +584,31 @@ class TrainingRun:
                         "again: with `checkpoint` set it resumes from the last checkpoint"
                     )
                 start = self.persistence.shard_start(i, self.plan[i])
+            clock = time.monotonic()
             future = self._submit_data_server(i, standby, start, targets[i])
             shard = future.result(timeout=self._startup_timeout())
+            started = time.monotonic() - clock
             if replica is not None:
                 shard.adopt(replica, targets[i]).result(timeout=self._startup_timeout())
+            adopted = time.monotonic() - clock - started
             channel = shard.open_channel().result(timeout=job.call_timeout)
+            clock = time.monotonic()
             event = self._call(coordinator.promote(i, shard, channel, standby))
+            promotion = Promotion(
+                index=i, lost_worker=self.placement[i], standby=standby, step=event.step, seen=seen,
+                suspend=suspended, start=started, adopt=adopted, promote=time.monotonic() - clock,
+                source="start" if replica is None else "replica",
+            )  # fmt: skip
+            self.promotions.append(promotion)
             self.actor_futures.append(future)
             shards[i], self.channels[i], self.placement[i] = shard, channel, standby
             log.warning(
-                "job %s: data server %d now on standby %s at step %d (%.2f s after it was lost)",
-                job.job_id, i, standby, event.step, time.monotonic() - began,
+                "job %s: data server %d now on standby %s at step %d, %.2f s after it was lost (suspend "
+                "%.3f s, start %.3f s, copy from the peer %.3f s, promote %.3f s)",
+                job.job_id, i, standby, event.step, time.time() - seen, suspended, started, adopted,
+                promotion.promote,
             )  # fmt: skip
+            suspended = 0.0
         self.standbys = tuple(w for w in self.standbys if w not in self.placement)
 
     def _wait_for_standby(self, index: int) -> str:
@@ -720,6 +754,7 @@ class TrainingRun:
         for loop in self.loops.values():
             loop.cancel()
         self.loops.clear()
+        self.warmed.clear()
         for shard in self.shards:
             with contextlib.suppress(Exception):
                 shard.close_channel().result(timeout=5)

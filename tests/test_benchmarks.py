@@ -130,6 +130,11 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     kinds = [e["kind"] for e in r["timeline"]["events"]]
     assert "kill" in kinds and "join" in kinds
     assert r["torchrun"]["recovery"] and r["torchrun"]["timeline"]["steps"]
+    # A data server's static worker killed: promoted on a standby from the replica, and the baseline ran.
+    promo, restart = r["standby"]["promotion"], r["standby"]["restart"]
+    assert promo["promotions"] == promo["kills"] == 1 and promo["per_kill"][0]["source"] == "replica", promo
+    assert restart["recovery_s"] > restart["fail_s"] > 0 and restart["resumed_from"], restart
+    assert any("a standby promoted" in row[0] for row in figures(r))
     # The table has a row per figure, put between the marks; the text around them is kept.
     text = docs.read_text()
     assert "intro kept" in text and "analysis kept" in text and "old table" not in text
