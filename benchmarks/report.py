@@ -39,6 +39,7 @@ def _spread(values: list[float], digits: int = 2) -> str:
 
 STANDBY_TARGET_S = 2.0
 RESTART_SPEEDUP = 10.0
+REPLICA_COST = 0.01
 
 
 def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
@@ -82,6 +83,19 @@ def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
                 f"workers); the standby is {speedup:.1f}x faster",
                 f"≥ {RESTART_SPEEDUP:g}x faster",
                 _verdict(speedup >= RESTART_SPEEDUP),
+            )
+        )
+    cost = sb.get("replica_cost")
+    if cost:
+        rows.append(
+            (
+                f"cost of peer replicas in steady state ({cost['workload']}, 1 worker, snapshots every "
+                "second): 1 - throughput with / without",
+                f"{100 * cost['cost']:.1f}% (median of {len(cost['ratios'])} pairs; ratios "
+                + ", ".join(f"{x:.3f}" for x in cost["ratios"])
+                + ")",
+                f"≤ {100 * REPLICA_COST:g}%",
+                _verdict(cost["cost"] <= REPLICA_COST),
             )
         )
     return rows

@@ -63,6 +63,8 @@ class Sizes:
     standby_epochs: int = 5
     standby_settle: int = 30  # steps on a placement, and a snapshot of half-way, before the next kill
     restart_epochs: int = 1
+    replica_epochs: int = 5  # cnn-20: about 15 s a run
+    replica_repeats: int = 3
     scaling_workers: tuple[int, ...] = (1, 2, 4)
     scaling_epochs: int = 3
     timeline_epochs: int = 6
@@ -93,6 +95,8 @@ SMOKE = Sizes(
     standby_epochs=8,
     standby_settle=6,
     restart_epochs=3,
+    replica_epochs=2,
+    replica_repeats=1,
     join_at=0.6,
     torchrun_duration=20.0,
     call_repeats=5,
@@ -325,6 +329,10 @@ def standby_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
             results, "restart from the checkpoint", standby.restart_from_checkpoint, "cnn", data,
             sizes.restart_epochs, kill_at=sizes.standby_settle,
         ),
+        "replica_cost": attempt(
+            results, "replica cost", standby.replica_cost, "cnn-20", data, sizes.replica_epochs,
+            sizes.replica_repeats,
+        ),
     }  # fmt: skip
 
 
@@ -409,10 +417,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def run_only(args: argparse.Namespace) -> int:
     """One group of scenarios, merged into the stored raw results; the table is written again from them."""
     sizes = SMOKE if args.smoke else Sizes()
@@ -430,3 +434,7 @@ def run_only(args: argparse.Namespace) -> int:
         if "static worker" in row[0]:
             print(" | ".join(row))
     return 1 if results.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

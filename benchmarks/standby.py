@@ -17,7 +17,7 @@ from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import Progress
 from prefect_elastic.training import train
 
-from .elastic import make_job, next_commit, summary
+from .elastic import make_job, next_commit, steady_throughput, summary
 
 STANDBY_READY_S = 5.0
 
@@ -131,4 +131,28 @@ def restart_from_checkpoint(workload: str, data: str, epochs: int, kill_at: int 
         "rerun_to_first_step_s": resumed - again,
         "recovery_s": (failed_at - killed[0]) + (resumed - again),
         "resumed_from": result.resumed_from,
+    }
+
+
+def replica_cost(workload: str, data: str, epochs: int, repeats: int) -> dict[str, Any]:
+    """Steady throughput of one compute worker with peer replicas and without (`peer_replicas=False`),
+    in alternating pairs on one cluster, snapshots every second; the cost is 1 - the median of the pairs'
+    ratios (with over without)."""
+    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
+        job = make_job(workload, data, epochs=epochs, job_id="replicas")
+        train(job.model_copy(update={"epochs": 1}), cluster=cluster)  # warm-up, uncounted
+        pairs: list[dict[str, float]] = []
+        for i in range(repeats):
+            pair: dict[str, float] = {}
+            for on in (True, False) if i % 2 == 0 else (False, True):
+                result = train(job.model_copy(update={"peer_replicas": on}), cluster=cluster)
+                pair["with" if on else "without"] = steady_throughput(result)
+                pair["snapshots_with" if on else "snapshots_without"] = result.counters["snapshots"]
+            pairs.append(pair)
+    ratios = [p["with"] / p["without"] for p in pairs]
+    return {
+        "workload": workload,
+        "pairs": pairs,
+        "ratios": ratios,
+        "cost": 1.0 - statistics.median(ratios),
     }

@@ -123,7 +123,7 @@ class DataServer:
         # Peer replicas (seed 001): every snapshot this shard takes is copied to its peer, shard
         # `(index + 1) % D`, which keeps it in memory; a standby promoted to this role takes it from there.
         # A snapshot counts (is reported to the coordinator) once its copy is whole on the peer.
-        self._replicas_on = schedule.data_servers > 1
+        self._replicas_on = schedule.data_servers > 1 and job.peer_replicas
         self._peer: Any = None  # the peer's actor handle, once the coordinator names it (`set_peer`)
         self._replicated: set[int] = set()  # versions of this shard's snapshots whole on the peer
         self._replicating: dict[int, asyncio.Task[None]] = {}  # copies to the peer in flight, by version
@@ -441,6 +441,8 @@ class DataServer:
         if generation < self.generation:  # a newer one is fine: a resumed job's shards start at 0
             self._refused += 1
             raise StaleGenerationError(generation, self.generation, "set_peer")
+        if not self._replicas_on:
+            return
         self._peer = peer
         self._replicated.clear()
         for snap in list(self._snapshots.values()):

@@ -125,6 +125,10 @@ class ElasticJob(BaseModel):
     checkpoint: str | None = None  # fsspec URL of a folder for persistent checkpoints; None: none
     checkpoint_every: int = 10  # snapshots between two checkpoints (one is always written at the end)
     checkpoint_keep: int = 3  # checkpoints kept; older ones are pruned
+    # Copy every data server's snapshots to the next data server's memory, so a standby static worker can
+    # take a lost data server's role (seed 001). Off: less memory on static workers, and a lost data
+    # server ends the job (unless nothing was trained since the start).
+    peer_replicas: bool = True
 
     def __init__(self, **data: Any) -> None:
         try:

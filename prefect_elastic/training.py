@@ -574,13 +574,18 @@ class TrainingRun:
         for i in lost:
             standby = self._wait_for_standby(i)
             peer = (i + 1) % len(shards)
-            replica = None if peer in lost or peer == i else shards[peer]
+            replica = None if not job.peer_replicas or peer in lost or peer == i else shards[peer]
             start: ShardStart | None = None
             if replica is None:
                 if targets[i] != self.persistence.shard_start(i, self.plan[i]).version:
+                    why = (
+                        "the job has peer_replicas=False, so no copy of its shard was kept"
+                        if not job.peer_replicas
+                        else f"it was lost with the peer that held its replica (data server {peer}); "
+                        f"lost data servers: {sorted(lost)}"
+                    )
                     raise DataServerLostError(
-                        f"data server {i} of job {job.job_id} was lost with the peer that held its "
-                        f"replica (data server {peer}); lost data servers: {sorted(lost)}. Run the job "
+                        f"data server {i} of job {job.job_id} cannot be restored: {why}. Run the job "
                         "again: with `checkpoint` set it resumes from the last checkpoint"
                     )
                 start = self.persistence.shard_start(i, self.plan[i])

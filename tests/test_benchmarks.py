@@ -135,6 +135,8 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert promo["promotions"] == promo["kills"] == 1 and promo["per_kill"][0]["source"] == "replica", promo
     assert restart["recovery_s"] > restart["fail_s"] > 0 and restart["resumed_from"], restart
     assert any("a standby promoted" in row[0] for row in figures(r))
+    cost = r["standby"]["replica_cost"]
+    assert len(cost["ratios"]) == 1 and cost["pairs"][0]["snapshots_with"] > 0, cost
     # The table has a row per figure, put between the marks; the text around them is kept.
     text = docs.read_text()
     assert "intro kept" in text and "analysis kept" in text and "old table" not in text

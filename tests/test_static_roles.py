@@ -143,3 +143,21 @@ def test_the_coordinators_worker_lost_fails_at_once_naming_it(digits_url: str) -
             train(job, cluster=cluster, faults=faults)
     assert faults.log[0].target in str(failed.value)
     assert "checkpoint" in str(failed.value), "it says how to go on"
+
+
+def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
+    static_cluster: LocalElasticCluster, digits_url: str
+) -> None:
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 3)
+    job = make_job(
+        digits_url, "reassign", job_id="no-replicas", model="tests.models:gated_mlp", peer_replicas=False
+    )
+    kill = KillWhenSnapshotted(static_cluster, index=1)
+    try:
+        with pytest.raises(DataServerLostError, match="peer_replicas=False") as failed:
+            train(job, cluster=static_cluster, on_progress=kill)
+    finally:
+        GATE.unlink(missing_ok=True)
+    assert kill.killed is not None and "data server 1" in str(failed.value)
+    assert "resumes from the last checkpoint" in str(failed.value)
