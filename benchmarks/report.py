@@ -297,12 +297,18 @@ def markdown(r: Results, plots: dict[str, str]) -> str:
     m = r["machine"]
     lines = [
         f"Made by `{r['command']}` (`bash scripts/bench.sh` sets up and runs it) on {r['started']}; "
-        f"raw results in [`{r['raw_rel']}`]({r['raw_rel']}).",
+        f"raw results in [`{r['raw_rel']}`]({r['raw_rel']})."
+        + "".join(
+            f" The {p['only']} rows were measured on {p['at']} "
+            f"(`python -m benchmarks.run --only {p['only']}`)."
+            for p in r.get("partial_runs", [])[-1:]
+        ),
         "",
         f"Machine: {m['cpus']} cores ({m['cpu_model']}), {m['memory_gib']:.0f} GiB, {m['device']}; "
         f"Python {m['python']}, torch {m['torch']}, dask {m['dask']}. Every training process runs "
         f"{r['threads']} torch thread; prefect-elastic runs 2 static workers (2 data servers, the "
-        "coordinator) and its compute workers as separate processes on the same cores.",
+        "coordinator) and its compute workers as separate processes on the same cores (the standby rows: "
+        "3 static workers, one of them a standby).",
         "",
         "| figure | measured | target | verdict |",
         "|---|---|---|---|",
