@@ -1,0 +1,126 @@
+"""Peer replicas (seed 001) on data servers in this process, without a cluster: a snapshot counts only once
+its copy is whole on the peer, the peer keeps the one a promotion goes back to, and a data server started
+empty takes its shard from the peer's copy, bit for bit."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from prefect_elastic.data_server import DataServer, plan_shards
+from prefect_elastic.errors import FatalError, StaleGenerationError
+from prefect_elastic.training import prepare, standbys
+
+from .conftest import make_job
+
+
+def servers(digits_url: str, **overrides: Any) -> tuple[DataServer, DataServer, list[list[str]]]:
+    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", **overrides))
+    job, initial = prepared.job, prepared.persistence.initial
+    plan = plan_shards(initial, job.data_servers)
+    made = []
+    for i, names in enumerate(plan):
+        start = prepared.persistence.shard_start(i, names)
+        made.append(
+            DataServer(i, job, prepared.dataset, prepared.schedule, start.params, start.buffers, None, 0)
+        )
+    return made[0], made[1], plan
+
+
+async def settled() -> None:
+    """Let the copies sent in the background arrive (they are tasks on this event loop)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_snapshot_is_reported_only_once_its_copy_is_whole_on_the_peer(digits_url: str) -> None:
+    first, second, _ = servers(digits_url)
+
+    async def run() -> None:
+        assert [s.version for s in (await first.status(0)).snapshots] == [], "no peer named yet"
+        await first.set_peer(0, second)
+        await settled()
+        assert [s.version for s in (await first.status(0)).snapshots] == [0]
+        copy = await second.replica(0, 0)
+        assert all(torch.equal(copy["params"][n], t) for n, t in first._params.items())
+
+    asyncio.run(run())
+
+
+def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(digits_url: str) -> None:
+    first, second, plan = servers(digits_url)
+    job, schedule = first._job, first._schedule
+
+    async def run() -> None:
+        await first.set_peer(0, second)
+        await settled()
+        with torch.no_grad():  # the shard moved on after its snapshot: the replica is of the snapshot
+            for p in first._params.values():
+                p.add_(1.0)
+        prepared = prepare(job)
+        empty = DataServer(0, job, prepared.dataset, schedule, {}, {}, None, 0)
+        assert not empty._params
+        assert await empty.adopt(second, 0) == 0
+        snapshot = first._snapshots[0]
+        assert set(empty._params) == set(snapshot.params) == set(plan[0]) & set(first._params)
+        assert all(torch.equal(empty._params[n], t) for n, t in snapshot.params.items())
+        assert not any(torch.equal(empty._params[n], t) for n, t in first._params.items())
+        assert empty._optimizer is not None, "the optimizer is built for the adopted parameters"
+
+    asyncio.run(run())
+
+
+def test_the_peer_keeps_the_snapshot_every_shard_holds_and_the_two_newest(digits_url: str) -> None:
+    _, second, _ = servers(digits_url)
+
+    async def run() -> None:
+        for version in range(6):
+            await second.hold_replica(
+                0, 0, {"version": version, "params": {}, "buffers": {}, "optimizer": {}}
+            )
+        assert second._keep == 0
+        assert sorted(second._replicas) == [0, 4, 5]
+        second._keep = 4  # as a snapshot_at(..., keep=4) sets it
+        second._prune_replicas()
+        assert sorted(second._replicas) == [4, 5]
+        with pytest.raises(FatalError, match="holds no replica of shard 0 at version 2"):
+            await second.replica(0, 2)
+
+    asyncio.run(run())
+
+
+def test_a_replica_from_a_shard_that_is_not_its_peers_or_of_an_old_generation_is_refused(
+    digits_url: str,
+) -> None:
+    first, second, _ = servers(digits_url)
+
+    async def run() -> None:
+        with pytest.raises(FatalError, match="not its peer's"):
+            await first.hold_replica(0, 0, {"version": 1})
+        await second.fence(3)
+        with pytest.raises(StaleGenerationError):
+            await second.hold_replica(2, 0, {"version": 1})
+        with pytest.raises(StaleGenerationError):
+            await second.set_peer(2, first)
+
+    asyncio.run(run())
+
+
+def test_without_peer_replicas_snapshots_count_at_once_and_no_copy_is_sent(digits_url: str) -> None:
+    first, second, _ = servers(digits_url, peer_replicas=False)
+
+    async def run() -> None:
+        await first.set_peer(0, second)
+        await settled()
+        assert [s.version for s in (await first.status(0)).snapshots] == [0]
+        assert second._replicas == {}
+
+    asyncio.run(run())
+
+
+def test_standbys_are_the_static_workers_that_hold_no_role() -> None:
+    assert standbys(("a", "b", "c", "d"), ["b", "a"], "a") == ("c", "d")
+    assert standbys(("a", "b"), ["a", "b"], "a") == ()
