@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.local.cluster import LocalElasticCluster
-from prefect_elastic.messages import Progress
+from prefect_elastic.messages import EventKind, MembershipEvent, Progress
 from prefect_elastic.training import train
 
 from .elastic import make_job, next_commit, steady_throughput, summary
@@ -108,15 +108,20 @@ def restart_from_checkpoint(workload: str, data: str, epochs: int, kill_at: int 
             update={"checkpoint": f"file://{folder}", "checkpoint_every": 1, "min_workers_timeout": 0.1}
         )
         killed: list[float] = []
+        written = [0]  # the step of the last checkpoint written (a snapshot's event comes after its write)
+
+        def on_event(e: MembershipEvent) -> None:
+            if e.kind == EventKind.SNAPSHOT:
+                written[0] = e.step
 
         def on_progress(p: Progress) -> None:
-            if not killed and p.committed_steps >= kill_at and p.snapshot_step >= kill_at // 2:
+            if not killed and p.committed_steps >= kill_at and written[0] >= kill_at // 2:
                 killed.append(time.time())
                 cluster.kill_worker(p.data_servers[1])
 
         failed_at = None
         try:
-            train(job, cluster=cluster, on_progress=on_progress)
+            train(job, cluster=cluster, on_progress=on_progress, on_event=on_event)
         except DataServerLostError:
             failed_at = time.time()
         if failed_at is None or not killed:

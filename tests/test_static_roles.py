@@ -50,24 +50,30 @@ class Placement:
 
 
 class KillWhenSnapshotted:
-    """Holds training at step 12 or later (`tests.models:gated_mlp`) until a snapshot of where it stands
-    is confirmed (so its copy is on the peer), then SIGKILLs the static worker of data server `index` and
-    lets training go on: the promotion then restores a snapshot past the start, whatever the timing."""
+    """Holds training (`tests.models:gated_mlp`) at each step of `at` or later until a snapshot of where it
+    stands is confirmed (so its copy is on the peer), then SIGKILLs the static worker of data server
+    `index` and lets training go on: each promotion then restores a snapshot past the start (or past the
+    last promotion), whatever the timing."""
 
-    def __init__(self, cluster: LocalElasticCluster, index: int) -> None:
+    def __init__(self, cluster: LocalElasticCluster, index: int, at: tuple[int, ...] = (12,)) -> None:
         self.cluster = cluster
         self.index = index
-        self.killed: str | None = None
+        self.at = list(at)
+        self.killed: list[str] = []
         self.placement = Placement()
 
     def __call__(self, progress: Progress) -> None:
         self.placement(progress)
-        if self.killed is not None or progress.committed_steps < 12:
+        if not self.at or progress.committed_steps < self.at[0] or progress.lost_shards:
             return
+        holder = progress.data_servers[self.index]
+        if holder in self.killed:
+            return  # not replaced yet
         GATE.touch()
-        if progress.snapshot_step >= 12:
-            self.killed = progress.data_servers[self.index]
-            self.cluster.kill_worker(self.killed)
+        if progress.snapshot_step >= self.at[0]:
+            self.at.pop(0)
+            self.killed.append(holder)
+            self.cluster.kill_worker(holder)
             GATE.unlink(missing_ok=True)
 
 
@@ -86,7 +92,7 @@ def test_a_data_server_killed_mid_run_is_promoted_on_a_standby(
 
     assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
-    killed, placement = kill.killed, kill.placement
+    (killed,), placement = kill.killed, kill.placement
     first, last = placement.seen[0], placement.seen[-1]
     assert first.data_servers[1] == killed and len(first.standbys) == 1
     assert last.data_servers[1] == first.standbys[0], "data server 1 now lives on the standby"
@@ -108,6 +114,26 @@ def test_a_data_server_killed_mid_run_is_promoted_on_a_standby(
     assert f"standby {last.data_servers[1]}" in promoted.reason
     assert promoted.generation > result.events[lost].generation
     assert result.counters["promotions"] == 1
+
+
+def test_two_data_servers_lost_at_different_times_with_two_standbys(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 4)
+    job = make_job(digits_url, "rollback", job_id="two-losses", model="tests.models:gated_mlp")
+    kill = KillWhenSnapshotted(static_cluster, index=1, at=(12, 30))
+    try:
+        result = train(job, cluster=static_cluster, on_progress=kill)
+    finally:
+        GATE.unlink(missing_ok=True)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    assert len(kill.killed) == 2 and result.counters["promotions"] == 2
+    holders = [p.data_servers[1] for p in kill.placement.seen]
+    assert holders[:2] == kill.killed and len(set(holders)) == 3, "each loss went to a standby of its own"
+    promoted = [e for e in result.events if e.kind == EventKind.PROMOTED]
+    assert [e.step >= at for e, at in zip(promoted, (12, 30), strict=True)] == [True, True]
 
 
 def test_a_standby_that_joins_after_the_loss_takes_the_role(reference: References, digits_url: str) -> None:
@@ -159,5 +185,5 @@ def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
             train(job, cluster=static_cluster, on_progress=kill)
     finally:
         GATE.unlink(missing_ok=True)
-    assert kill.killed is not None and "data server 1" in str(failed.value)
+    assert kill.killed and "data server 1" in str(failed.value)
     assert "resumes from the last checkpoint" in str(failed.value)
