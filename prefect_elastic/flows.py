@@ -312,6 +312,7 @@ def elastic_training(
                 on_event=reporter.event,
                 stop=watch.stop,
                 progress_poll=PROGRESS_POLL_IDLE_SECONDS,
+                cluster=where.cluster,
             )
             try:
                 start_servers(run)

@@ -105,3 +105,19 @@ def _describe(joined: frozenset[str], left: frozenset[str]) -> str:
     if joined:
         parts.append("joined " + ", ".join(sorted(joined)))
     return "; ".join(parts)
+
+
+def wait_for_group(
+    known: frozenset[str] | set[str],
+    live: frozenset[str] | set[str],
+    pending: int,
+    waited: float,
+    limit: float,
+) -> bool:
+    """Whether to hold a membership check back so that workers joining together join as one group (seed
+    001's node groups: `cluster.scale(+4)`, a SLURM job array): only when the change is joins alone (a
+    loss is acted on at once), the cluster still has `pending` workers it started that have not
+    registered yet, and the first of these joins has waited less than `limit` seconds (one liveness
+    interval)."""
+    joins_only = set(live) > set(known)
+    return joins_only and pending > 0 and waited < limit

@@ -52,6 +52,7 @@ from .messages import (
 )
 from .registry import claim_job, publish_progress, release_job
 from .schedule import Schedule
+from .survival import wait_for_group
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,9 @@ def train(
         faults.bind(cluster)
     with connect_client(target, prepared.job.call_timeout) as client:
         run = TrainingRun(
-            client, prepared, on_progress=on_progress, on_event=on_event, faults=faults, stop=stop
-        )
+            client, prepared, on_progress=on_progress, on_event=on_event, faults=faults, stop=stop,
+            cluster=cluster,
+        )  # fmt: skip
         # Actor handles bind to the current client on first use; make it ours, not a global default.
         with client.as_current():
             try:
@@ -240,6 +242,7 @@ class WorkersView:
     starting: bool
     listed: set[str]  # elastic workers the scheduler lists (a frozen one stays listed)
     static: tuple[str, ...] = ()  # static workers that run, in the order roles are placed on them
+    pending: int = 0  # workers the cluster object started that the scheduler does not list yet
 
 
 def standbys(
@@ -288,8 +291,12 @@ class TrainingRun:
         faults: FaultInjector | None = None,
         stop: threading.Event | None = None,
         progress_poll: float | None = None,
+        cluster: Any = None,
     ) -> None:
         self.client = client
+        # The cluster object, when the caller has one: the workers it started that have not registered yet
+        # (`requested`, as Dask's SpecCluster and dask-jobqueue clusters keep it) join as one group.
+        self.cluster = cluster
         self.job = prepared.job
         self.dataset = prepared.dataset
         self.schedule = prepared.schedule
@@ -481,6 +488,7 @@ class TrainingRun:
         next_check = 0.0
         next_look = 0.0  # the next read of the scheduler's view between survival checks
         known: list[str] = []  # the live workers the last survival check saw
+        group_since: float | None = None  # when joins that wait for the rest of their group were first seen
         while True:
             now = time.monotonic()
             triggered = self.worker_event.is_set()
@@ -495,6 +503,19 @@ class TrainingRun:
                 self.worker_event.clear()
                 view = self._workers_view()
                 self._keep_roles(view, coordinator, shards)
+                # Workers that join together join as one group: hold the check while the cluster still
+                # has workers on their way, for at most a liveness interval (a loss is acted on at once).
+                if not set(view.live) > set(known):
+                    group_since = None
+                elif group_since is None:
+                    group_since = now
+                waited = 0.0 if group_since is None else now - group_since
+                on_the_way = view.pending + int(view.starting)  # not registered yet, or not running yet
+                if wait_for_group(set(known), set(view.live), on_the_way, waited, job.liveness_interval):
+                    next_look = now + STARTING_RECHECK_SECONDS
+                    self.worker_event.wait(timeout=STARTING_RECHECK_SECONDS)
+                    continue
+                group_since = None
                 known = view.live
                 renew = self._ensure_loops(view, coordinator, shards, plan)
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
@@ -675,9 +696,12 @@ class TrainingRun:
             for r in rows
             if is_static_worker(r, self.job.static_resource) and r["status"] in ("running", "paused")
         ]
+        requested = getattr(self.cluster, "requested", None)
+        pending = len(set(map(str, requested)) - {str(r["name"]) for r in rows}) if requested else 0
         return WorkersView(
             live=live,
             starting=any(r["status"] == "init" for r in elastic),
+            pending=pending,
             listed={r["address"] for r in elastic},
             static=tuple(r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))),
         )

@@ -319,3 +319,30 @@ def test_fault_schedule_random_is_reproducible() -> None:
     b = FaultSchedule.random(seed=11, steps=90, events=6)
     assert [(f.at_step, f.kind) for f in a.faults] == [(f.at_step, f.kind) for f in b.faults]
     assert signal.SIGKILL in {f.sig for f in a.faults}
+
+
+def test_four_workers_added_at_once_join_as_one_generation(reference: References, digits_url: str) -> None:
+    """Seed 001's node groups: workers a cluster starts together (`cluster.scale(+4)`, a SLURM job array)
+    are one membership change, not one per worker, although they register one by one."""
+    job = make_job(
+        digits_url, "rollback", job_id="group", model="tests.models:gated_mlp", liveness_interval=3.0
+    )
+    with LocalElasticCluster(static_workers=1, elastic_workers=1) as cluster:
+        added: list[str] = []
+
+        def add_four_then_go_on(p: Progress) -> None:
+            # Training stands (at the gate) from step 8 until all four are members, then goes on.
+            if p.committed_steps >= 8 and not added:
+                GATE.touch()
+                added.extend(cluster.add_worker(wait=False) for _ in range(4))
+            elif added and len(p.workers) == 5:
+                GATE.unlink(missing_ok=True)
+
+        try:
+            result = train(job, cluster=cluster, on_progress=add_four_then_go_on)
+        finally:
+            GATE.unlink(missing_ok=True)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    changes = result.membership_events()
+    assert [len(e.joined) for e in changes] == [1, 4], [(e.kind, e.joined, e.left) for e in changes]

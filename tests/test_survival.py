@@ -124,3 +124,14 @@ def test_first_members_are_admitted_not_rolled_back() -> None:
     assert d.generation == 4 and d.joined == {"a"} and d.resume
     again = survival_check(state(workers=frozenset(), policy="reassign"), {"a", "b"}, now=1.0)
     assert again.action is Action.START
+
+
+def test_joins_wait_for_the_rest_of_their_group_but_a_loss_never_waits() -> None:
+    from prefect_elastic.survival import wait_for_group
+
+    assert wait_for_group({"a"}, {"a", "b"}, pending=3, waited=0.2, limit=1.0), "3 more on their way"
+    assert not wait_for_group({"a"}, {"a", "b"}, pending=0, waited=0.0, limit=1.0), "the group is complete"
+    assert not wait_for_group({"a"}, {"a", "b"}, pending=3, waited=1.0, limit=1.0), "waited a whole interval"
+    assert not wait_for_group({"a", "b"}, {"a", "c"}, pending=3, waited=0.0, limit=1.0), "b was lost"
+    assert not wait_for_group({"a", "b"}, {"a"}, pending=3, waited=0.0, limit=1.0)
+    assert not wait_for_group({"a"}, {"a"}, pending=3, waited=0.0, limit=1.0), "no change"

@@ -275,6 +275,13 @@ class LocalElasticCluster:
                 raise RuntimeError(f"the nanny of {name_or_address} did not finish starting: {status}")
             time.sleep(_POLL_S)
 
+    @property
+    def requested(self) -> set[str]:
+        """Names of the worker processes this cluster started that still run (as `SpecCluster.requested`:
+        a name missing from the scheduler is a worker on its way)."""
+        with self._lock:
+            return {name for name, proc in self._workers.items() if proc.poll() is None}
+
     def wait_for_pending(self, timeout: float | None = None) -> None:
         """Wait until every worker process this cluster started and that still runs has registered (a
         worker added with `wait=False` joins a few seconds later)."""
