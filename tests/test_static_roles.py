@@ -187,3 +187,42 @@ def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
         GATE.unlink(missing_ok=True)
     assert kill.killed and "data server 1" in str(failed.value)
     assert "resumes from the last checkpoint" in str(failed.value)
+
+
+def test_random_kills_of_static_and_elastic_workers(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """Compute workers killed, restarted and added, and data servers' static workers killed (each followed
+    by a new static worker), at random steps: both invariants hold. (One policy: a promotion goes back to
+    the snapshot under both, which the tests above show.)"""
+    policy = "rollback"
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 3)
+    job = make_job(digits_url, policy, job_id=f"mix-{policy}", epochs=4, model="tests.models:gated_mlp")
+    faults = FaultSchedule.random(seed=3, steps=90, events=4, start_alive=2, data_server_kills=2)
+    planned = [(f.kind, f.role) for f in faults.faults]
+    initial: set[str] = set()
+    seen: set[str] = set()
+
+    def hold_until_joined(p: Progress) -> None:
+        # As in test_random_kills_and_joins: each new compute process takes part before the job ends.
+        if not initial:
+            initial.update(p.workers)
+        seen.update(p.workers)
+        expected = sum(1 for r in faults.log if r.kind in ("add", "restart"))
+        if len(seen - initial) < expected and p.state == "running":
+            GATE.touch()
+        else:
+            GATE.unlink(missing_ok=True)
+
+    try:
+        result = train(job, cluster=static_cluster, faults=faults, on_progress=hold_until_joined)
+    finally:
+        GATE.unlink(missing_ok=True)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    assert len(faults.log) == len(planned), "every planned fault ran"
+    assert result.counters["promotions"] == 2
+    compute = {w for e in result.membership_events() for w in e.workers + e.left + e.joined}
+    static = {r.target for r in faults.log if r.kind in ("kill", "add-static")} - compute
+    assert len(compute | static) >= 6, "at least six processes took part"

@@ -127,9 +127,13 @@ class FaultSchedule:
         first_step: int = 2,
         min_alive: int = 1,
         start_alive: int = 2,
+        data_server_kills: int = 0,
+        data_servers: int = 2,
     ) -> FaultSchedule:
-        """`events` kills, restarts and joins at random steps in [first_step, steps), never leaving fewer
-        than `min_alive` compute workers by the schedule's own count."""
+        """`events` kills, restarts and joins of compute workers at random steps in [first_step, steps),
+        never leaving fewer than `min_alive` compute workers by the schedule's own count; and
+        `data_server_kills` SIGKILLs of a data server's static worker (never data server 0's, which holds
+        the coordinator), each with a new static worker started at the same step (the next standby)."""
         rng = random.Random(seed)
         schedule = cls(seed=seed)
         alive = start_alive
@@ -140,6 +144,12 @@ class FaultSchedule:
             kind = rng.choice(kinds)
             schedule.faults.append(Fault(at, kind))
             alive += {"add": 1, "kill": -1}.get(kind, 0)
+        if data_server_kills and data_servers < 2:
+            raise ValueError("data_server_kills needs data_servers >= 2: data server 0 holds the coordinator")
+        for at in sorted(rng.randrange(first_step, steps) for _ in range(data_server_kills)):
+            index = rng.randrange(1, data_servers)
+            schedule.kill_data_server(at, index).add_static_worker(at)
+        schedule.faults.sort(key=lambda f: f.at_step)
         return schedule
 
     # -- running ---------------------------------------------------------------------------------
