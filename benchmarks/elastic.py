@@ -543,8 +543,9 @@ def memory(workload: str, data: str, small: str, epochs: int) -> dict[str, Any]:
 
     Baseline: the worker's resident memory before the job (Python, torch, Dask). Peak: its high-water
     mark at the end. Must hold: data partition + parameter slice + optimizer state (momentum, one more
-    copy) + snapshot (parameters and momentum again). The same job on the `small` dataset separates what
-    grows with the data (`marginal_ratio`: extra peak per extra byte held) from a fixed cost.
+    copy) + snapshot (parameters and momentum again) + the replica of its peer's snapshot (the peer's
+    parameters and momentum; seed 001). The same job on the `small` dataset separates what grows with the
+    data (`marginal_ratio`: extra peak per extra byte held) from a fixed cost.
     """
     big_run, small_run = _memory_once(workload, data, epochs), _memory_once(workload, small, epochs)
     for server, other in zip(big_run, small_run, strict=True):
@@ -570,10 +571,15 @@ def _memory_once(workload: str, data: str, epochs: int) -> list[dict[str, Any]]:
         per_sample = (arrays["x"].nbytes + arrays["y"].nbytes) // len(arrays["y"])
         total = len(arrays["y"])
     servers = []
+
+    def nbytes(names: list[str]) -> int:
+        return sum(result.state_dict[n].numel() * result.state_dict[n].element_size() for n in names)
+
     for i, names in enumerate(plan):
         start, stop = partition_bounds(total, job.data_servers, i)
-        params = sum(result.state_dict[n].numel() * result.state_dict[n].element_size() for n in names)
-        must_hold = (stop - start) * per_sample + 3 * params
+        params = nbytes(names)
+        replica = 2 * nbytes(plan[(i + 1) % len(plan)]) if job.peer_replicas and len(plan) > 1 else 0
+        must_hold = (stop - start) * per_sample + 4 * params + replica
         grown = peaks[i] - before[i]
         servers.append(
             {
@@ -584,6 +590,7 @@ def _memory_once(workload: str, data: str, epochs: int) -> list[dict[str, Any]]:
                 "growth": grown,
                 "data_bytes": (stop - start) * per_sample,
                 "param_bytes": params,
+                "replica_bytes": replica,
                 "must_hold": must_hold,
                 "ratio": grown / must_hold,
             }

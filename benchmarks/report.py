@@ -40,6 +40,7 @@ def _spread(values: list[float], digits: int = 2) -> str:
 STANDBY_TARGET_S = 2.0
 RESTART_SPEEDUP = 10.0
 REPLICA_COST = 0.01
+MEMORY_PER_BYTE = 3.0  # issue 10: a data server's growth per byte it must hold, replica included
 
 
 def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
@@ -280,11 +281,12 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
         for s in mem["servers"]:
             rows.append(
                 (
-                    f"data server {s['server']} peak memory over what it must hold ({mem['workload']})",
+                    f"data server {s['server']} peak memory over what it must hold ({mem['workload']}"
+                    + (", with its peer's replica)" if s.get("replica_bytes") else ")"),
                     f"{s['ratio']:.2f} ({s['growth'] / 2**20:.0f} MiB / {s['must_hold'] / 2**20:.0f} MiB); "
                     f"per extra byte held: {s['marginal_ratio']:.2f}",
-                    "reported; explain > 2",
-                    "reported",
+                    f"per extra byte held ≤ {MEMORY_PER_BYTE:g}; explain > 2 overall",
+                    _verdict(s["marginal_ratio"] <= MEMORY_PER_BYTE),
                 )
             )
     for w, runs in r.get("scaling", {}).items():

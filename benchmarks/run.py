@@ -305,7 +305,6 @@ def run_elastic(
             for n in sizes.scaling_workers
         ]
         results["scaling"][w] = [x for x in runs if x]
-    results["memory"] = attempt(results, "data server memory", elastic.memory, "mlp", big, data, 1)
     results["timeline"] = attempt(
         results, "elastic timeline", elastic.timeline, pool, "cnn", data, sizes.timeline_epochs,
         sizes.kill_at, sizes.join_at,
@@ -318,8 +317,10 @@ def run_elastic(
         )  # fmt: skip
 
 
-def standby_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
-    """A data server's static worker lost: promotion of a standby, against failing and running again."""
+def standby_figures(results: dict[str, Any], data: str, big: str, sizes: Sizes) -> None:
+    """A data server's static worker lost: promotion of a standby, against failing and running again;
+    what the replicas cost in steady state and in memory."""
+    results["memory"] = attempt(results, "data server memory", elastic.memory, "mlp", big, data, 1)
     results["standby"] = {
         "promotion": attempt(
             results, "standby promotion", standby.standby_recovery, "cnn", data, sizes.standby_kills,
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         run_elastic(results, pool, data, big, workdir, sizes, torchrun=not args.no_torchrun)
     finally:
         pool.close()
-    standby_figures(results, data, sizes)
+    standby_figures(results, data, big, sizes)
     if not args.no_torchrun:
         torchrun_figures(results, data, workdir, sizes)
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -423,15 +424,16 @@ def run_only(args: argparse.Namespace) -> int:
     raw, docs = Path(args.raw), Path(args.docs)
     results: dict[str, Any] = json.loads(raw.read_text())
     data = write_dataset(Path(args.data_dir) / f"synthetic-{sizes.samples}.npz", sizes.samples)
+    big = write_dataset(Path(args.data_dir) / f"synthetic-{sizes.memory_samples}.npz", sizes.memory_samples)
     results.pop("errors", None)
-    standby_figures(results, data, sizes)
+    standby_figures(results, data, big, sizes)
     results.setdefault("partial_runs", []).append(
         {"only": args.only, "at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     )
     raw.write_text(json.dumps(results, indent=1, default=str))
     report.write(results, docs, docs.parent / "img")
     for row in report.figures(results):
-        if "static worker" in row[0]:
+        if "static worker" in row[0] or "replica" in row[0]:
             print(" | ".join(row))
     return 1 if results.get("errors") else 0
 

@@ -71,6 +71,9 @@ STARTING_RECHECK_SECONDS = 0.05
 # How often the controller reads the scheduler's view of the workers between survival checks: a worker
 # that froze (SIGSTOP, a hung device) stops sending heartbeats, and this is how soon that is seen.
 MEMBERSHIP_POLL_SECONDS = 0.25
+# While a survival check runs (it calls every shard), how often the controller looks for a static worker
+# that died under it: such a call would otherwise wait for Dask's 30 s connect timeout.
+WATCH_WHILE_CALLING_SECONDS = 0.1
 # A worker silent for more than this many of the scheduler's heartbeat intervals (and for more than a
 # liveness interval) is out of the membership: 0.5 s heartbeats on small clusters make it 1.25 s.
 SILENT_HEARTBEATS = 2.5
@@ -331,6 +334,7 @@ class TrainingRun:
         self.standbys: tuple[str, ...] = ()
         self.promotions: list[Promotion] = []
         self.warmed: dict[str, Future] = {}  # standbys made ready to take a role (`warm_standby`)
+        self._told_lost: set[int] = set()  # data servers the coordinator was told of during a long call
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -519,8 +523,9 @@ class TrainingRun:
                 known = view.live
                 renew = self._ensure_loops(view, coordinator, shards, plan)
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
-                events: list[MembershipEvent] = self._call(
+                events: list[MembershipEvent] = self._wait_watching_roles(
                     coordinator.survival_check(view.live, "worker event" if triggered else "interval", renew),
+                    coordinator,
                     timeout=3 * job.call_timeout,
                 )
                 next_check = time.monotonic() + job.liveness_interval
@@ -580,6 +585,24 @@ class TrainingRun:
         if lost:
             self._promote_standbys(lost, coordinator, shards)
 
+    def _wait_watching_roles(self, future: Any, coordinator: CoordinatorHandle, timeout: float) -> Any:
+        """`future`'s result (a coordinator call that calls every shard). While it runs, keep watching the
+        static workers: a call to a shard whose worker just died waits for Dask's connect timeout, so the
+        coordinator is told of the loss at once (`shard_lost`), which makes it give that call up."""
+        deadline = time.monotonic() + timeout
+        next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
+        while not future.done() and time.monotonic() < deadline:
+            time.sleep(0.002)
+            if time.monotonic() < next_look:
+                continue
+            next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
+            static = set(self._workers_view().static)
+            for i, where in enumerate(self.placement):
+                if where not in static and i not in self._told_lost:
+                    self._told_lost.add(i)
+                    coordinator.shard_lost(i, f"static worker {where} left")  # not waited for
+        return self._call(future, timeout=max(0.01, deadline - time.monotonic()))
+
     def _promote_standbys(
         self, lost: list[int], coordinator: CoordinatorHandle, shards: list[ShardHandle]
     ) -> None:
@@ -628,6 +651,7 @@ class TrainingRun:
             self.promotions.append(promotion)
             self.actor_futures.append(future)
             shards[i], self.channels[i], self.placement[i] = shard, channel, standby
+            self._told_lost.discard(i)
             log.warning(
                 "job %s: data server %d now on standby %s at step %d, %.2f s after it was lost (suspend "
                 "%.3f s, start %.3f s, copy from the peer %.3f s, promote %.3f s)",

@@ -127,6 +127,7 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert r["recovery"]["reassign"]["steps_lost"] == [0]
     assert [s["server"] for s in r["memory"]["servers"]] == [0, 1]
     assert all(s["must_hold"] > s["data_bytes"] > 0 for s in r["memory"]["servers"])
+    assert all(s["replica_bytes"] > 0 for s in r["memory"]["servers"]), "what it must hold counts the replica"
     kinds = [e["kind"] for e in r["timeline"]["events"]]
     assert "kill" in kinds and "join" in kinds
     assert r["torchrun"]["recovery"] and r["torchrun"]["timeline"]["steps"]
