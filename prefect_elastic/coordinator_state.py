@@ -285,17 +285,8 @@ class CoordinatorState:
         """Carry out a membership change once the shards were fenced and, if asked, restored."""
         was_running = bool(self.members) and not self.suspended
         open_step = self.ledger.committed_steps
-        steps_lost = 0
-        if plan.restore_to is not None:
-            before = self.ledger.committed_steps
-            self.ledger.drop_after_snapshot()
-            steps_lost = before - self.ledger.committed_steps
-            del self.history[self.ledger.committed_steps :]
-            del self.commit_times[self.ledger.committed_steps :]
-            self.versions = dict.fromkeys(range(self.shards), self.ledger.committed_steps)
-        for records in self._records.values():
-            records.clear()
-        self.snapshot_wanted = None
+        steps_lost = self._back_to_snapshot() if plan.restore_to is not None else 0
+        self._forget_open_records()
         # The open step's micro-batches are trained again by the new members, from the start: every
         # member held a share of it, and whatever gradients reached the shards were dropped by the fence.
         dropped = 0
@@ -331,6 +322,22 @@ class CoordinatorState:
             seconds=now - began,
         )
 
+    def _back_to_snapshot(self) -> int:
+        """Drop the steps committed after the last snapshot (every shard was restored to it); returns how
+        many."""
+        before = self.ledger.committed_steps
+        self.ledger.drop_after_snapshot()
+        del self.history[self.ledger.committed_steps :]
+        del self.commit_times[self.ledger.committed_steps :]
+        self.versions = dict.fromkeys(range(self.shards), self.ledger.committed_steps)
+        return before - self.ledger.committed_steps
+
+    def _forget_open_records(self) -> None:
+        # After a fence, what shards applied of the open step and any snapshot asked for are void.
+        for records in self._records.values():
+            records.clear()
+        self.snapshot_wanted = None
+
     def after_decision(self, decision: Decision, now: float, began: float) -> list[MembershipEvent]:
         """What every decision ends with: the waiting state, the failure when the wait ran out."""
         events: list[MembershipEvent] = []
@@ -362,9 +369,7 @@ class CoordinatorState:
             dropped = len(self.schedule.step_batches(self.ledger.committed_steps))
         self.lost.add(index)
         self.generation = generation
-        for records in self._records.values():
-            records.clear()
-        self.snapshot_wanted = None
+        self._forget_open_records()
         return [self.record(EventKind.SHARD_LOST, batches_dropped=dropped, reason=reason, now=now)]
 
     def promote_shard(
@@ -379,15 +384,8 @@ class CoordinatorState:
         channels = list(self.channels)
         channels[index] = channel
         self.channels = tuple(channels)
-        before = self.ledger.committed_steps
-        self.ledger.drop_after_snapshot()
-        steps_lost = before - self.ledger.committed_steps
-        del self.history[self.ledger.committed_steps :]
-        del self.commit_times[self.ledger.committed_steps :]
-        self.versions = dict.fromkeys(range(self.shards), self.ledger.committed_steps)
-        for records in self._records.values():
-            records.clear()
-        self.snapshot_wanted = None
+        steps_lost = self._back_to_snapshot()
+        self._forget_open_records()
         self.generation = generation
         self.counters["promotions"] += 1
         return self.record(
