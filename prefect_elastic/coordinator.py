@@ -11,8 +11,9 @@ Does not own: parameters or data (the data servers), which workers exist (the co
 scheduler and passes the live list in), process lifecycles (the controller).
 
 Called by compute workers (`role`, `report_failure`) and by the controller (`survival_check`, `progress`,
-`outcome`, `stop`, `snapshot_now`, `snapshot_record`). Every method is `async def` (see data_server.py on
-why).
+`outcome`, `stop`, `snapshot_now`, `snapshot_record`, and `journal`: the controller's copy of the record,
+from which `rebuild` makes a new coordinator on another static worker when this one's dies). Every method
+is `async def` (see data_server.py on why).
 """
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ from typing import Any
 
 from .coordinator_state import CoordinatorState, Failure
 from .errors import FatalError, RecoverableError
-from .messages import EventKind, MembershipEvent, Outcome, Progress, Resume, Role, ShardStatus
+from .messages import (
+    EventKind,
+    Journal,
+    MembershipEvent,
+    Outcome,
+    Progress,
+    Resume,
+    Role,
+    ShardStatus,
+)
 from .schedule import Schedule
 from .survival import Action, Decision, Policy, survival_check
 
@@ -87,6 +97,44 @@ class Coordinator:
         self._state.channels = tuple((str(host), int(port)) for host, port in channels)
         await self._wire_peers(range(len(self._shards)))
         self._sync_task = asyncio.ensure_future(self._follow_shards())
+
+    async def rebuild(
+        self,
+        journal: Journal,
+        shards: list[Any],
+        channels: list[tuple[str, int]],
+        lost: list[int],
+        where: str,
+        reason: str,
+        began: float,
+    ) -> MembershipEvent:
+        """Take over from a coordinator whose static worker died (this one holds nothing yet): fence the
+        live shards into a generation above any they have seen, so nothing the old one or the compute
+        loops of its generations send is taken, and rebuild the record from the controller's copy
+        (`journal`) and what the shards hold (`CoordinatorState.rebuild`). Data servers in `lost` died
+        with it: they wait for a standby (`promote`), as any lost data server. Then follow the shards, as
+        after `attach`; their peers are unchanged."""
+        lock, _ = self._primitives()
+        state = self._state
+        async with lock:
+            self._shards = list(shards)
+            state.channels = tuple((str(host), int(port)) for host, port in channels)
+            state.lost = set(lost)
+            for i in lost:
+                self._gone.setdefault(i, asyncio.Event()).set()
+            seen: list[ShardStatus] = await self._on_shards(lambda s: s.status(state.schedule.total_steps))
+            generation = max([journal.generation, *(s.generation for s in seen)]) + 1
+            fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
+            event = state.rebuild(journal, fenced, lost, generation, where, reason, time.time(), began)
+            self._take([event])
+            self._last_check_steps = state.committed_steps
+        self._sync_task = asyncio.ensure_future(self._follow_shards())
+        await self._notify()
+        return event
+
+    async def journal(self, known_steps: int, known_events: int) -> Journal:
+        """What the controller's copy of the record lacks (`CoordinatorState.journal`)."""
+        return self._state.journal(known_steps, known_events)
 
     async def _wire_peers(self, indices: Iterable[int]) -> None:
         count = len(self._shards)

@@ -20,11 +20,21 @@ The actor (`coordinator.py`) makes the calls this class asks for and feeds their
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .errors import FatalError
+from .errors import DataServerLostError, FatalError
 from .ledger import Ledger
-from .messages import EventKind, MembershipEvent, Progress, Resume, Role, ShardStatus, StepRecord
+from .messages import (
+    EventKind,
+    Journal,
+    MembershipEvent,
+    Progress,
+    Resume,
+    Role,
+    ShardStatus,
+    StepRecord,
+)
 from .schedule import Schedule
 from .survival import Action, Decision, Policy, SurvivalState
 
@@ -95,7 +105,11 @@ class CoordinatorState:
             "snapshots": 0,
             "inconsistent_fences": 0,  # membership changes that found the shards at two versions
             "promotions": 0,  # data servers that a standby static worker took over
+            "coordinator_rebuilds": 0,  # coordinators rebuilt on another static worker (`rebuild`)
         }
+        # The lowest the ledger stood at since the controller last took a part of the journal: a rollback
+        # since then replaced the steps after its snapshot, which the next part sends again.
+        self._journaled = self.ledger.committed_steps
 
     # -- where the job is ------------------------------------------------------------------------
 
@@ -327,6 +341,7 @@ class CoordinatorState:
         many."""
         before = self.ledger.committed_steps
         self.ledger.drop_after_snapshot()
+        self._journaled = min(self._journaled, self.ledger.committed_steps)
         del self.history[self.ledger.committed_steps :]
         del self.commit_times[self.ledger.committed_steps :]
         self.versions = dict.fromkeys(range(self.shards), self.ledger.committed_steps)
@@ -393,6 +408,110 @@ class CoordinatorState:
             steps_lost=steps_lost,
             reason=f"data server {index} on standby {worker}, from its peer's replica of step "
             f"{self.ledger.committed_steps}",
+            now=now,
+            seconds=now - began,
+        )
+
+    # -- the controller's copy of the record, and a coordinator rebuilt from it --------------------
+
+    def journal(self, known_steps: int, known_events: int) -> Journal:
+        """The part of the record that a copy holding `known_steps` steps and `known_events` events
+        lacks: from the lower of that and where the ledger went back to since the last part."""
+        base = min(known_steps, self._journaled, self.ledger.committed_steps)
+        first_event = min(known_events, len(self.events))
+        self._journaled = self.ledger.committed_steps
+        return Journal(
+            generation=self.generation,
+            committed_steps=self.ledger.committed_steps,
+            entries=self.ledger.entries_from(base),
+            history=self.history[base:],
+            commit_times=self.commit_times[base:],
+            events=self.events[first_event:],
+            counters=dict(self.counters),
+            base_step=base,
+            base_event=first_event,
+        )
+
+    def rebuild(
+        self,
+        journal: Journal,
+        fenced: list[ShardStatus],
+        lost: Iterable[int],
+        generation: int,
+        where: str,
+        reason: str,
+        now: float,
+        began: float,
+    ) -> MembershipEvent:
+        """Take over from a coordinator whose static worker died, in a state that holds nothing yet: from
+        the controller's copy of its record (`journal`), and from the live shards, fenced into
+        `generation` (their versions, snapshots, replicas and the records of the steps they applied).
+        Shards in `lost` died with it (a coordinator shares its static worker with data server 0).
+
+        The ledger is what every shard applied, as the old coordinator would have had it: the copy's steps
+        up to that version, then the shards' records of the steps after (in sync mode the batch ids of a
+        step follow from the schedule, which fills in a record no live shard holds). The snapshot a
+        rollback or a promotion goes back to is the newest that every live shard holds, and that each lost
+        shard's peer holds a replica of; with a shard lost, the ledger stands there, for the promotion.
+        Nothing is handed out until the next survival check admits the live workers (in a new generation,
+        which brings the shards to one version if they are not)."""
+        lost = set(lost)
+        live = {s.index: s for s in fenced}
+        if not live or set(live) | lost != set(range(self.shards)) or set(live) & lost:
+            raise FatalError(f"rebuild: shards {sorted(live)} live and {sorted(lost)} lost: a bug")
+        applied = min(s.version for s in fenced)  # every live shard applied the steps before it
+        held = set.intersection(*({i.version for i in s.snapshots} for s in fenced))
+        for i in lost:
+            peer = live.get((i + 1) % self.shards)
+            held &= set(peer.replicas) if peer is not None else set()
+        held = {v for v in held if v <= applied}
+        consistent = not lost and len({s.version for s in fenced}) == 1
+        if not held and not consistent:
+            raise DataServerLostError(
+                f"the coordinator of job {self.job_id} cannot be rebuilt: no snapshot is held by every live "
+                "shard" + (f" and by the peers of data servers {sorted(lost)}, lost with it" if lost else "")
+            )
+        committed = max(held) if lost else applied
+        keep = min(journal.committed_steps, committed)
+        self.ledger = Ledger()
+        self.ledger.restore([e for e in journal.entries if e.step < keep], keep)
+        self.history = journal.history[:keep]
+        self.commit_times = journal.commit_times[:keep]
+        records: dict[int, StepRecord] = {}
+        for status in fenced:
+            for one in status.records:
+                records.setdefault(one.step, one)
+        for step in range(keep, committed):
+            batch_ids = self.schedule.step_batches(step)
+            record = records.get(step)
+            if record is None:
+                self.ledger.commit(batch_ids, step, -1)
+                self.history.append(math.nan)
+                self.commit_times.append(math.nan)
+                continue
+            if tuple(record.batch_ids) != tuple(batch_ids):
+                raise FatalError(f"a shard applied step {step} from batch ids {record.batch_ids}: a bug")
+            self.ledger.commit(batch_ids, step, record.generation, record.workers)
+            self.history.append(sum(record.losses[b] for b in batch_ids) / len(batch_ids))
+            self.commit_times.append(record.time)
+        self.ledger.snapshot_step = max(held, default=committed)
+        self.generation = generation
+        self.members = ()
+        self.suspended = True
+        self.lost = lost
+        self.versions = {s.index: s.version for s in fenced}
+        self._forget_open_records()
+        self.events = list(journal.events)
+        self.counters = {**self.counters, **journal.counters}
+        self.counters["coordinator_rebuilds"] += 1
+        self._journaled = 0
+        reached = max(journal.committed_steps, applied)
+        return self.record(
+            EventKind.COORDINATOR_REBUILT,
+            steps_lost=max(0, reached - committed),
+            reason=f"the coordinator rebuilt on {where} ({reason}); the ledger rebuilt to step "
+            f"{committed} from the controller's copy (to step {keep}) and the shards' records"
+            + (f"; data servers {sorted(lost)} lost with it" if lost else ""),
             now=now,
             seconds=now - began,
         )

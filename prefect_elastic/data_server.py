@@ -361,6 +361,7 @@ class DataServer:
             ),
             pending=len(self._open.grads),
             refused=self._refused,
+            replicas=tuple(sorted(self._replicas)),
         )
 
     async def fence(self, generation: int) -> ShardStatus:

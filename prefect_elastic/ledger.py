@@ -25,6 +25,7 @@ class LedgerEntry:
 class Ledger:
     def __init__(self) -> None:
         self._entries: dict[int, LedgerEntry] = {}
+        self._steps: list[list[int]] = []  # the batch ids of each committed step, in step order
         self.committed_steps = 0  # == the parameter version
         self.snapshot_step = 0  # steps < snapshot_step are held by the shards' last snapshot
         self.dropped_batches = 0  # committed, then dropped by a rollback
@@ -43,6 +44,7 @@ class Ledger:
         for b in ids:
             worker = (workers or {}).get(b, "")
             self._entries[b] = LedgerEntry(batch_id=b, step=step, generation=generation, worker=worker)
+        self._steps.append(ids)
         self.committed_steps += 1
 
     def restore(self, entries: Iterable[LedgerEntry], committed_steps: int) -> None:
@@ -52,6 +54,9 @@ class Ledger:
             raise FatalError(
                 f"ledger of the checkpoint does not cover steps 0..{committed_steps - 1} exactly"
             )
+        self._steps = [[] for _ in range(committed_steps)]
+        for e in sorted(self._entries.values(), key=lambda e: e.batch_id):
+            self._steps[e.step].append(e.batch_id)
         self.committed_steps = self.snapshot_step = committed_steps
 
     def mark_snapshot(self, step: int | None = None) -> None:
@@ -68,6 +73,7 @@ class Ledger:
         dropped = sorted(b for b, e in self._entries.items() if e.step >= self.snapshot_step)
         for b in dropped:
             del self._entries[b]
+        del self._steps[self.snapshot_step :]
         self.dropped_steps += self.committed_steps - self.snapshot_step
         self.dropped_batches += len(dropped)
         self.committed_steps = self.snapshot_step
@@ -75,6 +81,10 @@ class Ledger:
 
     def entries(self) -> list[LedgerEntry]:
         return sorted(self._entries.values(), key=lambda e: e.batch_id)
+
+    def entries_from(self, step: int) -> list[LedgerEntry]:
+        """The entries of steps `step` and after, in step order (costs what they hold, not the ledger)."""
+        return [self._entries[b] for ids in self._steps[step:] for b in ids]
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -12,8 +12,9 @@ Who sends what (docs/architecture.md has the picture):
   batches); JSON headers and raw tensor bytes, not these dataclasses;
 - data server -> coordinator: `ShardStatus` with `StepRecord`s (what each shard applied), read by the
   coordinator off the step path;
-- coordinator -> controller: `Progress`, `MembershipEvent`, `Outcome`; controller -> coordinator:
-  `Resume` (a persistent checkpoint to start from).
+- coordinator -> controller: `Progress`, `MembershipEvent`, `Outcome`, and `Journal` (the controller's
+  copy of the ledger and history, from which a coordinator is rebuilt on another static worker);
+  controller -> coordinator: `Resume` (a persistent checkpoint to start from), a `Journal` to rebuild from.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class EventKind(StrEnum):
     WAITING = "waiting"  # fewer live workers than min_workers: no work until more join
     SHARD_LOST = "shard-lost"  # a data server's static worker died: training suspended until promotion
     PROMOTED = "promoted"  # a standby static worker took the lost data server's role, from its peer's replica
+    COORDINATOR_REBUILT = "coordinator-rebuilt"  # its worker died: rebuilt from the journal and the shards
     FAILED = "failed"
     DONE = "done"
 
@@ -102,6 +104,8 @@ class ShardStatus:
     snapshots: tuple[SnapshotInfo, ...]
     pending: int  # micro-batches of the open step whose gradients it holds
     refused: int  # messages of another generation refused since the shard started
+    # Versions of the snapshots of shard `(index - 1) % D` this shard holds a whole copy of (its replicas).
+    replicas: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,43 @@ class Resume:
 
 
 @dataclass
+class Journal:
+    """The coordinator's record as the controller keeps a copy of it: the ledger's entries in step order,
+    the mean loss and commit time of every committed step, the events, the counters. A part of it
+    (`Coordinator.journal`) starts at `base_step` and `base_event`: whatever the copy holds from there on
+    is replaced (a rollback since the last part changed the steps after its snapshot).
+
+    When the coordinator's static worker dies, a new coordinator is rebuilt from the copy and from what
+    the shards still hold (`CoordinatorState.rebuild`)."""
+
+    generation: int = 0
+    committed_steps: int = 0
+    entries: list[LedgerEntry] = field(default_factory=list)  # of steps base_step..committed_steps-1
+    history: list[float] = field(default_factory=list)
+    commit_times: list[float] = field(default_factory=list)
+    events: list[MembershipEvent] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)
+    base_step: int = 0
+    base_event: int = 0
+
+    def extend(self, part: Journal) -> None:
+        """Take in a part of the coordinator's journal (this copy starts at step 0 and event 0)."""
+        if part.base_step > self.committed_steps or part.base_event > len(self.events):
+            raise ValueError(
+                f"journal part starts at step {part.base_step}, event {part.base_event}; the copy holds "
+                f"{self.committed_steps} steps and {len(self.events)} events"
+            )
+        self.entries = [e for e in self.entries if e.step < part.base_step] + part.entries
+        del self.history[part.base_step :], self.commit_times[part.base_step :]
+        self.history += part.history
+        self.commit_times += part.commit_times
+        del self.events[part.base_event :]
+        self.events += part.events
+        self.generation, self.committed_steps = part.generation, part.committed_steps
+        self.counters = dict(part.counters)
+
+
+@dataclass
 class Outcome:
     ledger: list[LedgerEntry]
     events: list[MembershipEvent]
@@ -256,6 +297,19 @@ class CoordinatorHandle(Protocol):
     def snapshot_record(self) -> Call[Resume]: ...
 
     def shard_lost(self, index: int, reason: str) -> Call[int]: ...
+
+    def journal(self, known_steps: int, known_events: int) -> Call[Journal]: ...
+
+    def rebuild(
+        self,
+        journal: Journal,
+        shards: list[Any],
+        channels: list[tuple[str, int]],
+        lost: list[int],
+        where: str,
+        reason: str,
+        began: float,
+    ) -> Call[MembershipEvent]: ...
 
     def promote(
         self, index: int, shard: Any, channel: tuple[str, int], worker: str

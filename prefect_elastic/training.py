@@ -44,10 +44,12 @@ from .ledger import LedgerEntry
 from .messages import (
     CoordinatorHandle,
     EventKind,
+    Journal,
     MembershipEvent,
     Outcome,
     Progress,
     Promotion,
+    Resume,
     ShardHandle,
 )
 from .registry import claim_job, publish_progress, release_job
@@ -79,6 +81,13 @@ WATCH_WHILE_CALLING_SECONDS = 0.1
 SILENT_HEARTBEATS = 2.5
 # A compute loop that keeps failing on a live worker is restarted at most this many times.
 MAX_LOOP_RESTARTS = 5
+# How long the controller waits on a coordinator call between two looks at whether its worker is gone: a
+# call to a worker that died waits for Dask's connect timeout, not for an answer that will never come.
+CALL_SLICE_SECONDS = 0.05
+
+
+class CoordinatorLost(DataServerLostError):
+    """The coordinator's static worker left the cluster: the controller rebuilds it on another one."""
 
 
 class FaultInjector(Protocol):
@@ -335,6 +344,12 @@ class TrainingRun:
         self.promotions: list[Promotion] = []
         self.warmed: dict[str, Future] = {}  # standbys made ready to take a role (`warm_standby`)
         self._told_lost: set[int] = set()  # data servers the coordinator was told of during a long call
+        # The controller's copy of the coordinator's record (ledger, history, events), taken after every
+        # survival check: a coordinator whose worker dies is rebuilt from it and from the shards.
+        self.journal = Journal()
+        self.left: set[str] = set()  # workers the scheduler said it removed (its events)
+        self._loop_serial = 0  # numbers the compute loops' task keys
+        self.coordinator_future: Future | None = None
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -344,6 +359,7 @@ class TrainingRun:
         self._register()
         self.coordinator, self.shards, self.plan = self._start_servers()
         self.client.subscribe_topic("all", self._on_scheduler_event)
+        self._copy_journal()
         log.info(
             "job %s: %d steps of %d micro-batches of %d, %d data servers, policy %s",
             self.job.job_id,
@@ -355,8 +371,13 @@ class TrainingRun:
         )
 
     def supervise(self) -> Progress:
-        """Run survival detection and compute loops until the job is done, failed or asked to stop."""
-        return self._supervise(self.coordinator, self.shards, self.plan)
+        """Run survival detection and compute loops until the job is done, failed or asked to stop; a
+        coordinator whose static worker dies is rebuilt on another one meanwhile."""
+        while True:
+            try:
+                return self._supervise()
+            except CoordinatorLost as exc:
+                self._rebuild_coordinator(str(exc))
 
     def finish(self, progress: Progress) -> TrainResult:
         """Write the last checkpoint and collect the result; raise what ended a failed or stopped run."""
@@ -433,27 +454,28 @@ class TrainingRun:
         job = self.job
         plan = plan_shards(self.persistence.initial, job.data_servers)
         static = self._static_workers()
-        prefix = f"prefect-elastic-{job.job_id}-{self.run_id}"
         self.placement = [static[i % len(static)] for i in range(len(plan))]
         self.coordinator_at = static[0]
         for i, names in enumerate(plan):
             start = self.persistence.shard_start(i, names)
             self.actor_futures.append(self._submit_data_server(i, self.placement[i], start))
-        self.actor_futures.append(
-            self.client.submit(
-                Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
-                job.min_workers, job.min_workers_timeout, job.call_timeout, self.persistence.resume(),
-                actor=True, workers=[self.coordinator_at], allow_other_workers=False,
-                key=f"{prefix}-coordinator", pure=False,
-            )
-        )  # fmt: skip
+        self.coordinator_future = self._submit_coordinator(self.coordinator_at, self.persistence.resume())
         # Reading a partition may take a while on a big dataset; the wait is still bounded.
-        actors = [f.result(timeout=self._startup_timeout()) for f in self.actor_futures]
-        shards, coordinator = actors[:-1], actors[-1]
+        shards = [f.result(timeout=self._startup_timeout()) for f in self.actor_futures]
+        coordinator = self.coordinator_future.result(timeout=self._startup_timeout())
         # The step path's own connections (channel.py): compute loops reach each shard there.
         self.channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
         coordinator.attach(shards, self.channels).result(timeout=job.call_timeout)
         return coordinator, shards, plan
+
+    def _submit_coordinator(self, where: str, resume: Resume | None) -> Future:
+        job = self.job
+        return self.client.submit(
+            Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
+            job.min_workers, job.min_workers_timeout, job.call_timeout, resume,
+            actor=True, workers=[where], allow_other_workers=False, pure=False,
+            key=f"prefect-elastic-{job.job_id}-{self.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
+        )  # fmt: skip
 
     def _startup_timeout(self) -> float:
         return max(self.job.call_timeout, 600.0)
@@ -483,12 +505,13 @@ class TrainingRun:
     def _on_scheduler_event(self, event: Any) -> None:
         msg = event[1] if isinstance(event, tuple) else event
         if isinstance(msg, dict) and msg.get("action") in ("add-worker", "remove-worker", "retire-workers"):
+            if msg.get("action") == "remove-worker" and isinstance(msg.get("worker"), str):
+                self.left.add(msg["worker"])
             self.worker_event.set()
 
-    def _supervise(
-        self, coordinator: CoordinatorHandle, shards: list[ShardHandle], plan: list[list[str]]
-    ) -> Progress:
+    def _supervise(self) -> Progress:
         job = self.job
+        coordinator, shards, plan = self.coordinator, self.shards, self.plan
         next_check = 0.0
         next_look = 0.0  # the next read of the scheduler's view between survival checks
         known: list[str] = []  # the live workers the last survival check saw
@@ -500,13 +523,13 @@ class TrainingRun:
                 # A starting worker turning "running", or a member that stopped sending heartbeats, is a
                 # membership change that no scheduler event announces: look, and check if it changed.
                 view = self._workers_view()
-                self._keep_roles(view, coordinator, shards)
+                self._keep_roles(view)
                 triggered = view.live != known or self._loops_to_restart(view.live)
                 next_look = now + (STARTING_RECHECK_SECONDS if view.starting else MEMBERSHIP_POLL_SECONDS)
             if triggered or now >= next_check:
                 self.worker_event.clear()
                 view = self._workers_view()
-                self._keep_roles(view, coordinator, shards)
+                self._keep_roles(view)
                 # Workers that join together join as one group: hold the check while the cluster still
                 # has workers on their way, for at most a liveness interval (a loss is acted on at once).
                 if not set(view.live) > set(known):
@@ -521,7 +544,7 @@ class TrainingRun:
                     continue
                 group_since = None
                 known = view.live
-                renew = self._ensure_loops(view, coordinator, shards, plan)
+                renew = self._ensure_loops(view, coordinator, plan)
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
                 events: list[MembershipEvent] = self._wait_watching_roles(
                     coordinator.survival_check(view.live, "worker event" if triggered else "interval", renew),
@@ -532,6 +555,7 @@ class TrainingRun:
                 next_look = time.monotonic() + (
                     STARTING_RECHECK_SECONDS if view.starting else MEMBERSHIP_POLL_SECONDS
                 )
+                self._copy_journal()
                 for event in events:
                     if event.kind is EventKind.SNAPSHOT:
                         self.persistence.after_snapshot(coordinator, shards, job.call_timeout)
@@ -540,7 +564,7 @@ class TrainingRun:
             progress: Progress = self._call(coordinator.progress())
             if progress.lost_shards:
                 # A call to a shard failed before its worker left the scheduler's list.
-                self._promote_standbys(list(progress.lost_shards), coordinator, shards)
+                self._promote_standbys(list(progress.lost_shards))
                 progress = self._call(coordinator.progress())
             progress = replace(
                 progress,
@@ -562,11 +586,9 @@ class TrainingRun:
 
     # -- static roles: a lost data server's role goes to a standby (seed 001) ---------------------
 
-    def _keep_roles(
-        self, view: WorkersView, coordinator: CoordinatorHandle, shards: list[ShardHandle]
-    ) -> None:
+    def _keep_roles(self, view: WorkersView) -> None:
         """Check that every role's static worker is still there; give a lost data server's role to a
-        standby. The coordinator's loss ends the job (its state is not replicated in this version)."""
+        standby. A lost coordinator raises `CoordinatorLost`, which `supervise` answers by rebuilding it."""
         self.standbys = standbys(view.static, self.placement, self.coordinator_at)
         for worker in self.standbys:
             if worker not in self.warmed:
@@ -576,14 +598,10 @@ class TrainingRun:
                     key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-warm-{worker}",
                 )  # fmt: skip
         if self.coordinator_at not in view.static:
-            raise DataServerLostError(
-                f"the static worker {self.coordinator_at} holding the coordinator of job {self.job.job_id} "
-                "was lost; the coordinator is not replicated in this version: run the job again (with "
-                "`checkpoint` set it resumes from the last checkpoint)"
-            )
+            raise CoordinatorLost(f"its static worker {self.coordinator_at} left the cluster")
         lost = [i for i, where in enumerate(self.placement) if where not in view.static]
         if lost:
-            self._promote_standbys(lost, coordinator, shards)
+            self._promote_standbys(lost)
 
     def _wait_watching_roles(self, future: Any, coordinator: CoordinatorHandle, timeout: float) -> Any:
         """`future`'s result (a coordinator call that calls every shard). While it runs, keep watching the
@@ -597,19 +615,19 @@ class TrainingRun:
                 continue
             next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
             static = set(self._workers_view().static)
+            if self.coordinator_at not in static:
+                raise CoordinatorLost(f"its static worker {self.coordinator_at} left the cluster")
             for i, where in enumerate(self.placement):
                 if where not in static and i not in self._told_lost:
                     self._told_lost.add(i)
                     coordinator.shard_lost(i, f"static worker {where} left")  # not waited for
         return self._call(future, timeout=max(0.01, deadline - time.monotonic()))
 
-    def _promote_standbys(
-        self, lost: list[int], coordinator: CoordinatorHandle, shards: list[ShardHandle]
-    ) -> None:
+    def _promote_standbys(self, lost: list[int]) -> None:
         """Suspend training, then for each lost data server: start one on a standby static worker, from
         its peer's in-memory replica of the last snapshot every shard holds, and let the coordinator bring
         every shard to that snapshot in a new generation (`Coordinator.promote`)."""
-        job = self.job
+        job, coordinator, shards = self.job, self.coordinator, self.shards
         seen, clock = time.time(), time.monotonic()
         targets = {
             i: self._call(coordinator.shard_lost(i, f"static worker {self.placement[i]} left")) for i in lost
@@ -660,6 +678,7 @@ class TrainingRun:
             )  # fmt: skip
             suspended = 0.0
         self.standbys = tuple(w for w in self.standbys if w not in self.placement)
+        self._copy_journal()
 
     def _wait_for_standby(self, index: int) -> str:
         """A static worker holding none of this job's roles; waits up to `min_workers_timeout` for one
@@ -689,19 +708,93 @@ class TrainingRun:
         publish_progress(self.client, self.job.job_id, progress)
 
     def _call(self, future: Any, timeout: float | None = None) -> Any:
-        try:
-            return future.result(timeout=timeout or self.job.call_timeout)
-        except (TimeoutError, OSError) as exc:
-            raise DataServerLostError(
-                f"the coordinator of job {self.job.job_id} did not answer ({type(exc).__name__}: {exc}); "
-                "its static worker is probably lost or frozen"
-            ) from exc
-        except RuntimeError as exc:
-            if "Actor was lost" not in str(exc):
-                raise
-            raise DataServerLostError(
-                f"the coordinator of job {self.job.job_id} was lost with its static worker ({exc})"
-            ) from exc
+        """The answer to a call to the coordinator. If its static worker leaves meanwhile, raises
+        `CoordinatorLost` at once (the call itself would wait for Dask's connect timeout)."""
+        deadline = time.monotonic() + (timeout or self.job.call_timeout)
+        while True:
+            try:
+                return future.result(timeout=max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
+            except TimeoutError as exc:
+                if self.coordinator_at in self.left:
+                    raise CoordinatorLost(
+                        f"its static worker {self.coordinator_at} left the cluster"
+                    ) from exc
+                if time.monotonic() < deadline:
+                    continue
+                raise DataServerLostError(
+                    f"the coordinator of job {self.job.job_id} on {self.coordinator_at} did not answer "
+                    f"within {timeout or self.job.call_timeout:g} s; its static worker is probably frozen"
+                ) from exc
+            except (OSError, RuntimeError) as exc:
+                if isinstance(exc, RuntimeError) and "Actor was lost" not in str(exc):
+                    raise
+                # The connection to its worker broke, or the scheduler said the worker is gone.
+                raise CoordinatorLost(
+                    f"its static worker {self.coordinator_at} was lost ({type(exc).__name__}: {exc})"
+                ) from exc
+
+    def _copy_journal(self) -> None:
+        """Bring the controller's copy of the coordinator's record up to date (`Journal`)."""
+        part: Journal = self._call(
+            self.coordinator.journal(self.journal.committed_steps, len(self.journal.events))
+        )
+        self.journal.extend(part)
+
+    def _rebuild_coordinator(self, reason: str) -> None:
+        """The coordinator's static worker died: start a coordinator on another static worker and rebuild
+        its record from the controller's copy and from the shards (`Coordinator.rebuild`). Compute loops
+        start over with the new handle; data servers lost with it are promoted next, as any lost one."""
+        began, clock = time.time(), time.monotonic()
+        job, lost_at = self.job, self.coordinator_at
+        log.warning("job %s: the coordinator is lost (%s); rebuilding it", job.job_id, reason)
+        where = self._place_coordinator(lost_at)
+        static = self._workers_view().static
+        lost = [i for i, holder in enumerate(self.placement) if holder not in static]
+        future = self._submit_coordinator(where, None)
+        coordinator = future.result(timeout=self._startup_timeout())
+        started = time.monotonic() - clock
+        self.coordinator, self.coordinator_future, self.coordinator_at = coordinator, future, where
+        event: MembershipEvent = self._call(
+            coordinator.rebuild(
+                self.journal, self.shards, self.channels, lost, where,
+                reason, began,
+            ),
+            timeout=3 * job.call_timeout,
+        )  # fmt: skip
+        # Compute loops hold the old coordinator's handle: they start over with the new one (a loop that
+        # was cancelled ends at its next step, and whatever it sends is of an old generation).
+        for addr, loop in self.loops.items():
+            loop.cancel()
+            self.loop_restarts[addr] = max(0, self.loop_restarts.get(addr, 1) - 1)
+        self.loops.clear()
+        self.journal = Journal()
+        self._copy_journal()
+        self.worker_event.set()
+        log.warning(
+            "job %s: coordinator rebuilt on %s at step %d, %.2f s after it was seen lost (start %.3f s, "
+            "rebuild %.3f s)%s",
+            job.job_id, where, event.step, time.monotonic() - clock, started,
+            time.monotonic() - clock - started, f"; data servers {lost} lost with it" if lost else "",
+        )  # fmt: skip
+
+    def _place_coordinator(self, lost_at: str) -> str:
+        """Where a rebuilt coordinator goes: beside a live data server (it needs little memory, and the
+        standbys stay free for data servers), else on a standby; waits up to `min_workers_timeout` for a
+        static worker to join."""
+        deadline = time.monotonic() + self.job.min_workers_timeout
+        while True:
+            static = self._workers_view().static
+            beside = [w for w in self.placement if w in static]
+            if beside or static:
+                return (beside or list(static))[0]
+            if time.monotonic() >= deadline:
+                raise DataServerLostError(
+                    f"the coordinator of job {self.job.job_id} was lost with its static worker {lost_at}, "
+                    f"and no static worker was left or joined within {self.job.min_workers_timeout:g} s "
+                    f"(min_workers_timeout) to rebuild it on: start one with "
+                    f"`dask worker <scheduler> --resources {self.job.static_resource}=1`"
+                )
+            time.sleep(MEMBERSHIP_POLL_SECONDS)
 
     def _workers_view(self) -> WorkersView:
         """The elastic workers as the scheduler sees them: live ones (running, and heard from lately),
@@ -733,13 +826,7 @@ class TrainingRun:
     def _loops_to_restart(self, live: list[str]) -> bool:
         return any(self.loops[a].done() for a in live if a in self.loops)
 
-    def _ensure_loops(
-        self,
-        view: WorkersView,
-        coordinator: CoordinatorHandle,
-        shards: list[ShardHandle],
-        plan: list[list[str]],
-    ) -> bool:
+    def _ensure_loops(self, view: WorkersView, coordinator: CoordinatorHandle, plan: list[list[str]]) -> bool:
         """A compute loop on every live worker. Returns whether a live member's loop was started over
         (it needs a fence). The loop of a worker that is listed but silent (frozen) is kept: if it wakes,
         its old messages are refused and it asks for a new role."""
@@ -754,11 +841,11 @@ class TrainingRun:
                 loop = None
                 restarted = True
             if loop is None:
-                restarts = self.loop_restarts.get(addr, 0)
-                self.loop_restarts[addr] = restarts + 1
+                self.loop_restarts[addr] = self.loop_restarts.get(addr, 0) + 1
+                self._loop_serial += 1
                 self.loops[addr] = self.client.submit(
                     compute_loop, self.job, coordinator, plan, self.layout, self.schedule,
-                    key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-compute-{addr}-{restarts}",
+                    key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-compute-{addr}-{self._loop_serial}",
                     workers=[addr], allow_other_workers=False, pure=False,
                 )  # fmt: skip
         return restarted
@@ -811,6 +898,9 @@ class TrainingRun:
         for shard in self.shards:
             with contextlib.suppress(Exception):
                 shard.close_channel().result(timeout=5)
+        if self.coordinator_future is not None:
+            self.actor_futures.append(self.coordinator_future)
+            self.coordinator_future = None
         if self.actor_futures:
             try:
                 self.client.cancel(self.actor_futures)

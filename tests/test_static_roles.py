@@ -161,14 +161,49 @@ def test_no_standby_fails_naming_the_role_and_what_to_start(digits_url: str) -> 
     assert "--resources static=1" in message
 
 
-def test_the_coordinators_worker_lost_fails_at_once_naming_it(digits_url: str) -> None:
-    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
-        job = make_job(digits_url, "reassign", job_id="no-coordinator")
+@pytest.mark.parametrize("policy", POLICIES)
+def test_the_coordinators_worker_killed_mid_run_is_rebuilt_on_another(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    """The coordinator lives beside data server 0, so its worker's SIGKILL takes both: the coordinator is
+    rebuilt beside data server 1 from the controller's copy of its record and the shards, and a standby
+    takes data server 0 from its peer's replica."""
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 3)
+    job = make_job(digits_url, policy, job_id=f"coordinator-{policy}", model="tests.models:gated_mlp")
+    kill = KillWhenSnapshotted(static_cluster, index=0)
+    try:
+        result = train(job, cluster=static_cluster, on_progress=kill)
+    finally:
+        GATE.unlink(missing_ok=True)
+
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    (killed,), placement = kill.killed, kill.placement
+    first, last = placement.seen[0], placement.seen[-1]
+    assert first.coordinator_at == killed == first.data_servers[0]
+    assert last.coordinator_at == first.data_servers[1], "the coordinator now lives beside data server 1"
+    assert last.data_servers[0] == first.standbys[0], "data server 0 now lives on the standby"
+
+    kinds = [e.kind for e in result.events]
+    assert kinds.count(EventKind.COORDINATOR_REBUILT) == 1 and kinds.count(EventKind.PROMOTED) == 1
+    rebuilt = result.events[kinds.index(EventKind.COORDINATOR_REBUILT)]
+    assert killed in rebuilt.reason and "data servers [0] lost with it" in rebuilt.reason
+    assert kinds.index(EventKind.COORDINATOR_REBUILT) < kinds.index(EventKind.PROMOTED)
+    assert EventKind.SNAPSHOT in kinds[: kinds.index(EventKind.COORDINATOR_REBUILT)], "events before it kept"
+    assert result.counters["coordinator_rebuilds"] == 1 and result.counters["promotions"] == 1
+    assert len(result.history) == result.total_steps and all(h == h for h in result.history[:12])
+
+
+def test_the_coordinator_lost_with_no_static_worker_left_fails_naming_it(digits_url: str) -> None:
+    with LocalElasticCluster(static_workers=1, elastic_workers=1) as cluster:
+        job = make_job(digits_url, "reassign", job_id="no-coordinator", min_workers_timeout=1.0)
         faults = FaultSchedule().kill_coordinator(at_step=10)
-        with pytest.raises(DataServerLostError, match="holding the coordinator") as failed:
+        with pytest.raises(DataServerLostError, match="coordinator") as failed:
             train(job, cluster=cluster, faults=faults)
-    assert faults.log[0].target in str(failed.value)
-    assert "checkpoint" in str(failed.value), "it says how to go on"
+    message = str(failed.value)
+    assert faults.log[0].target in message and "no static worker was left" in message
+    assert "--resources static=1" in message, "it says what to start"
 
 
 def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
