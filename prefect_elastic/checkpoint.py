@@ -220,13 +220,31 @@ class Persistence:
                 self.resumed, self.resumed_from = checkpoint, where
                 log.info("job %s resumes from %s at step %d", job.job_id, where, checkpoint.committed_steps)
 
-    def shard_start(self, index: int, names: list[str]) -> ShardStart:
-        source = self.resumed.tensors if self.resumed else self.initial
+    def shard_start(self, index: int, names: list[str], checkpoint: Checkpoint | None = None) -> ShardStart:
+        """What data server `index` (holding `names`) starts from: `checkpoint`, else the checkpoint this
+        run resumed from, else the job's initial values."""
+        checkpoint = checkpoint or self.resumed
+        source = checkpoint.tensors if checkpoint else self.initial
         params = {n: source[n] for n in names if n in self.layout.params}
         buffers = {n: source[n] for n in names if n not in self.layout.params}
-        if self.resumed is None:
+        if checkpoint is None:
             return ShardStart(params, buffers, None, 0)
-        return ShardStart(params, buffers, self.resumed.optimizers[index], self.resumed.committed_steps)
+        return ShardStart(params, buffers, checkpoint.optimizers[index], checkpoint.committed_steps)
+
+    def fallback(self) -> tuple[Checkpoint | None, str] | None:
+        """Where every shard goes back to when a data server is lost with the replica of its shard: the
+        newest checkpoint in the store (this run's last, or the one it resumed from) and its URL, or
+        `(None, "the start")` when none was written yet (the state the run started from). None for a job
+        without `checkpoint`: it has nothing to go back to but the start, and redoing a whole run is not
+        done without asking."""
+        if self.store is None:
+            return None
+        found = self.store.latest()
+        if found is None:
+            return (self.resumed, self.resumed_from or "the start")
+        checkpoint, where = found
+        check_compatible(checkpoint, self.expected, where)
+        return checkpoint, where
 
     def resume(self) -> Resume | None:
         if self.resumed is None:

@@ -203,6 +203,7 @@ def _run(
     retries = 0
     ahead: Ahead | None = None
     resume = (-1, 0)  # (generation, step) to go on from if the coordinator gives the same role again
+    unreachable: list[float] = []  # when each failed connection to a shard since the last step failed
     while wanted():
         if role is None or step >= schedule.total_steps:
             # No role yet, a new generation, or past the last step: ask (a long poll of the coordinator).
@@ -245,6 +246,7 @@ def _run(
             stats.trained()
             step += 1
             errors = retries = 0
+            unreachable.clear()
         except ModelFailure as failure:
             coordinator.report_failure(
                 role.generation, address, failure.step, failure.batch_id, "model", str(failure)
@@ -270,17 +272,23 @@ def _run(
             # happens to the step. An error that comes back every time ends the loop, and the controller
             # reports it.
             ahead = None
-            errors += 1
             stats.call_errors += 1
             log.warning("compute %s: step %d failed (%s: %s)", address, step, type(exc).__name__, exc)
-            if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
-                raise
             if isinstance(exc, OSError):
                 # A shard's worker may be gone: the coordinator then suspends training until a standby
-                # takes its role, and the next role says where it listens. Ask, after a short wait.
-                time.sleep(min(1.0, 0.05 * 2**errors))
+                # takes its role (or every shard goes back to a checkpoint), and the next role says where
+                # it listens. Until then the same role comes back: ask again, waiting longer each time, for
+                # up to a call timeout (the controller has acted on a lost worker long before).
+                unreachable.append(time.monotonic())
+                if unreachable[-1] - unreachable[0] > timeout:
+                    raise
+                time.sleep(min(1.0, 0.05 * 2 ** len(unreachable)))
                 resume = (role.generation, step)
                 role, known = None, -1
+                continue
+            errors += 1
+            if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
+                raise
     return stats
 
 

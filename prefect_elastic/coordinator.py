@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 from .coordinator_state import CoordinatorState, Failure
@@ -48,6 +49,11 @@ log = logging.getLogger(__name__)
 ROLE_POLL_SECONDS = 0.5
 # How often the coordinator reads the shards' status (committed steps, snapshots) while the job runs.
 SYNC_SECONDS = 0.05
+
+
+def _fence(shard: Any, generation: int) -> Awaitable[ShardStatus]:
+    fenced: Awaitable[ShardStatus] = shard.fence(generation)
+    return fenced
 
 
 class ShardUnreachable(Exception):
@@ -107,28 +113,50 @@ class Coordinator:
         where: str,
         reason: str,
         began: float,
+        kind: EventKind = EventKind.COORDINATOR_REBUILT,
     ) -> MembershipEvent:
         """Take over from a coordinator whose static worker died (this one holds nothing yet): fence the
         live shards into a generation above any they have seen, so nothing the old one or the compute
         loops of its generations send is taken, and rebuild the record from the controller's copy
         (`journal`) and what the shards hold (`CoordinatorState.rebuild`). Data servers in `lost` died
         with it: they wait for a standby (`promote`), as any lost data server. Then follow the shards, as
-        after `attach`; their peers are unchanged."""
+        after `attach`; their peers are unchanged.
+
+        With `kind` RESTORED (on this coordinator or a new one) the shards are new, all started from a
+        persistent checkpoint: each is given its peer, as after `attach`."""
         lock, _ = self._primitives()
         state = self._state
         async with lock:
             self._shards = list(shards)
             state.channels = tuple((str(host), int(port)) for host, port in channels)
             state.lost = set(lost)
+            self._gone = {i: asyncio.Event() for i in range(len(shards))}
             for i in lost:
-                self._gone.setdefault(i, asyncio.Event()).set()
-            seen: list[ShardStatus] = await self._on_shards(lambda s: s.status(state.schedule.total_steps))
-            generation = max([journal.generation, *(s.generation for s in seen)]) + 1
-            fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
-            event = state.rebuild(journal, fenced, lost, generation, where, reason, time.time(), began)
+                self._gone[i].set()
+            while True:
+                try:
+                    seen: list[ShardStatus] = await self._on_shards(
+                        lambda s: s.status(state.schedule.total_steps)
+                    )
+                    # Above any generation handed out: the old coordinator fenced every live shard into
+                    # each one before its roles went out, and (restoring here) this one knows its own.
+                    generation = (
+                        max([journal.generation, state.generation, *(s.generation for s in seen)]) + 1
+                    )
+                    fenced: list[ShardStatus] = await self._on_shards(partial(_fence, generation=generation))
+                    break
+                except ShardUnreachable as other:
+                    # Another data server died meanwhile: it waits for a standby with the others.
+                    state.lost.add(other.index)
+                    self._gone[other.index].set()
+            lost = sorted(state.lost)
+            event = state.rebuild(journal, fenced, lost, generation, where, reason, time.time(), began, kind)
             self._take([event])
             self._last_check_steps = state.committed_steps
-        self._sync_task = asyncio.ensure_future(self._follow_shards())
+            if kind is EventKind.RESTORED:
+                await self._wire_peers(range(len(self._shards)))
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.ensure_future(self._follow_shards())
         await self._notify()
         return event
 
@@ -140,9 +168,11 @@ class Coordinator:
         count = len(self._shards)
         if count < 2:
             return  # one shard has no peer: only a persistent checkpoint outlives its worker
-        generation = self._state.generation
+        generation, lost = self._state.generation, self._state.lost
+        # A shard whose peer is lost is named its new peer when that one's role is taken.
+        wired = [i for i in indices if i not in lost and (i + 1) % count not in lost]
         await asyncio.gather(
-            *(self._shards[i].set_peer(generation, self._shards[(i + 1) % count]) for i in indices)
+            *(self._shards[i].set_peer(generation, self._shards[(i + 1) % count]) for i in wired)
         )
 
     async def _notify(self) -> None:
@@ -171,7 +201,7 @@ class Coordinator:
             try:
                 await self._sync()
             except ShardUnreachable as exc:
-                await self.shard_lost(exc.index, str(exc))
+                await self.shards_lost([exc.index], str(exc))
             except Exception as exc:
                 self._fail("internal", f"reading the shards failed: {type(exc).__name__}: {exc}", None)
             await asyncio.sleep(SYNC_SECONDS)
@@ -249,39 +279,39 @@ class Coordinator:
         finally:
             await self._notify()
         if lost is not None:
-            await self.shard_lost(lost.index, str(lost))
+            await self.shards_lost([lost.index], str(lost))
         events, self._unreported = self._unreported, []
         return events
 
     # -- a data server lost, and a standby promoted (seed 001) -----------------------------------
 
-    async def shard_lost(self, index: int, reason: str) -> int:
-        """Shard `index` is gone with its static worker (the controller saw its worker leave, or a call
-        to it failed): fence every other shard into a new generation, so compute loops stop, and hand out
-        no role until a standby took its place. Returns the version its replacement must take (the last
-        snapshot every shard holds, whose copy is on the lost shard's peer)."""
+    async def shards_lost(self, indices: list[int], reason: str) -> int:
+        """The data servers `indices` are gone with their static workers (the controller saw them leave,
+        or a call to one failed): fence every other shard into a new generation, so compute loops stop,
+        and hand out no role until a standby took each one's place. Returns the version a replacement
+        must take (the last snapshot every shard holds, whose copy is on a lost shard's peer)."""
         began = time.time()
         lock, _ = self._primitives()
         state = self._state
-        # Calls to it in flight (holding the lock) give up now instead of at their timeout.
-        self._gone.setdefault(index, asyncio.Event()).set()
+        # Calls to them in flight (holding the lock) give up now instead of at their timeout; all of them
+        # at once, so that fencing the others does not wait on one lost with the first.
+        for index in indices:
+            self._gone.setdefault(index, asyncio.Event()).set()
         async with lock:
-            if not state.finished and index not in state.lost:
+            new = [i for i in indices if i not in state.lost]
+            if not state.finished and new:
                 generation = state.generation + 1
-                state.lost.add(index)  # no call to it from now on
+                state.lost.update(new)  # no call to them from now on
                 try:
                     await self._on_shards(lambda s: s.fence(generation))
                 except ShardUnreachable as other:
-                    # A second one lost at the same time: it is suspended with the first.
+                    # Another one lost at the same time: it is suspended with these.
                     self._take(state.lose_shard(other.index, generation, str(other), time.time()))
-                state.lost.discard(index)
-                self._take(state.lose_shard(index, generation, reason, time.time()))
+                state.lost.difference_update(new)
+                for index in new:
+                    self._take(state.lose_shard(index, generation, reason, time.time()))
                 log.warning(
-                    "job %s: data server %d lost (%s), %.3f s",
-                    self.job_id,
-                    index,
-                    reason,
-                    time.time() - began,
+                    "job %s: data servers %s lost (%s), %.3f s", self.job_id, new, reason, time.time() - began
                 )
         await self._notify()
         return state.ledger.snapshot_step
@@ -302,9 +332,7 @@ class Coordinator:
             target = state.ledger.snapshot_step
             state.lost.discard(index)
             try:
-                fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
-                if any(f.version != target for f in fenced):
-                    await self._on_shards(lambda s: s.restore(generation, target))
+                await self._fence_and_restore(generation, target, index)
             finally:
                 state.lost.add(index)
             where = (str(channel[0]), int(channel[1]))
@@ -316,6 +344,22 @@ class Coordinator:
             await self._wire_peers({index, (index - 1) % count})
         await self._notify()
         return event
+
+    async def _fence_and_restore(self, generation: int, target: int, keep: int) -> None:
+        """Fence every shard not lost into `generation` and bring it to version `target`. Another shard
+        found lost meanwhile (not `keep`) is recorded lost and left out: its own promotion comes next."""
+        state = self._state
+        while True:
+            try:
+                fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
+                if any(f.version != target for f in fenced):
+                    await self._on_shards(lambda s: s.restore(generation, target))
+                return
+            except ShardUnreachable as other:
+                if other.index == keep or other.index in state.lost:
+                    raise
+                self._gone.setdefault(other.index, asyncio.Event()).set()
+                self._take(state.lose_shard(other.index, generation, str(other), time.time()))
 
     async def _check(self, live: frozenset[str], trigger: str, renew: bool, began: float) -> None:
         state = self._state
@@ -369,23 +413,24 @@ class Coordinator:
     async def _on_shards(self, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
         """Run `call(shard)` on every shard that is not lost, at once, each bounded by the call timeout;
         a shard that does not answer raises `ShardUnreachable`."""
+        targets = [(i, s) for i, s in enumerate(self._shards) if i not in self._state.lost]
+        # A call to a worker that died can hang until Dask's connect timeout (it retries a refused
+        # connection), and so can a call to a live shard that waits on a dead one (a snapshot whose copy
+        # goes to a peer that died): once any of these shards is known lost (`shards_lost`), every call
+        # is given up at once.
+        gone = {i: self._gone.setdefault(i, asyncio.Event()) for i, _ in targets}
+        watch = [asyncio.ensure_future(event.wait()) for event in gone.values()]
 
         async def one(i: int, shard: Any) -> Any:
-            # A call to a worker that died can hang until Dask's connect timeout (it retries a refused
-            # connection): once the shard is known lost (`shard_lost`), the call is given up at once.
-            gone = self._gone.setdefault(i, asyncio.Event())
             answer = asyncio.ensure_future(call(shard))
-            given_up = asyncio.ensure_future(gone.wait())
-            try:
-                await asyncio.wait(
-                    {answer, given_up}, timeout=self._call_timeout, return_when="FIRST_COMPLETED"
-                )
-            finally:
-                given_up.cancel()
+            await asyncio.wait({answer, *watch}, timeout=self._call_timeout, return_when="FIRST_COMPLETED")
             if not answer.done():
                 answer.cancel()
-                why = "its worker left" if gone.is_set() else f"no answer within {self._call_timeout:g} s"
-                raise ShardUnreachable(i, f"data server {i} did not answer ({why})")
+                lost = [j for j, event in gone.items() if event.is_set()]
+                if i in lost or not lost:
+                    why = "its worker left" if lost else f"no answer within {self._call_timeout:g} s"
+                    raise ShardUnreachable(i, f"data server {i} did not answer ({why})")
+                raise ShardUnreachable(lost[0], f"data server {lost[0]} was lost during a call to {i}")
             try:
                 return answer.result()
             except (RecoverableError, FatalError):
@@ -395,10 +440,11 @@ class Coordinator:
                     i, f"data server {i} did not answer ({type(exc).__name__}: {exc})"
                 ) from exc
 
-        outcomes = await asyncio.gather(
-            *(one(i, s) for i, s in enumerate(self._shards) if i not in self._state.lost),
-            return_exceptions=True,
-        )
+        try:
+            outcomes = await asyncio.gather(*(one(i, s) for i, s in targets), return_exceptions=True)
+        finally:
+            for waiting in watch:
+                waiting.cancel()
         # Wait for every shard before raising, so no call is left running behind a decision.
         for outcome in outcomes:
             if isinstance(outcome, BaseException):

@@ -106,6 +106,7 @@ class CoordinatorState:
             "inconsistent_fences": 0,  # membership changes that found the shards at two versions
             "promotions": 0,  # data servers that a standby static worker took over
             "coordinator_rebuilds": 0,  # coordinators rebuilt on another static worker (`rebuild`)
+            "checkpoint_restores": 0,  # every shard back to a checkpoint: data servers lost with replicas
         }
         # The lowest the ledger stood at since the controller last took a part of the journal: a rollback
         # since then replaced the steps after its snapshot, which the next part sends again.
@@ -442,6 +443,7 @@ class CoordinatorState:
         reason: str,
         now: float,
         began: float,
+        kind: EventKind = EventKind.COORDINATOR_REBUILT,
     ) -> MembershipEvent:
         """Take over from a coordinator whose static worker died, in a state that holds nothing yet: from
         the controller's copy of its record (`journal`), and from the live shards, fenced into
@@ -454,11 +456,19 @@ class CoordinatorState:
         rollback or a promotion goes back to is the newest that every live shard holds, and that each lost
         shard's peer holds a replica of; with a shard lost, the ledger stands there, for the promotion.
         Nothing is handed out until the next survival check admits the live workers (in a new generation,
-        which brings the shards to one version if they are not)."""
+        which brings the shards to one version if they are not).
+
+        The same rebuild (`kind` RESTORED) takes every shard back to a persistent checkpoint when data
+        servers were lost with the replicas of their shards: the shards are then new, all at its step."""
         lost = set(lost)
         live = {s.index: s for s in fenced}
-        if not live or set(live) | lost != set(range(self.shards)) or set(live) & lost:
+        if set(live) | lost != set(range(self.shards)) or set(live) & lost:
             raise FatalError(f"rebuild: shards {sorted(live)} live and {sorted(lost)} lost: a bug")
+        if not live:
+            raise DataServerLostError(
+                f"the coordinator of job {self.job_id} died with every data server ({sorted(lost)}), and "
+                "with them every replica"
+            )
         applied = min(s.version for s in fenced)  # every live shard applied the steps before it
         held = set.intersection(*({i.version for i in s.snapshots} for s in fenced))
         for i in lost:
@@ -503,15 +513,22 @@ class CoordinatorState:
         self._forget_open_records()
         self.events = list(journal.events)
         self.counters = {**self.counters, **journal.counters}
-        self.counters["coordinator_rebuilds"] += 1
         self._journaled = 0
         reached = max(journal.committed_steps, applied)
+        if kind is EventKind.RESTORED:
+            self.counters["checkpoint_restores"] += 1
+            why = reason
+        else:
+            self.counters["coordinator_rebuilds"] += 1
+            why = (
+                f"the coordinator rebuilt on {where} ({reason}); the ledger rebuilt to step {committed} from "
+                f"the controller's copy (to step {keep}) and the shards' records"
+                + (f"; data servers {sorted(lost)} lost with it" if lost else "")
+            )
         return self.record(
-            EventKind.COORDINATOR_REBUILT,
+            kind,
             steps_lost=max(0, reached - committed),
-            reason=f"the coordinator rebuilt on {where} ({reason}); the ledger rebuilt to step "
-            f"{committed} from the controller's copy (to step {keep}) and the shards' records"
-            + (f"; data servers {sorted(lost)} lost with it" if lost else ""),
+            reason=why,
             now=now,
             seconds=now - began,
         )

@@ -42,6 +42,7 @@ class EventKind(StrEnum):
     SHARD_LOST = "shard-lost"  # a data server's static worker died: training suspended until promotion
     PROMOTED = "promoted"  # a standby static worker took the lost data server's role, from its peer's replica
     COORDINATOR_REBUILT = "coordinator-rebuilt"  # its worker died: rebuilt from the journal and the shards
+    RESTORED = "restored"  # data servers lost with their replicas: every shard back to the last checkpoint
     FAILED = "failed"
     DONE = "done"
 
@@ -296,7 +297,7 @@ class CoordinatorHandle(Protocol):
 
     def snapshot_record(self) -> Call[Resume]: ...
 
-    def shard_lost(self, index: int, reason: str) -> Call[int]: ...
+    def shards_lost(self, indices: list[int], reason: str) -> Call[int]: ...
 
     def journal(self, known_steps: int, known_events: int) -> Call[Journal]: ...
 
@@ -309,6 +310,7 @@ class CoordinatorHandle(Protocol):
         where: str,
         reason: str,
         began: float,
+        kind: EventKind,
     ) -> Call[MembershipEvent]: ...
 
     def promote(

@@ -73,8 +73,8 @@ STARTING_RECHECK_SECONDS = 0.05
 # How often the controller reads the scheduler's view of the workers between survival checks: a worker
 # that froze (SIGSTOP, a hung device) stops sending heartbeats, and this is how soon that is seen.
 MEMBERSHIP_POLL_SECONDS = 0.25
-# While a survival check runs (it calls every shard), how often the controller looks for a static worker
-# that died under it: such a call would otherwise wait for Dask's 30 s connect timeout.
+# While a call to the coordinator waits (a survival check calls every shard), how often the controller looks
+# for a static worker that died under it: a call to it would otherwise wait for Dask's 30 s connect timeout.
 WATCH_WHILE_CALLING_SECONDS = 0.1
 # A worker silent for more than this many of the scheduler's heartbeat intervals (and for more than a
 # liveness interval) is out of the membership: 0.5 s heartbeats on small clusters make it 1.25 s.
@@ -88,6 +88,14 @@ CALL_SLICE_SECONDS = 0.05
 
 class CoordinatorLost(DataServerLostError):
     """The coordinator's static worker left the cluster: the controller rebuilds it on another one."""
+
+
+class StaticWorkerLeft(Exception):
+    """A static worker that a call depends on left the cluster while the call waited."""
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(f"static worker {worker} left")
+        self.worker = worker
 
 
 class FaultInjector(Protocol):
@@ -257,12 +265,11 @@ class WorkersView:
     pending: int = 0  # workers the cluster object started that the scheduler does not list yet
 
 
-def standbys(
-    static: tuple[str, ...] | list[str], placement: list[str], coordinator_at: str
-) -> tuple[str, ...]:
-    """The live static workers that hold no role of the job: where a lost data server's role can go."""
-    held = {*placement, coordinator_at}
-    return tuple(w for w in static if w not in held)
+def standbys(static: tuple[str, ...] | list[str], placement: list[str]) -> tuple[str, ...]:
+    """The live static workers that hold no data server of the job: where a lost one's role can go. (The
+    coordinator starts beside data server 0; one rebuilt on a standby leaves room there for a data
+    server, since it holds little.)"""
+    return tuple(w for w in static if w not in placement)
 
 
 def _scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) -> list[dict[str, Any]]:
@@ -349,6 +356,7 @@ class TrainingRun:
         self.journal = Journal()
         self.left: set[str] = set()  # workers the scheduler said it removed (its events)
         self._loop_serial = 0  # numbers the compute loops' task keys
+        self.loop_failures = 0  # compute loops that ended with an error (and were started again)
         self.coordinator_future: Future | None = None
 
     # -- setup -----------------------------------------------------------------------------------
@@ -413,7 +421,7 @@ class TrainingRun:
             events=outcome.events,
             history=outcome.history,
             generation=outcome.generation,
-            counters=outcome.counters,
+            counters={**outcome.counters, "loop_failures": self.loop_failures},
             elapsed=time.monotonic() - self.started,
             total_steps=self.schedule.total_steps,
             total_batches=self.schedule.total_batches,
@@ -546,9 +554,8 @@ class TrainingRun:
                 known = view.live
                 renew = self._ensure_loops(view, coordinator, plan)
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
-                events: list[MembershipEvent] = self._wait_watching_roles(
+                events: list[MembershipEvent] = self._call(
                     coordinator.survival_check(view.live, "worker event" if triggered else "interval", renew),
-                    coordinator,
                     timeout=3 * job.call_timeout,
                 )
                 next_check = time.monotonic() + job.liveness_interval
@@ -589,7 +596,7 @@ class TrainingRun:
     def _keep_roles(self, view: WorkersView) -> None:
         """Check that every role's static worker is still there; give a lost data server's role to a
         standby. A lost coordinator raises `CoordinatorLost`, which `supervise` answers by rebuilding it."""
-        self.standbys = standbys(view.static, self.placement, self.coordinator_at)
+        self.standbys = standbys(view.static, self.placement)
         for worker in self.standbys:
             if worker not in self.warmed:
                 # Fire and forget: a standby promoted before it finished is only slower to start.
@@ -603,60 +610,64 @@ class TrainingRun:
         if lost:
             self._promote_standbys(lost)
 
-    def _wait_watching_roles(self, future: Any, coordinator: CoordinatorHandle, timeout: float) -> Any:
-        """`future`'s result (a coordinator call that calls every shard). While it runs, keep watching the
-        static workers: a call to a shard whose worker just died waits for Dask's connect timeout, so the
-        coordinator is told of the loss at once (`shard_lost`), which makes it give that call up."""
-        deadline = time.monotonic() + timeout
-        next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
-        while not future.done() and time.monotonic() < deadline:
-            time.sleep(0.002)
-            if time.monotonic() < next_look:
-                continue
-            next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
-            static = set(self._workers_view().static)
-            if self.coordinator_at not in static:
-                raise CoordinatorLost(f"its static worker {self.coordinator_at} left the cluster")
-            for i, where in enumerate(self.placement):
-                if where not in static and i not in self._told_lost:
-                    self._told_lost.add(i)
-                    coordinator.shard_lost(i, f"static worker {where} left")  # not waited for
-        return self._call(future, timeout=max(0.01, deadline - time.monotonic()))
-
     def _promote_standbys(self, lost: list[int]) -> None:
         """Suspend training, then for each lost data server: start one on a standby static worker, from
         its peer's in-memory replica of the last snapshot every shard holds, and let the coordinator bring
         every shard to that snapshot in a new generation (`Coordinator.promote`)."""
         job, coordinator, shards = self.job, self.coordinator, self.shards
         seen, clock = time.time(), time.monotonic()
-        targets = {
-            i: self._call(coordinator.shard_lost(i, f"static worker {self.placement[i]} left")) for i in lost
-        }
+        left = ", ".join(sorted({self.placement[i] for i in lost}))
+        targets = dict.fromkeys(lost, self._call(coordinator.shards_lost(lost, f"static worker {left} left")))
         suspended = time.monotonic() - clock
+
+        def peer_holding_replica(i: int) -> ShardHandle | None:
+            # The peer, if it holds the copy of the snapshot to go back to (one promoted since holds none).
+            peer = (i + 1) % len(shards)
+            if not job.peer_replicas or peer in lost or peer == i:
+                return None
+            status = self._wait_unless_left(
+                shards[peer].status(self.schedule.total_steps), self.placement[peer], job.call_timeout
+            )
+            return shards[peer] if targets[i] in status.replicas else None
+
+        try:
+            replicas = {i: peer_holding_replica(i) for i in lost}
+        except StaticWorkerLeft as left:
+            # A peer died too, after the first loss was seen: its replica is gone with it.
+            self._promote_standbys(
+                sorted({*lost, *(j for j, w in enumerate(self.placement) if w == left.worker)})
+            )
+            return
+        start_version = self.persistence.shard_start(0, []).version
+        unrestorable = [i for i in lost if replicas[i] is None and targets[i] != start_version]
+        if unrestorable:
+            if not job.peer_replicas:
+                why = "the job has peer_replicas=False, so no copy of a shard was kept"
+            else:
+                why = "; ".join(
+                    f"data server {i}'s replica was held by data server {(i + 1) % len(shards)}, "
+                    + ("lost with it" if (i + 1) % len(shards) in lost else "whose own worker died since")
+                    for i in unrestorable
+                )
+            self._restore_from_checkpoint(lost, f"data servers {unrestorable} cannot be restored: {why}")
+            return
         for i in lost:
             standby = self._wait_for_standby(i)
-            peer = (i + 1) % len(shards)
-            replica = None if not job.peer_replicas or peer in lost or peer == i else shards[peer]
-            start: ShardStart | None = None
-            if replica is None:
-                if targets[i] != self.persistence.shard_start(i, self.plan[i]).version:
-                    why = (
-                        "the job has peer_replicas=False, so no copy of its shard was kept"
-                        if not job.peer_replicas
-                        else f"it was lost with the peer that held its replica (data server {peer}); "
-                        f"lost data servers: {sorted(lost)}"
-                    )
-                    raise DataServerLostError(
-                        f"data server {i} of job {job.job_id} cannot be restored: {why}. Run the job "
-                        "again: with `checkpoint` set it resumes from the last checkpoint"
-                    )
-                start = self.persistence.shard_start(i, self.plan[i])
+            replica = replicas[i]
+            start = None if replica is not None else self.persistence.shard_start(i, self.plan[i])
             clock = time.monotonic()
             future = self._submit_data_server(i, standby, start, targets[i])
             shard = future.result(timeout=self._startup_timeout())
             started = time.monotonic() - clock
             if replica is not None:
-                shard.adopt(replica, targets[i]).result(timeout=self._startup_timeout())
+                peer_at = self.placement[(i + 1) % len(shards)]
+                try:
+                    self._wait_unless_left(shard.adopt(replica, targets[i]), peer_at, self._startup_timeout())
+                except StaticWorkerLeft:
+                    # The peer died too (after the first loss was seen): its replica is gone with it.
+                    self.client.cancel([future])
+                    self._promote_standbys(sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}))
+                    return
             adopted = time.monotonic() - clock - started
             channel = shard.open_channel().result(timeout=job.call_timeout)
             clock = time.monotonic()
@@ -680,13 +691,63 @@ class TrainingRun:
         self.standbys = tuple(w for w in self.standbys if w not in self.placement)
         self._copy_journal()
 
-    def _wait_for_standby(self, index: int) -> str:
-        """A static worker holding none of this job's roles; waits up to `min_workers_timeout` for one
-        to join, then fails naming the role."""
+    def _restore_from_checkpoint(self, lost: list[int], why: str) -> None:
+        """Data servers lost with the replicas of their shards: every shard goes back to the newest
+        persistent checkpoint in the same run (the lost ones on standbys, the others on their workers, all
+        started afresh from it), and the coordinator to the record of that step (`Coordinator.rebuild`
+        from the controller's copy). Without `checkpoint` on the job, fails naming the lost data servers."""
+        job = self.job
+        found = self.persistence.fallback()
+        if found is None:
+            raise DataServerLostError(
+                f"{why}. Job {job.job_id} has no `checkpoint` to go back to in the same run: set one, or "
+                "run the job again (with `checkpoint` set it resumes from the last checkpoint)"
+            )
+        checkpoint, source = found
+        began, clock = time.time(), time.monotonic()
+        log.warning("job %s: %s; every shard goes back to %s", job.job_id, why, source)
+        holders = list(self.placement)
+        for i in lost:
+            holders[i] = self._wait_for_standby(i, taken=holders)
+        futures = [
+            self._submit_data_server(i, holders[i], self.persistence.shard_start(i, names, checkpoint))
+            for i, names in enumerate(self.plan)
+        ]
+        shards = [f.result(timeout=self._startup_timeout()) for f in futures]
+        channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
+        old, self.actor_futures = self.actor_futures, futures
+        for i, shard in enumerate(self.shards):
+            if i not in lost:
+                with contextlib.suppress(Exception):
+                    shard.close_channel().result(timeout=job.call_timeout)
+        with contextlib.suppress(Exception):
+            self.client.cancel(old)
+        self.shards[:], self.channels[:], self.placement[:] = shards, channels, holders
+        version = checkpoint.committed_steps if checkpoint is not None else 0
+        event: MembershipEvent = self._call(
+            self.coordinator.rebuild(
+                self.journal, self.shards, self.channels, [], self.coordinator_at,
+                f"{why}; every shard went back to {source} (step {version})", began, EventKind.RESTORED,
+            ),
+            timeout=3 * job.call_timeout,
+        )  # fmt: skip
+        self._told_lost.clear()
+        self.standbys = tuple(w for w in self.standbys if w not in self.placement)
+        self.journal = Journal()
+        self._copy_journal()
+        self.worker_event.set()
+        log.warning(
+            "job %s: every shard back to %s at step %d in %.2f s (%d committed steps to train again)",
+            job.job_id, source, event.step, time.monotonic() - clock, event.steps_lost,
+        )  # fmt: skip
+
+    def _wait_for_standby(self, index: int, taken: list[str] | None = None) -> str:
+        """A static worker holding no data server of this job (nor one of `taken`); waits up to
+        `min_workers_timeout` for one to join, then fails naming the role."""
         deadline = time.monotonic() + self.job.min_workers_timeout
         while True:
             view = self._workers_view()
-            free = standbys(view.static, self.placement, self.coordinator_at)
+            free = standbys(view.static, taken or self.placement)
             if free:
                 return free[0]
             if time.monotonic() >= deadline:
@@ -711,6 +772,7 @@ class TrainingRun:
         """The answer to a call to the coordinator. If its static worker leaves meanwhile, raises
         `CoordinatorLost` at once (the call itself would wait for Dask's connect timeout)."""
         deadline = time.monotonic() + (timeout or self.job.call_timeout)
+        next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
         while True:
             try:
                 return future.result(timeout=max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
@@ -719,7 +781,11 @@ class TrainingRun:
                     raise CoordinatorLost(
                         f"its static worker {self.coordinator_at} left the cluster"
                     ) from exc
-                if time.monotonic() < deadline:
+                now = time.monotonic()
+                if now >= next_look:
+                    next_look = now + WATCH_WHILE_CALLING_SECONDS
+                    self._tell_lost_shards()
+                if now < deadline:
                     continue
                 raise DataServerLostError(
                     f"the coordinator of job {self.job.job_id} on {self.coordinator_at} did not answer "
@@ -732,6 +798,37 @@ class TrainingRun:
                 raise CoordinatorLost(
                     f"its static worker {self.coordinator_at} was lost ({type(exc).__name__}: {exc})"
                 ) from exc
+
+    def _wait_unless_left(self, future: Any, worker: str, timeout: float) -> Any:
+        """`future`'s result, unless the static worker `worker` (which the call depends on) leaves first:
+        a call to a dead worker waits for Dask's connect timeout."""
+        deadline = time.monotonic() + timeout
+        next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
+        while True:
+            try:
+                return future.result(timeout=max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
+            except TimeoutError:
+                now = time.monotonic()
+                if worker in self.left:
+                    raise StaticWorkerLeft(worker) from None
+                if now >= next_look:
+                    next_look = now + WATCH_WHILE_CALLING_SECONDS
+                    if worker not in self._workers_view().static:
+                        raise StaticWorkerLeft(worker) from None
+                if now >= deadline:
+                    raise
+
+    def _tell_lost_shards(self) -> None:
+        """While a coordinator call waits (it may be calling every shard), look at the static workers: a
+        call to a shard whose worker just died waits for Dask's connect timeout, so the coordinator is told
+        of the loss at once (`shards_lost`, not waited for), which makes it give that call up."""
+        static = set(self._workers_view().static)
+        if self.coordinator_at not in static:
+            raise CoordinatorLost(f"its static worker {self.coordinator_at} left the cluster")
+        for i, where in enumerate(self.placement):
+            if where not in static and i not in self._told_lost:
+                self._told_lost.add(i)
+                self.coordinator.shards_lost([i], f"static worker {where} left")
 
     def _copy_journal(self) -> None:
         """Bring the controller's copy of the coordinator's record up to date (`Journal`)."""
@@ -754,22 +851,29 @@ class TrainingRun:
         coordinator = future.result(timeout=self._startup_timeout())
         started = time.monotonic() - clock
         self.coordinator, self.coordinator_future, self.coordinator_at = coordinator, future, where
-        event: MembershipEvent = self._call(
-            coordinator.rebuild(
-                self.journal, self.shards, self.channels, lost, where,
-                reason, began,
-            ),
-            timeout=3 * job.call_timeout,
-        )  # fmt: skip
         # Compute loops hold the old coordinator's handle: they start over with the new one (a loop that
         # was cancelled ends at its next step, and whatever it sends is of an old generation).
         for addr, loop in self.loops.items():
             loop.cancel()
             self.loop_restarts[addr] = max(0, self.loop_restarts.get(addr, 1) - 1)
         self.loops.clear()
+        self.worker_event.set()
+        try:
+            event: MembershipEvent = self._call(
+                coordinator.rebuild(
+                    self.journal, self.shards, self.channels, lost, where, reason, began,
+                    EventKind.COORDINATOR_REBUILT,
+                ),
+                timeout=3 * job.call_timeout,
+            )  # fmt: skip
+        except CoordinatorLost:
+            raise
+        except DataServerLostError as exc:
+            # Data servers died with it, and with them the replicas of their shards.
+            self._restore_from_checkpoint(lost, f"the coordinator's static worker {lost_at} died: {exc}")
+            return
         self.journal = Journal()
         self._copy_journal()
-        self.worker_event.set()
         log.warning(
             "job %s: coordinator rebuilt on %s at step %d, %.2f s after it was seen lost (start %.3f s, "
             "rebuild %.3f s)%s",
@@ -857,6 +961,7 @@ class TrainingRun:
             error = loop.exception()
             if isinstance(error, FatalError):
                 raise error  # a shard said the job cannot go on: no restart would help
+            self.loop_failures += 1
             log.warning("job %s: compute loop on %s ended with %r", self.job.job_id, addr, error)
             if self.loop_restarts.get(addr, 0) > MAX_LOOP_RESTARTS:
                 # An error that survives restarts (the model does not import there, a version mismatch)

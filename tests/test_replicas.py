@@ -121,6 +121,6 @@ def test_without_peer_replicas_snapshots_count_at_once_and_no_copy_is_sent(digit
     asyncio.run(run())
 
 
-def test_standbys_are_the_static_workers_that_hold_no_role() -> None:
-    assert standbys(("a", "b", "c", "d"), ["b", "a"], "a") == ("c", "d")
-    assert standbys(("a", "b"), ["a", "b"], "a") == ()
+def test_standbys_are_the_static_workers_that_hold_no_data_server() -> None:
+    assert standbys(("a", "b", "c", "d"), ["b", "a"]) == ("c", "d")
+    assert standbys(("a", "b"), ["a", "b"]) == ()

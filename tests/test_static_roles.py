@@ -6,6 +6,7 @@ can take over, the job fails with a `DataServerLostError` that says what to do."
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -161,6 +162,99 @@ def test_no_standby_fails_naming_the_role_and_what_to_start(digits_url: str) -> 
     assert "--resources static=1" in message
 
 
+class KillWhenCheckpointed:
+    """Holds training at step `at` or later until a persistent checkpoint of step `at` or later is written
+    in `folder` (with no folder: until a snapshot of step `at` or later is confirmed), then SIGKILLs the
+    static workers of the data servers `indices` at once (each shard's replica lives on the next one, so
+    neighbours die with their replicas) and lets training go on."""
+
+    def __init__(
+        self, cluster: LocalElasticCluster, indices: tuple[int, ...], folder: Path, at: int = 12
+    ) -> None:
+        self.cluster = cluster
+        self.indices = indices
+        self.folder = folder
+        self.at = at
+        self.killed: list[str] = []
+        self.placement = Placement()
+
+    def __call__(self, progress: Progress) -> None:
+        self.placement(progress)
+        if self.killed or progress.committed_steps < self.at:
+            return
+        GATE.touch()
+        if self.folder is None:
+            reached = progress.snapshot_step
+        else:
+            reached = max(
+                (int(p.stem.removeprefix("ckpt-")) for p in self.folder.glob("ckpt-*.pt")), default=-1
+            )
+        if reached >= self.at:
+            self.killed = sorted({progress.data_servers[i] for i in self.indices})
+            for worker in self.killed:
+                self.cluster.kill_worker(worker)
+            GATE.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize(
+    ("shards", "indices"),
+    [(3, (1, 2)), (2, (0, 1))],
+    ids=["two-data-servers", "every-data-server-and-the-coordinator"],
+)
+def test_a_shard_lost_with_its_replica_goes_back_to_the_checkpoint_in_the_same_run(
+    static_cluster: LocalElasticCluster,
+    reference: References,
+    digits_url: str,
+    tmp_path: Path,
+    shards: int,
+    indices: tuple[int, ...],
+) -> None:
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, shards + 2)
+    job = make_job(
+        digits_url, "reassign", job_id=f"replica-lost-{shards}", model="tests.models:gated_mlp",
+        data_servers=shards, checkpoint=str(tmp_path), checkpoint_every=1,
+    )  # fmt: skip
+    kill = KillWhenCheckpointed(static_cluster, indices, tmp_path)
+    try:
+        result = train(job, cluster=static_cluster, on_progress=kill)
+    finally:
+        GATE.unlink(missing_ok=True)
+
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    assert len(kill.killed) == len(indices)
+    (restored,) = [e for e in result.events if e.kind == EventKind.RESTORED]
+    assert f"{tmp_path}" in restored.reason and restored.step >= 12, "back to a checkpoint past the start"
+    assert result.counters["checkpoint_restores"] == 1 and result.counters["promotions"] == 0
+    last = kill.placement.seen[-1]
+    assert not set(last.data_servers) & set(kill.killed), "every lost data server lives elsewhere now"
+    assert last.coordinator_at not in kill.killed
+    assert result.counters["loop_failures"] == 0, "no compute loop gave up on an unreachable shard"
+
+
+def test_a_shard_lost_with_its_replica_and_no_checkpoint_fails_naming_them(
+    static_cluster: LocalElasticCluster, digits_url: str
+) -> None:
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 5)
+    job = make_job(
+        digits_url, "reassign", job_id="replica-lost-no-checkpoint", model="tests.models:gated_mlp",
+        data_servers=3,
+    )  # fmt: skip
+    kill = KillWhenCheckpointed(static_cluster, (1, 2), folder=None)
+    try:
+        with pytest.raises(DataServerLostError) as failed:
+            train(job, cluster=static_cluster, on_progress=kill)
+    finally:
+        GATE.unlink(missing_ok=True)
+    message = str(failed.value)
+    assert len(kill.killed) == 2
+    assert "data servers [1] cannot be restored" in message, "it names them"
+    assert "replica was held by data server 2" in message, "and says why"
+    assert "no `checkpoint`" in message and "set one" in message, "it says what to do"
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_the_coordinators_worker_killed_mid_run_is_rebuilt_on_another(
     static_cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
@@ -220,7 +314,7 @@ def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
             train(job, cluster=static_cluster, on_progress=kill)
     finally:
         GATE.unlink(missing_ok=True)
-    assert kill.killed and "data server 1" in str(failed.value)
+    assert kill.killed and "data servers [1]" in str(failed.value)
     assert "resumes from the last checkpoint" in str(failed.value)
 
 
