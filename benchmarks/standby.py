@@ -8,27 +8,37 @@ static workers for good.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+import torch
+
+from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
+from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import EventKind, MembershipEvent, Progress
-from prefect_elastic.training import train
+from prefect_elastic.training import prepare, train
 
 from .elastic import make_job, next_commit, steady_throughput, summary
 
 STANDBY_READY_S = 5.0
 
 
-def standby_recovery(workload: str, data: str, kills: int, epochs: int, settle: int = 30) -> dict[str, Any]:
+def standby_recovery(
+    workload: str, data: str, kills: int, epochs: int, settle: int = 30, role: str = "data-server"
+) -> dict[str, Any]:
     """3 static workers (the job's roles on 2, one standby) and 2 compute workers; `kills` times, once
     training went `settle` steps on the current placement and a snapshot of that time is confirmed,
-    SIGKILL the static worker of data server 1 for good and start a new static worker (the next standby).
+    SIGKILL the static worker of data server 1 (`role` "coordinator": of the coordinator, which shares it
+    with a data server) for good and start a new static worker (the next standby).
 
     Per kill: seconds from the kill to the next committed step, and its parts: detection (the kill to the
-    controller seeing it), then the promotion's own parts (`TrainResult.promotions`), then the first step.
+    controller seeing it), the coordinator's rebuild (for the coordinator), then the promotion's own parts
+    (`TrainResult.promotions`), then the first step.
     """
     with LocalElasticCluster(static_workers=3, elastic_workers=2) as cluster:
         kill_times: list[float] = []
@@ -38,7 +48,7 @@ def standby_recovery(workload: str, data: str, kills: int, epochs: int, settle: 
         def on_progress(p: Progress) -> None:
             if len(kill_times) >= kills or p.state != "running" or p.lost_shards or not p.data_servers:
                 return
-            holder = p.data_servers[1]
+            holder = p.data_servers[1] if role == "data-server" else str(p.coordinator_at)
             first = since.setdefault(holder, p.committed_steps)
             if first < 0:
                 return  # killed, not replaced yet
@@ -57,13 +67,17 @@ def standby_recovery(workload: str, data: str, kills: int, epochs: int, settle: 
 
         job = make_job(workload, data, micro_batches=2, epochs=epochs, policy="reassign", job_id="standby")
         result = train(job, cluster=cluster, on_progress=on_progress)
+    rebuilds = [e for e in result.events if e.kind == EventKind.COORDINATOR_REBUILT]
     kills_out: list[dict[str, Any]] = []
-    for kill, promotion in zip(kill_times, result.promotions, strict=False):
+    for n, (kill, promotion) in enumerate(zip(kill_times, result.promotions, strict=False)):
         nc = next_commit(result, kill)
+        rebuilt = rebuilds[n] if role == "coordinator" and n < len(rebuilds) else None
+        seen = promotion.seen if rebuilt is None else rebuilt.time - rebuilt.seconds
         kills_out.append(
             {
                 "recovery_s": None if nc is None else nc - kill,
-                "detect_s": promotion.seen - kill,
+                "detect_s": seen - kill,
+                "rebuild_s": None if rebuilt is None else rebuilt.seconds,
                 "suspend_s": promotion.suspend,
                 "start_s": promotion.start,
                 "adopt_s": promotion.adopt,
@@ -78,13 +92,24 @@ def standby_recovery(workload: str, data: str, kills: int, epochs: int, settle: 
     recoveries = [k["recovery_s"] for k in kills_out if k["recovery_s"] is not None]
     return {
         "workload": workload,
+        "role": role,
         "kills": len(kill_times),
+        "coordinator_rebuilds": len(rebuilds),
         "promotions": len(result.promotions),
         "per_kill": kills_out,
         "recovery_s": summary(recoveries) if recoveries else None,
         "parts_median_s": {
             part: statistics.median(k[part] for k in kills_out if k[part] is not None)
-            for part in ("detect_s", "suspend_s", "start_s", "adopt_s", "promote_s", "first_step_s")
+            for part in (
+                "detect_s",
+                "rebuild_s",
+                "suspend_s",
+                "start_s",
+                "adopt_s",
+                "promote_s",
+                "first_step_s",
+            )
+            if any(k[part] is not None for k in kills_out)
         }
         if kills_out
         else {},
@@ -160,4 +185,124 @@ def replica_cost(workload: str, data: str, epochs: int, repeats: int) -> dict[st
         "pairs": pairs,
         "ratios": ratios,
         "cost": 1.0 - statistics.median(ratios),
+    }
+
+
+def _drop_page_cache() -> bool:
+    """Empty the kernel's page cache (root only), so a file read next comes from the disk."""
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def shard_restore(data: str, repeats: int) -> dict[str, Any]:
+    """A data server's shard of 200 MB (`workloads.wide_mlp`: the 5000x5000 weight and its SGD momentum)
+    restored on a standby, `repeats` times each way, in one run: from its peer's memory (a data server
+    started empty, then `DataServer.adopt`: the peer sends its replica straight to the standby), against
+    from a checkpoint file on the local disk (read and unpickled by the controller, sent to the standby's
+    worker, and the data server started from it: what a restart does, and what the checkpoint fallback
+    does). Both include starting the data server (reading its data partition). The file is read with the
+    page cache emptied first (`cold`) and again right after (`warm`)."""
+    from distributed import Client
+
+    job = make_job("mlp", data, job_id="restore").model_copy(
+        update={"model": "benchmarks.workloads:wide_mlp"}
+    )
+    prepared = prepare(job)
+    _, initial = job.initial_tensors()
+    plan = plan_shards(initial, job.data_servers)
+    index = max(range(len(plan)), key=lambda i: sum(initial[n].numel() for n in plan[i]))
+    shards: list[dict[str, torch.Tensor]] = [{n: initial[n] for n in names} for names in plan]
+    optimizers: list[dict[str, Any]] = []
+    for params in shards:
+        tensors = [t.detach().clone().requires_grad_(True) for t in params.values()]
+        optimizer = job.build_optimizer(tensors)
+        for t in tensors:
+            t.grad = torch.zeros_like(t)
+        optimizer.step()  # the momentum buffers exist from the first step on
+        optimizers.append(optimizer.state_dict())
+    shard_bytes = sum(t.numel() * t.element_size() for t in shards[index].values()) * 2  # + momentum
+
+    def start(client: Client, where: str, i: int, tensors: list[Any], version: int) -> Any:
+        return client.submit(
+            DataServer, i, job, prepared.dataset, prepared.schedule, *tensors, version,
+            actor=True, workers=[where], allow_other_workers=False, pure=False,
+        )  # fmt: skip
+
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        LocalElasticCluster(static_workers=3, elastic_workers=0, memory_limit="8GiB") as cluster,
+        Client(cluster.scheduler_address, set_as_default=False) as client,
+        client.as_current(),  # actor handles bind to the current client
+    ):
+        holder, peer_at, standby = cluster.static_addresses()[:3]
+        live = []
+        for i, where in ((index, holder), (1 - index, peer_at)):
+            scattered = client.scatter([shards[i], {}, optimizers[i]], workers=[where], hash=False)
+            live.append(start(client, where, i, scattered, 1).result())
+        shard, peer = live
+        shard.set_peer(0, peer).result()
+        deadline = time.monotonic() + 120
+        while not shard.status(0).result().snapshots:  # reported once the replica is whole on the peer
+            if time.monotonic() > deadline:
+                raise RuntimeError("the shard's replica did not reach its peer in 120 s")
+            time.sleep(0.05)
+        store = CheckpointStore(f"file://{folder}")
+        store.write(
+            Checkpoint(
+                job_id=job.job_id, fingerprint=prepared.persistence.expected, generation=0, committed_steps=1,
+                ledger=[], history=[], tensors=dict(initial), optimizers=optimizers,
+            )
+        )  # fmt: skip
+        file_bytes = sum(p.stat().st_size for p in Path(folder).glob("ckpt-*.pt"))
+        peer_runs: list[dict[str, float]] = []
+        file_runs: list[dict[str, Any]] = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            empty = start(client, standby, index, [{}, {}, None], 1)
+            restored = empty.result()
+            started = time.perf_counter() - began
+            restored.adopt(peer, 1).result()
+            peer_runs.append({"start_s": started, "restore_s": time.perf_counter() - began - started})
+            client.cancel([empty])
+            del restored
+            for cache in ("cold", "warm"):
+                cold = _drop_page_cache() if cache == "cold" else False
+                began = time.perf_counter()
+                found = store.latest()
+                assert found is not None
+                checkpoint = found[0]
+                start_state = prepared.persistence.shard_start(index, plan[index], checkpoint)
+                read = time.perf_counter() - began
+                scattered = client.scatter(
+                    [start_state.params, start_state.buffers, start_state.optimizer_state],
+                    workers=[standby],
+                    hash=False,
+                )
+                future = start(client, standby, index, scattered, start_state.version)
+                future.result()
+                total = time.perf_counter() - began
+                file_runs.append({"cache": cache, "dropped": cold, "read_s": read, "total_s": total})
+                client.cancel([future, *scattered])
+                del checkpoint, start_state, found
+    peer_total = [r["start_s"] + r["restore_s"] for r in peer_runs]
+    cold_total = [r["total_s"] for r in file_runs if r["cache"] == "cold"]
+    warm_total = [r["total_s"] for r in file_runs if r["cache"] == "warm"]
+    return {
+        "shard_mb": shard_bytes / 1e6,
+        "checkpoint_file_mb": file_bytes / 1e6,
+        "peer": peer_runs,
+        "file": file_runs,
+        "peer_s": summary(peer_total),
+        "peer_restore_s": summary([r["restore_s"] for r in peer_runs]),
+        "start_s": summary([r["start_s"] for r in peer_runs]),
+        "file_cold_s": summary(cold_total),
+        "file_warm_s": summary(warm_total),
+        "speedup_cold": statistics.median(cold_total) / statistics.median(peer_total),
+        "speedup_warm": statistics.median(warm_total) / statistics.median(peer_total),
+        "page_cache_dropped": all(r["dropped"] for r in file_runs if r["cache"] == "cold"),
     }

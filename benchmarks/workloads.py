@@ -110,6 +110,14 @@ class Workload:
         return sum(p.numel() * p.element_size() for p in self.make().parameters())
 
 
+def wide_mlp() -> nn.Module:
+    """784-5000-5000-10: the 5000x5000 weight (100 MB of float32) and its SGD momentum make one data
+    server's shard of 200 MB (`benchmarks/standby.py: shard_restore`); never trained here."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 5000), nn.ReLU(), nn.Linear(5000, 5000), nn.ReLU(), nn.Linear(5000, 10)
+    )
+
+
 WORKLOADS = {
     "cnn": Workload("cnn", "benchmarks.workloads:cnn", "compute-bound"),
     "cnn-20": Workload("cnn-20", "benchmarks.workloads:cnn20", "light compute, a fifth of the cnn"),

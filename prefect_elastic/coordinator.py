@@ -316,6 +316,31 @@ class Coordinator:
         await self._notify()
         return state.ledger.snapshot_step
 
+    async def hand_over(self, indices: list[int], reason: str) -> int:
+        """A static worker is retiring: stop training at a step every shard applied (every shard fenced
+        into a new generation and brought to one version; only the open step is dropped), snapshot that
+        version on every shard (its copies whole on the peers), and count the data servers `indices` lost,
+        so that standbys take them from that snapshot with no committed step redone. Nothing is handed
+        out until the controller's next survival check. Returns the snapshot's step."""
+        began = time.time()
+        lock, _ = self._primitives()
+        state = self._state
+        async with lock:
+            if not state.finished:
+                decision = replace(
+                    survival_check(state.survival_state(), frozenset(state.members), began),
+                    action=Action.REASSIGN,
+                    generation=state.generation + 1,
+                    reason=reason,
+                )
+                await self._change_membership(decision, "hand-over", began)
+                state.suspended = True
+                await self._snapshot_committed(began)
+                for index in indices:
+                    self._take(state.lose_shard(index, state.generation, reason, time.time()))
+        await self._notify()
+        return state.ledger.snapshot_step
+
     async def promote(self, index: int, shard: Any, channel: tuple[str, int], worker: str) -> MembershipEvent:
         """`shard` (a data server started on the standby `worker`, holding the replica of the last
         snapshot) takes the role of lost shard `index`: every shard is fenced into a new generation and

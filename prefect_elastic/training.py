@@ -330,7 +330,7 @@ class TrainingRun:
         acts_on_steps = faults is not None or on_progress is not None
         fast_enough = PROGRESS_POLL_SECONDS if acts_on_steps else PROGRESS_POLL_IDLE_SECONDS
         self.progress_poll = fast_enough if progress_poll is None else progress_poll
-        self.actor_futures: list[Future] = []
+        self.actor_futures: list[Future] = []  # the data servers', by shard index
         self.loops: dict[str, Future] = {}
         self.loop_restarts: dict[str, int] = {}
         self.loop_stats: list[LoopStats] = []
@@ -355,6 +355,7 @@ class TrainingRun:
         # survival check: a coordinator whose worker dies is rebuilt from it and from the shards.
         self.journal = Journal()
         self.left: set[str] = set()  # workers the scheduler said it removed (its events)
+        self.retiring: set[str] = set()  # workers someone asked to retire, which the scheduler refused
         self._loop_serial = 0  # numbers the compute loops' task keys
         self.loop_failures = 0  # compute loops that ended with an error (and were started again)
         self.coordinator_future: Future | None = None
@@ -515,11 +516,16 @@ class TrainingRun:
         if isinstance(msg, dict) and msg.get("action") in ("add-worker", "remove-worker", "retire-workers"):
             if msg.get("action") == "remove-worker" and isinstance(msg.get("worker"), str):
                 self.left.add(msg["worker"])
+            if msg.get("action") == "retire-workers":
+                # The scheduler refuses to retire a worker that holds an actor: a static worker with a role
+                # of this job. The controller hands its roles over, then retires it (`_hand_over`).
+                self.retiring.update(str(w) for w in msg.get("could-not-retire") or ())
             self.worker_event.set()
 
     def _supervise(self) -> Progress:
         job = self.job
-        coordinator, shards, plan = self.coordinator, self.shards, self.plan
+        # `self.coordinator` is read anew at each use: a hand-over rebuilds it in the middle of a pass.
+        shards, plan = self.shards, self.plan
         next_check = 0.0
         next_look = 0.0  # the next read of the scheduler's view between survival checks
         known: list[str] = []  # the live workers the last survival check saw
@@ -552,10 +558,12 @@ class TrainingRun:
                     continue
                 group_since = None
                 known = view.live
-                renew = self._ensure_loops(view, coordinator, plan)
+                renew = self._ensure_loops(view, self.coordinator, plan)
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
                 events: list[MembershipEvent] = self._call(
-                    coordinator.survival_check(view.live, "worker event" if triggered else "interval", renew),
+                    self.coordinator.survival_check(
+                        view.live, "worker event" if triggered else "interval", renew
+                    ),
                     timeout=3 * job.call_timeout,
                 )
                 next_check = time.monotonic() + job.liveness_interval
@@ -565,14 +573,14 @@ class TrainingRun:
                 self._copy_journal()
                 for event in events:
                     if event.kind is EventKind.SNAPSHOT:
-                        self.persistence.after_snapshot(coordinator, shards, job.call_timeout)
+                        self.persistence.after_snapshot(self.coordinator, shards, job.call_timeout)
                     if self.on_event is not None:
                         self.on_event(event)
-            progress: Progress = self._call(coordinator.progress())
+            progress: Progress = self._call(self.coordinator.progress())
             if progress.lost_shards:
                 # A call to a shard failed before its worker left the scheduler's list.
                 self._promote_standbys(list(progress.lost_shards))
-                progress = self._call(coordinator.progress())
+                progress = self._call(self.coordinator.progress())
             progress = replace(
                 progress,
                 data_servers=tuple(self.placement),
@@ -609,6 +617,40 @@ class TrainingRun:
         lost = [i for i, where in enumerate(self.placement) if where not in view.static]
         if lost:
             self._promote_standbys(lost)
+        for worker in sorted(self.retiring):
+            self.retiring.discard(worker)
+            if worker in view.static:
+                self._hand_over(worker)
+
+    def _hand_over(self, worker: str) -> None:
+        """Someone asked to retire the static worker `worker` (`Client.retire_workers`, a cluster scaling
+        down), which the scheduler refuses while it holds an actor: hand its roles over before it goes.
+        Training stops at a step every shard applied, which is snapshotted (its copies whole on the peers);
+        its data servers go to standbys from that snapshot and its coordinator is rebuilt elsewhere, so no
+        committed step is redone. Then it is retired."""
+        job = self.job
+        indices = [i for i, w in enumerate(self.placement) if w == worker]
+        if indices or worker == self.coordinator_at:
+            if indices and not standbys(self._workers_view().static, self.placement):
+                log.warning(
+                    "job %s: static worker %s is asked to retire, but no standby can take data servers %s; "
+                    "it is not retired (start a static worker, then retire it again)",
+                    job.job_id, worker, indices,
+                )  # fmt: skip
+                return
+            reason = f"static worker {worker} is retiring"
+            log.warning("job %s: %s; handing over its roles", job.job_id, reason)
+            self._call(self.coordinator.hand_over(indices, reason), timeout=3 * job.call_timeout)
+            if indices:
+                self._promote_standbys(indices)
+            if worker == self.coordinator_at:
+                self._copy_journal()
+                old = self.coordinator_future
+                self._rebuild_coordinator(reason)
+                with contextlib.suppress(Exception):
+                    self.client.cancel([old])
+        self.client.retire_workers([worker], close_workers=True)
+        self.worker_event.set()  # a survival check hands roles out again at once
 
     def _promote_standbys(self, lost: list[int]) -> None:
         """Suspend training, then for each lost data server: start one on a standby static worker, from
@@ -678,7 +720,11 @@ class TrainingRun:
                 source="start" if replica is None else "replica",
             )  # fmt: skip
             self.promotions.append(promotion)
-            self.actor_futures.append(future)
+            # The old data server's actor is released: it is gone with its worker, or (a hand-over) its
+            # worker is retiring and must not hold it.
+            old, self.actor_futures[i] = self.actor_futures[i], future
+            with contextlib.suppress(Exception):
+                self.client.cancel([old])
             shards[i], self.channels[i], self.placement[i] = shard, channel, standby
             self._told_lost.discard(i)
             log.warning(

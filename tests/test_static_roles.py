@@ -226,7 +226,8 @@ def test_a_shard_lost_with_its_replica_goes_back_to_the_checkpoint_in_the_same_r
     assert len(kill.killed) == len(indices)
     (restored,) = [e for e in result.events if e.kind == EventKind.RESTORED]
     assert f"{tmp_path}" in restored.reason and restored.step >= 12, "back to a checkpoint past the start"
-    assert result.counters["checkpoint_restores"] == 1 and result.counters["promotions"] == 0
+    # (One of the two may be promoted first, if it is seen lost alone: its peer still held its replica.)
+    assert result.counters["checkpoint_restores"] == 1 and result.counters["promotions"] <= 1
     last = kill.placement.seen[-1]
     assert not set(last.data_servers) & set(kill.killed), "every lost data server lives elsewhere now"
     assert last.coordinator_at not in kill.killed
@@ -287,6 +288,44 @@ def test_the_coordinators_worker_killed_mid_run_is_rebuilt_on_another(
     assert EventKind.SNAPSHOT in kinds[: kinds.index(EventKind.COORDINATOR_REBUILT)], "events before it kept"
     assert result.counters["coordinator_rebuilds"] == 1 and result.counters["promotions"] == 1
     assert len(result.history) == result.total_steps and all(h == h for h in result.history[:12])
+
+
+@pytest.mark.parametrize("role", ["data-server", "coordinator"])
+def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_redone(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str, role: str
+) -> None:
+    """`Client.retire_workers` on a static worker with a role (the scheduler refuses it while the worker
+    holds an actor): the controller stops at a step every shard applied, snapshots it, hands the roles to
+    a standby and another static worker, then retires the worker. No committed step is redone, even under
+    `rollback`. (The coordinator's worker holds data server 0 too: both are handed over.)"""
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 3)
+    job = make_job(digits_url, "rollback", job_id=f"retire-{role}", model="tests.models:gated_mlp")
+    placement = Placement()
+    asked: list[str] = []
+    refused: list[object] = []
+
+    def retire_at_step_12(p: Progress) -> None:
+        placement(p)
+        if asked or p.committed_steps < 12:
+            return
+        asked.append(p.data_servers[1] if role == "data-server" else str(p.coordinator_at))
+        with static_cluster.client() as client:
+            refused.append(client.retire_workers([asked[0]], close_workers=True))
+
+    result = train(job, cluster=static_cluster, on_progress=retire_at_step_12)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    (worker,) = asked
+    assert refused == [{}], "the scheduler alone does not retire a worker that holds an actor"
+    static_cluster.wait_until_gone([worker], timeout=30)
+    last = placement.seen[-1]
+    assert worker not in last.data_servers and last.coordinator_at != worker
+    assert sum(e.steps_lost for e in result.events) == 0, "no committed step was redone"
+    handed = [e for e in result.events if e.kind == EventKind.SHARD_LOST]
+    assert handed and all("retiring" in e.reason for e in handed)
+    assert result.counters["promotions"] == len(handed) == 1
+    assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
 
 
 def test_the_coordinator_lost_with_no_static_worker_left_fails_naming_it(digits_url: str) -> None:

@@ -285,10 +285,22 @@ class LocalElasticCluster:
     def wait_for_pending(self, timeout: float | None = None) -> None:
         """Wait until every worker process this cluster started and that still runs has registered (a
         worker added with `wait=False` joins a few seconds later)."""
-        with self._lock:
-            running = [name for name, proc in self._workers.items() if proc.poll() is None]
-        known = {str(info["name"]) for info in self.workers_info().values()}
-        self.wait_for_workers([n for n in running if n not in known], timeout)
+        timeout = self.startup_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            known = {str(info["name"]) for info in self.workers_info().values()}
+            with self._lock:
+                # A process that exits meanwhile is not on its way (a worker retired or killed a moment
+                # ago: its nanny lingers a few seconds after it left the scheduler).
+                pending = sorted(n for n, p in self._workers.items() if p.poll() is None and n not in known)
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"workers {pending} did not register with {self.scheduler_address} in {timeout:.0f} s\n"
+                    + "\n".join(self._log_tail_of(name) for name in pending)
+                )
+            time.sleep(_POLL_S)
 
     def pid_of(self, name: str) -> int | None:
         """The pid of the spawned process of that worker: the nanny's, or the worker's without a nanny."""
