@@ -41,6 +41,7 @@ STANDBY_TARGET_S = 2.0
 RESTART_SPEEDUP = 10.0
 REPLICA_COST = 0.01
 MEMORY_PER_BYTE = 3.0  # issue 10: a data server's growth per byte it must hold, replica included
+RESTORE_SPEEDUP = 5.0  # issue 10: a 200 MB shard from the peer's memory against from a checkpoint file
 
 
 def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
@@ -84,6 +85,45 @@ def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
                 f"workers); the standby is {speedup:.1f}x faster",
                 f"≥ {RESTART_SPEEDUP:g}x faster",
                 _verdict(speedup >= RESTART_SPEEDUP),
+            )
+        )
+    coordinator = sb.get("coordinator")
+    if coordinator and coordinator.get("recovery_s"):
+        crec, cparts = coordinator["recovery_s"], coordinator["parts_median_s"]
+        cnamed = {
+            "detection": "detect_s",
+            "coordinator rebuilt": "rebuild_s",
+            "data server 0 promoted (start, shard from the replica, every shard to the snapshot)": None,
+            "first step": "first_step_s",
+        }
+        promoted = sum(cparts.get(k, 0.0) for k in ("suspend_s", "start_s", "adopt_s", "promote_s"))
+        rows.append(
+            (
+                f"SIGKILL of the coordinator's static worker (which holds data server 0 too) to the next "
+                f"committed step ({coordinator['workload']}, 2 compute workers, median of {crec['n']})",
+                f"{crec['median']:.3f} s, max {crec['max']:.3f} s; parts (median): "
+                + ", ".join(
+                    f"{name} {cparts[key] if key else promoted:.3f}"
+                    for name, key in cnamed.items()
+                    if key is None or key in cparts
+                ),
+                f"≤ {STANDBY_TARGET_S:g} s",
+                _verdict(crec["median"] <= STANDBY_TARGET_S),
+            )
+        )
+    restore = sb.get("restore")
+    if restore:
+        rows.append(
+            (
+                f"restore of a {restore['shard_mb']:.0f} MB shard on a standby: from the peer's memory "
+                f"against from a checkpoint file on the local disk "
+                f"({restore['checkpoint_file_mb']:.0f} MB; both include the data server's start)",
+                f"{restore['peer_s']['median']:.3f} s (max {restore['peer_s']['max']:.3f}) against "
+                f"{restore['file_cold_s']['median']:.3f} s with the page cache emptied "
+                f"({restore['file_warm_s']['median']:.3f} s warm): {restore['speedup_cold']:.1f}x "
+                f"({restore['speedup_warm']:.1f}x warm), median of {restore['peer_s']['n']}",
+                f"≥ {RESTORE_SPEEDUP:g}x faster",
+                _verdict(restore["speedup_cold"] >= RESTORE_SPEEDUP),
             )
         )
     cost = sb.get("replica_cost")

@@ -63,6 +63,8 @@ class Sizes:
     standby_epochs: int = 5
     standby_settle: int = 30  # steps on a placement, and a snapshot of half-way, before the next kill
     restart_epochs: int = 1
+    coordinator_kills: int = 5
+    restore_repeats: int = 5  # a 200 MB shard from the peer's memory, and from a checkpoint file
     replica_epochs: int = 5  # cnn-20: about 15 s a run
     replica_repeats: int = 3
     scaling_workers: tuple[int, ...] = (1, 2, 4)
@@ -95,6 +97,8 @@ SMOKE = Sizes(
     standby_epochs=8,
     standby_settle=6,
     restart_epochs=4,
+    coordinator_kills=1,
+    restore_repeats=1,
     replica_epochs=2,
     replica_repeats=1,
     join_at=0.6,
@@ -330,6 +334,11 @@ def standby_figures(results: dict[str, Any], data: str, big: str, sizes: Sizes) 
             results, "restart from the checkpoint", standby.restart_from_checkpoint, "cnn", data,
             sizes.restart_epochs, kill_at=sizes.standby_settle,
         ),
+        "coordinator": attempt(
+            results, "coordinator lost", standby.standby_recovery, "cnn", data, sizes.coordinator_kills,
+            sizes.standby_epochs, settle=sizes.standby_settle, role="coordinator",
+        ),
+        "restore": attempt(results, "shard restore", standby.shard_restore, data, sizes.restore_repeats),
         "replica_cost": attempt(
             results, "replica cost", standby.replica_cost, "cnn-20", data, sizes.replica_epochs,
             sizes.replica_repeats,
@@ -433,7 +442,7 @@ def run_only(args: argparse.Namespace) -> int:
     raw.write_text(json.dumps(results, indent=1, default=str))
     report.write(results, docs, docs.parent / "img")
     for row in report.figures(results):
-        if "static worker" in row[0] or "replica" in row[0]:
+        if "static worker" in row[0] or "replica" in row[0] or "shard" in row[0]:
             print(" | ".join(row))
     return 1 if results.get("errors") else 0
 

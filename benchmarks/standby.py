@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
-from prefect_elastic.data_server import DataServer, plan_shards
+from prefect_elastic.data_server import DataServer, plan_shards, warm_standby
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import EventKind, MembershipEvent, Progress
@@ -240,6 +240,8 @@ def shard_restore(data: str, repeats: int) -> dict[str, Any]:
         client.as_current(),  # actor handles bind to the current client
     ):
         holder, peer_at, standby = cluster.static_addresses()[:3]
+        # As the controller does for every standby it sees (a cold one builds the optimizer slower).
+        client.submit(warm_standby, job, workers=[standby], pure=False).result()
         live = []
         for i, where in ((index, holder), (1 - index, peer_at)):
             scattered = client.scatter([shards[i], {}, optimizers[i]], workers=[where], hash=False)
