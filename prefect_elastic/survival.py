@@ -121,3 +121,14 @@ def wait_for_group(
     interval)."""
     joins_only = set(live) > set(known)
     return joins_only and pending > 0 and waited < limit
+
+
+def wait_for_losses(
+    known: frozenset[str] | set[str], live: frozenset[str] | set[str], waited: float, window: float
+) -> bool:
+    """Whether to hold a membership check back so that workers lost together (a rack, a SLURM job array
+    ending, `cluster.scale(-4)`) leave as one group: when the change includes a loss first seen less than
+    `window` seconds ago. The scheduler removes workers killed at once a few milliseconds apart; without
+    the wait each would make a generation of its own (and under `rollback`, a rollback each). Nothing is
+    lost by the wait: the step in flight cannot commit without the lost members' share anyway."""
+    return bool(set(known) - set(live)) and waited < window

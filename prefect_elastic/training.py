@@ -54,7 +54,7 @@ from .messages import (
 )
 from .registry import claim_job, publish_progress, release_job
 from .schedule import Schedule
-from .survival import wait_for_group
+from .survival import wait_for_group, wait_for_losses
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,9 @@ WATCH_WHILE_CALLING_SECONDS = 0.1
 # A worker silent for more than this many of the scheduler's heartbeat intervals (and for more than a
 # liveness interval) is out of the membership: 0.5 s heartbeats on small clusters make it 1.25 s.
 SILENT_HEARTBEATS = 2.5
+# Workers lost within this long of the first are one membership change (`survival.wait_for_losses`): the
+# scheduler removes workers killed together a few milliseconds apart.
+LOSS_GROUP_SECONDS = 0.05
 # A compute loop that keeps failing on a live worker is restarted at most this many times.
 MAX_LOOP_RESTARTS = 5
 # How long the controller waits on a coordinator call between two looks at whether its worker is gone: a
@@ -530,6 +533,7 @@ class TrainingRun:
         next_look = 0.0  # the next read of the scheduler's view between survival checks
         known: list[str] = []  # the live workers the last survival check saw
         group_since: float | None = None  # when joins that wait for the rest of their group were first seen
+        loss_since: float | None = None  # when a loss that waits for the rest of its group was first seen
         while True:
             now = time.monotonic()
             triggered = self.worker_event.is_set()
@@ -552,11 +556,19 @@ class TrainingRun:
                     group_since = now
                 waited = 0.0 if group_since is None else now - group_since
                 on_the_way = view.pending + int(view.starting)  # not registered yet, or not running yet
+                if not set(known) - set(view.live):
+                    loss_since = None
+                elif loss_since is None:
+                    loss_since = now
+                if wait_for_losses(set(known), set(view.live), now - (loss_since or now), LOSS_GROUP_SECONDS):
+                    time.sleep(LOSS_GROUP_SECONDS / 5)
+                    self.worker_event.set()  # look again at once
+                    continue
                 if wait_for_group(set(known), set(view.live), on_the_way, waited, job.liveness_interval):
                     next_look = now + STARTING_RECHECK_SECONDS
                     self.worker_event.wait(timeout=STARTING_RECHECK_SECONDS)
                     continue
-                group_since = None
+                group_since = loss_since = None
                 known = view.live
                 renew = self._ensure_loops(view, self.coordinator, plan)
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.

@@ -189,6 +189,9 @@ def test_two_kills_within_one_liveness_interval(
     assert len(faults.log) == 2
     assert faults.log[1].time - faults.log[0].time < job.liveness_interval
     assert {r.target for r in faults.log} <= lost_workers(result)
+    # Seed 001's node groups, for losses: killed together, they leave as one membership change.
+    leaving = [e for e in result.membership_events() if e.left]
+    assert [len(e.left) for e in leaving] == [2], [(e.kind, e.left, e.joined) for e in leaving]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

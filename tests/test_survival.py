@@ -135,3 +135,13 @@ def test_joins_wait_for_the_rest_of_their_group_but_a_loss_never_waits() -> None
     assert not wait_for_group({"a", "b"}, {"a", "c"}, pending=3, waited=0.0, limit=1.0), "b was lost"
     assert not wait_for_group({"a", "b"}, {"a"}, pending=3, waited=0.0, limit=1.0)
     assert not wait_for_group({"a"}, {"a"}, pending=3, waited=0.0, limit=1.0), "no change"
+
+
+def test_losses_wait_a_moment_for_the_rest_of_their_group() -> None:
+    from prefect_elastic.survival import wait_for_losses
+
+    assert wait_for_losses({"a", "b", "c"}, {"a"}, waited=0.01, window=0.05), "more may be on their way out"
+    assert not wait_for_losses({"a", "b", "c"}, {"a"}, waited=0.05, window=0.05), "the window is over"
+    assert not wait_for_losses({"a"}, {"a", "b"}, waited=0.0, window=0.05), "joins are not losses"
+    assert wait_for_losses({"a", "b"}, {"a", "c"}, waited=0.0, window=0.05), "a loss beside a join"
+    assert not wait_for_losses({"a"}, {"a"}, waited=0.0, window=0.05), "no change"
