@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 # How long a worker's request for its role waits on the coordinator before it is answered "nothing yet";
 # short enough that loops notice a stop quickly, long enough to cost nothing while idle.
 ROLE_POLL_SECONDS = 0.5
+# How long a hand-over waits for the step in flight to be applied on every shard before it fences anyway.
+HOLD_WAIT_SECONDS = 5.0
 # How often the coordinator reads the shards' status (committed steps, snapshots) while the job runs.
 SYNC_SECONDS = 0.05
 
@@ -54,6 +56,11 @@ SYNC_SECONDS = 0.05
 def _fence(shard: Any, generation: int) -> Awaitable[ShardStatus]:
     fenced: Awaitable[ShardStatus] = shard.fence(generation)
     return fenced
+
+
+def _hold_at(shard: Any, generation: int, version: int, wait: float) -> Awaitable[int]:
+    held: Awaitable[int] = shard.hold_at(generation, version, wait)
+    return held
 
 
 class ShardUnreachable(Exception):
@@ -327,6 +334,8 @@ class Coordinator:
         state = self._state
         async with lock:
             if not state.finished:
+                if not state.suspended and state.members:  # (standing shards take no step to wait for)
+                    await self._hold_at_one_version()
                 decision = replace(
                     survival_check(state.survival_state(), frozenset(state.members), began),
                     action=Action.REASSIGN,
@@ -340,6 +349,22 @@ class Coordinator:
                     self._take(state.lose_shard(index, state.generation, reason, time.time()))
         await self._notify()
         return state.ledger.snapshot_step
+
+    async def _hold_at_one_version(self, tries: int = 2) -> None:
+        """Let the steps in flight finish, then stop every shard at the same step boundary (`hold_at`), so
+        that the fence after finds them at one version: a fence in the middle of a step finds one shard a
+        step ahead of another, and the shards go back to the last snapshot. A step that does not finish
+        within a pull's wait (a member that died meanwhile) leaves it to the fence."""
+        state = self._state
+        for _ in range(tries):
+            statuses: list[ShardStatus] = await self._on_shards(
+                lambda s: s.status(state.schedule.total_steps)
+            )
+            target = min(max(s.version for s in statuses) + 1, state.schedule.total_steps)
+            hold = partial(_hold_at, generation=state.generation, version=target, wait=HOLD_WAIT_SECONDS)
+            reached: list[int] = await self._on_shards(hold)
+            if len(set(reached)) == 1:
+                return
 
     async def promote(self, index: int, shard: Any, channel: tuple[str, int], worker: str) -> MembershipEvent:
         """`shard` (a data server started on the standby `worker`, holding the replica of the last

@@ -119,6 +119,7 @@ class DataServer:
         self._version_changed: asyncio.Condition | None = None  # made in the event loop, on first use
         self._snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
         self._snapshotting: asyncio.Task[None] | None = None
+        self._hold: int | None = None  # no step from this one on is taken (`hold_at`), until the next fence
         self._load(params, buffers, optimizer_state, version)
         # Peer replicas (seed 001): every snapshot this shard takes is copied to its peer, shard
         # `(index + 1) % D`, which keeps it in memory; a standby promoted to this role takes it from there.
@@ -300,6 +301,8 @@ class DataServer:
         self._check(generation, "push")
         if step != self.version or self._applying:
             raise RecoverableError(f"push for step {step}, but shard {self.index} is at step {self.version}")
+        if self._hold is not None and step >= self._hold:
+            raise RecoverableError(f"shard {self.index} holds at step {self._hold} (a static worker retires)")
         for batch_id in losses:
             if self._schedule.step_of(batch_id) != step:
                 raise FatalError(f"gradient of batch {batch_id} pushed for step {step}")
@@ -378,12 +381,25 @@ class DataServer:
             replicas=tuple(sorted(self._replicas)),
         )
 
+    async def hold_at(self, generation: int, version: int, wait: float) -> int:
+        """Take no step from step `version` on, and wait (up to `wait` seconds) until the steps before it
+        are applied here: every shard held at one version stops at a step boundary, so a fence that follows
+        finds them all at that version and nothing is undone (a hand-over). Returns the version reached;
+        the next fence lifts the hold."""
+        self._check(generation, "hold")
+        self._hold = version
+        if self.version < version:
+            with contextlib.suppress(RecoverableError, StaleGenerationError):
+                await self._wait_for_version(generation, version, wait)
+        return self.version
+
     async def fence(self, generation: int) -> ShardStatus:
         """Enter `generation`: refuse every older message from now on, drop the gradients of the open
         step and any snapshot asked for; returns where the shard is (from step 0 on)."""
         if generation < self.generation:
             raise StaleGenerationError(generation, self.generation, "fence")
         self.generation = generation
+        self._hold = None
         pending = len(self._open.grads)
         self._open = _OpenStep()
         self._snapshot_wanted = None

@@ -359,6 +359,8 @@ class TrainingRun:
         self.journal = Journal()
         self.left: set[str] = set()  # workers the scheduler said it removed (its events)
         self.retiring: set[str] = set()  # workers someone asked to retire, which the scheduler refused
+        self.known_live: list[str] = []
+        self.leaving: set[str] = set()  # static workers whose roles are handed over: never a standby
         self._loop_serial = 0  # numbers the compute loops' task keys
         self.loop_failures = 0  # compute loops that ended with an error (and were started again)
         self.coordinator_future: Future | None = None
@@ -531,7 +533,9 @@ class TrainingRun:
         shards, plan = self.shards, self.plan
         next_check = 0.0
         next_look = 0.0  # the next read of the scheduler's view between survival checks
-        known: list[str] = []  # the live workers the last survival check saw
+        # The live workers the last survival check saw; kept across a coordinator's rebuild, whose first
+        # check re-admits them (they are not joins to wait on for the rest of a group).
+        known = self.known_live
         group_since: float | None = None  # when joins that wait for the rest of their group were first seen
         loss_since: float | None = None  # when a loss that waits for the rest of its group was first seen
         while True:
@@ -569,7 +573,7 @@ class TrainingRun:
                     self.worker_event.wait(timeout=STARTING_RECHECK_SECONDS)
                     continue
                 group_since = loss_since = None
-                known = view.live
+                known = self.known_live = view.live
                 renew = self._ensure_loops(view, self.coordinator, plan)
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
                 events: list[MembershipEvent] = self._call(
@@ -616,7 +620,7 @@ class TrainingRun:
     def _keep_roles(self, view: WorkersView) -> None:
         """Check that every role's static worker is still there; give a lost data server's role to a
         standby. A lost coordinator raises `CoordinatorLost`, which `supervise` answers by rebuilding it."""
-        self.standbys = standbys(view.static, self.placement)
+        self.standbys = standbys([w for w in view.static if w not in self.leaving], self.placement)
         for worker in self.standbys:
             if worker not in self.warmed:
                 # Fire and forget: a standby promoted before it finished is only slower to start.
@@ -651,16 +655,14 @@ class TrainingRun:
                 )  # fmt: skip
                 return
             reason = f"static worker {worker} is retiring"
+            self.leaving.add(worker)
             log.warning("job %s: %s; handing over its roles", job.job_id, reason)
             self._call(self.coordinator.hand_over(indices, reason), timeout=3 * job.call_timeout)
             if indices:
                 self._promote_standbys(indices)
             if worker == self.coordinator_at:
                 self._copy_journal()
-                old = self.coordinator_future
                 self._rebuild_coordinator(reason)
-                with contextlib.suppress(Exception):
-                    self.client.cancel([old])
         self.client.retire_workers([worker], close_workers=True)
         self.worker_event.set()  # a survival check hands roles out again at once
 
@@ -805,7 +807,7 @@ class TrainingRun:
         deadline = time.monotonic() + self.job.min_workers_timeout
         while True:
             view = self._workers_view()
-            free = standbys(view.static, taken or self.placement)
+            free = standbys([w for w in view.static if w not in self.leaving], taken or self.placement)
             if free:
                 return free[0]
             if time.monotonic() >= deadline:
@@ -908,7 +910,10 @@ class TrainingRun:
         future = self._submit_coordinator(where, None)
         coordinator = future.result(timeout=self._startup_timeout())
         started = time.monotonic() - clock
-        self.coordinator, self.coordinator_future, self.coordinator_at = coordinator, future, where
+        old, self.coordinator_future = self.coordinator_future, future
+        self.coordinator, self.coordinator_at = coordinator, where
+        with contextlib.suppress(Exception):
+            self.client.cancel([old])  # released: gone with its worker, or (a hand-over) that worker retires
         # Compute loops hold the old coordinator's handle: they start over with the new one (a loop that
         # was cancelled ends at its next step, and whatever it sends is of an old generation).
         for addr, loop in self.loops.items():
@@ -945,7 +950,7 @@ class TrainingRun:
         static worker to join."""
         deadline = time.monotonic() + self.job.min_workers_timeout
         while True:
-            static = self._workers_view().static
+            static = [w for w in self._workers_view().static if w not in self.leaving]
             beside = [w for w in self.placement if w in static]
             if beside or static:
                 return (beside or list(static))[0]
@@ -970,10 +975,13 @@ class TrainingRun:
             for r in elastic
             if r["status"] in ("running", "paused") and r["silent"] <= max(silent_after, r["silent_limit"])
         )
+        # A static worker asked to retire is "closing_gracefully" while the scheduler tries (and refuses:
+        # it holds an actor), then "running" again: it is still there, and its roles are handed over.
         static = [
             r
             for r in rows
-            if is_static_worker(r, self.job.static_resource) and r["status"] in ("running", "paused")
+            if is_static_worker(r, self.job.static_resource)
+            and r["status"] in ("running", "paused", "closing_gracefully")
         ]
         requested = getattr(self.cluster, "requested", None)
         pending = len(set(map(str, requested)) - {str(r["name"]) for r in rows}) if requested else 0
