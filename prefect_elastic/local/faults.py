@@ -112,6 +112,18 @@ class FaultSchedule:
         self.faults.append(Fault(at_step, "kill", 1, None, sig, role="coordinator"))
         return self
 
+    def retire_data_server(self, at_step: int, index: int) -> FaultSchedule:
+        """Retire gracefully the static worker that holds data server `index` (`Client.retire_workers`):
+        the scheduler refuses while it holds the job's actor, and the job's controller hands its roles
+        over, then retires it; this waits (in the background) until it left."""
+        self.faults.append(Fault(at_step, "retire", 1, None, role=f"data-server-{index}"))
+        return self
+
+    def retire_coordinator(self, at_step: int) -> FaultSchedule:
+        """Retire gracefully the static worker that holds the coordinator (as `retire_data_server`)."""
+        self.faults.append(Fault(at_step, "retire", 1, None, role="coordinator"))
+        return self
+
     def add_static_worker(self, at_step: int, count: int = 1) -> FaultSchedule:
         """Start `count` new static worker processes (standbys for the job's static roles)."""
         self.faults.append(Fault(at_step, "add-static", count))
@@ -236,12 +248,19 @@ class FaultSchedule:
                 cluster.kill_worker(target, sig=fault.sig, restart=True)
             else:
                 # A graceful retire takes a while; supervision must go on meanwhile.
-                thread = threading.Thread(target=cluster.retire_worker, args=(target,), daemon=True)
+                retire = self._retire_static if fault.role else cluster.retire_worker
+                thread = threading.Thread(target=retire, args=(target,), daemon=True)
                 thread.start()
                 self._background.append(thread)
         record = FaultRecord(progress.committed_steps, fault.kind, target, time.time())
         self.log.append(record)
         log.info("fault: %s %s at step %d", fault.kind, target, progress.committed_steps)
+
+    def _retire_static(self, worker: str) -> None:
+        assert self.cluster is not None
+        with self.cluster.client() as client:
+            client.retire_workers([worker], close_workers=True)  # refused while it holds an actor
+        self.cluster.wait_until_gone([worker])  # the job's controller retires it once its roles moved
 
     def _check_freeze(self, progress: Progress) -> None:
         # The progress that chose the worker is a few ms old: the worker may have left the membership or
