@@ -681,9 +681,11 @@ class TrainingRun:
             peer = (i + 1) % len(shards)
             if not job.peer_replicas or peer in lost or peer == i:
                 return None
-            status = self._wait_unless_left(
-                shards[peer].status(self.schedule.total_steps), self.placement[peer], job.call_timeout
-            )
+            try:
+                asked = shards[peer].status(self.schedule.total_steps)
+            except RuntimeError as exc:  # Dask already knows the peer's worker is gone
+                raise StaticWorkerLeft(self.placement[peer]) from exc
+            status = self._wait_unless_left(asked, self.placement[peer], job.call_timeout)
             return shards[peer] if targets[i] in status.replicas else None
 
         try:
@@ -877,6 +879,12 @@ class TrainingRun:
                         raise StaticWorkerLeft(worker) from None
                 if now >= deadline:
                     raise
+            except Exception as exc:
+                # The call broke: if `worker` is gone, that is why (the error itself may be any of
+                # Dask's: a closed comm, an actor whose worker was lost).
+                if worker in self.left or worker not in self._workers_view().static:
+                    raise StaticWorkerLeft(worker) from exc
+                raise
 
     def _tell_lost_shards(self) -> None:
         """While a coordinator call waits (it may be calling every shard), look at the static workers: a
