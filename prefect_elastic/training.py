@@ -912,11 +912,18 @@ class TrainingRun:
         began, clock = time.time(), time.monotonic()
         job, lost_at = self.job, self.coordinator_at
         log.warning("job %s: the coordinator is lost (%s); rebuilding it", job.job_id, reason)
-        where = self._place_coordinator(lost_at)
+        while True:
+            # The worker chosen may be dying too (two static workers killed at once): place it again then.
+            where = self._place_coordinator(lost_at)
+            future = self._submit_coordinator(where, None)
+            try:
+                coordinator = self._wait_unless_left(future, where, self._startup_timeout())
+                break
+            except StaticWorkerLeft:
+                with contextlib.suppress(Exception):
+                    self.client.cancel([future])
         static = self._workers_view().static
         lost = [i for i, holder in enumerate(self.placement) if holder not in static]
-        future = self._submit_coordinator(where, None)
-        coordinator = future.result(timeout=self._startup_timeout())
         started = time.monotonic() - clock
         old, self.coordinator_future = self.coordinator_future, future
         self.coordinator, self.coordinator_at = coordinator, where
