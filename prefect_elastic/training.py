@@ -565,7 +565,7 @@ class TrainingRun:
                 elif loss_since is None:
                     loss_since = now
                 if wait_for_losses(set(known), set(view.live), now - (loss_since or now), LOSS_GROUP_SECONDS):
-                    time.sleep(LOSS_GROUP_SECONDS / 5)
+                    self.worker_event.wait(timeout=LOSS_GROUP_SECONDS / 5)  # woken by the next removal
                     self.worker_event.set()  # look again at once
                     continue
                 if wait_for_group(set(known), set(view.live), on_the_way, waited, job.liveness_interval):
