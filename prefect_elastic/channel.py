@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
 import socket
 import struct
 import time
@@ -199,6 +200,14 @@ class ShardLink:
     def request(self, frame: Frame, timeout: float | None = None) -> Frame:
         self.send(frame)
         return self.receive(timeout)
+
+    def ready(self, timeout: float) -> bool:
+        """Whether an answer has begun to arrive within `timeout` seconds (reads nothing)."""
+        sock = self._sock
+        if sock is None or not self.pending:
+            return False
+        readable, _, _ = select.select([sock], [], [], max(0.0, timeout))
+        return bool(readable)
 
 
 def _tune(sock: socket.socket) -> None:

@@ -32,6 +32,7 @@ from torch.func import functional_call
 
 from .allocator import tune_allocator
 from .channel import Entry, Frame, ShardLink, raise_error, unread_answers_dropped
+from .compute_async import run_async
 from .errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
 from .job import ElasticJob, StateLayout
 from .messages import CoordinatorHandle, Role, Tensors
@@ -49,6 +50,9 @@ PULL_WAIT_SECONDS = 5.0
 WARMUP_STEPS = 5
 # The name of a Dask worker plugin that, where present, is told of every push (see `PushHook`).
 PUSH_HOOK = "prefect-elastic-push-hook"
+# The name of a Dask worker plugin with a `factor` attribute that, where present, makes this worker's
+# compute that many times slower (a straggler for tests and benchmarks: `prefect_elastic.local.slow`).
+SLOWDOWN = "prefect-elastic-slowdown"
 
 
 class PushHook(Protocol):
@@ -73,6 +77,10 @@ class LoopStats:
     # of a process are slower (lazy initialization), and a steady-state figure leaves them out.
     steady_phases: dict[str, float] = field(default_factory=dict)
     steady_steps: int = 0
+    # Async mode: batch ids trained on a candidate model (the shards' answers were late), and gradients a
+    # shard refused as too stale.
+    candidate_steps: int = 0
+    refused: int = 0
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
@@ -162,7 +170,7 @@ def compute_loop(
     tune_allocator()
     torch.set_num_threads(job.threads_per_worker)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    trainer = MicroBatchTrainer(job, plan, layout, device)
+    trainer = MicroBatchTrainer(job, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN))
     hook: PushHook | None = worker.plugins.get(PUSH_HOOK)  # type: ignore[assignment]
     stats = LoopStats(worker=address, device=str(device))
     timeout = job.call_timeout
@@ -177,10 +185,13 @@ def compute_loop(
     # One connection to every shard (channel.py), opened on first use and again after any error; where
     # the shards listen comes with each role (a data server promoted onto a standby listens elsewhere).
     shards: list[ShardLink] = []
+    data: list[ShardLink] = []  # async mode: a second connection to every shard, for batches only
     try:
+        if job.mode == "async":
+            return run_async(address, coordinator, shards, data, trainer, schedule, stats, timeout, wanted)
         return _run(address, coordinator, shards, trainer, schedule, stats, hook, timeout, wanted)
     finally:
-        for link in shards:
+        for link in (*shards, *data):
             link.close()
 
 
@@ -296,9 +307,15 @@ class MicroBatchTrainer:
     """Computes and pushes the gradients of one share of a step; keeps nothing between steps."""
 
     def __init__(
-        self, job: ElasticJob, plan: list[list[str]], layout: StateLayout, device: torch.device
+        self,
+        job: ElasticJob,
+        plan: list[list[str]],
+        layout: StateLayout,
+        device: torch.device,
+        slowdown: Callable[[], Any] = lambda: None,
     ) -> None:
         self.job = job
+        self._slowdown = slowdown
         self.plan = plan
         self.device = device
         self.model = job.make_model().to("meta")  # shapes only: no parameter values live here
@@ -391,7 +408,9 @@ class MicroBatchTrainer:
         ]
         for b in share:
             x, y = batches[b]
+            began = time.perf_counter()
             loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
+            self.slow_down(time.perf_counter() - began)
             # Every shard hears of every batch id (the losses name them), also a shard that holds no
             # parameters or no buffers: each applies the step when it holds all of its batch ids.
             for frame in frames:
@@ -425,6 +444,14 @@ class MicroBatchTrainer:
             hook.after_push(i, step, wait_applied)
         lap("push")
         return None
+
+    def slow_down(self, took: float) -> None:
+        """Where this worker is made a straggler (a `SLOWDOWN` plugin with a `factor`), take `factor`
+        times as long as the compute that just took `took` seconds."""
+        plugin = self._slowdown()
+        factor = float(getattr(plugin, "factor", 1.0)) if plugin is not None else 1.0
+        if factor > 1.0:
+            time.sleep((factor - 1.0) * took)
 
     def gradient(
         self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int

@@ -82,10 +82,11 @@ class Coordinator:
         min_workers_timeout: float,
         call_timeout: float,
         resume: Resume | None = None,
+        mode: str = "sync",
     ) -> None:
         self.job_id = job_id
         self._state = CoordinatorState(
-            job_id, schedule, shards, policy, min_workers, min_workers_timeout, resume
+            job_id, schedule, shards, policy, min_workers, min_workers_timeout, resume, mode
         )
         self._call_timeout = call_timeout
         self._shards: list[Any] = []  # Dask actor handles of the data servers (awaitable calls here)
@@ -219,7 +220,7 @@ class Coordinator:
         async with lock:
             if self._state.finished or self._state.lost:
                 return
-            since = self._state.committed_steps
+            since = self._state.since()
             statuses = await self._on_shards(lambda s: s.status(since))
             finished_before = self._state.finished
             for status in statuses:
@@ -243,6 +244,11 @@ class Coordinator:
             async with changed:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), remaining)
+
+    async def lease(self, worker: str, generation: int, count: int) -> list[int] | None:
+        """Async mode: up to `count` batch ids for `worker` to train (`CoordinatorState.lease`). A loop asks
+        for its next lease while it trains the last one, so this call is off its step path."""
+        return self._state.lease(worker, generation, count)
 
     async def report_failure(
         self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str
@@ -304,6 +310,10 @@ class Coordinator:
         # at once, so that fencing the others does not wait on one lost with the first.
         for index in indices:
             self._gone.setdefault(index, asyncio.Event()).set()
+        if state.mode == "async":
+            self._fail_async_static(indices, reason)
+            await self._notify()
+            return state.ledger.snapshot_step
         async with lock:
             new = [i for i in indices if i not in state.lost]
             if not state.finished and new:
@@ -323,6 +333,15 @@ class Coordinator:
         await self._notify()
         return state.ledger.snapshot_step
 
+    def _fail_async_static(self, indices: list[int], reason: str) -> None:
+        # Async mode has no version that every shard holds, which a promotion from a replica needs.
+        self._fail(
+            "data-server-lost",
+            f"data servers {sorted(indices)} lost ({reason}); async mode cannot move a data server to a "
+            "standby yet (docs/design/async.md); run the job again, or use mode='sync', which survives it",
+            self._state.committed_steps,
+        )
+
     async def hand_over(self, indices: list[int], reason: str) -> int:
         """A static worker is retiring: stop training at a step every shard applied (every shard fenced
         into a new generation and brought to one version; only the open step is dropped), snapshot that
@@ -332,6 +351,10 @@ class Coordinator:
         began = time.time()
         lock, _ = self._primitives()
         state = self._state
+        if state.mode == "async":
+            self._fail_async_static(indices, reason)
+            await self._notify()
+            return state.ledger.snapshot_step
         async with lock:
             if not state.finished:
                 if not state.suspended and state.members:  # (standing shards take no step to wait for)
@@ -413,7 +436,8 @@ class Coordinator:
 
     async def _check(self, live: frozenset[str], trigger: str, renew: bool, began: float) -> None:
         state = self._state
-        statuses = await self._on_shards(lambda s: s.status(state.committed_steps))
+        since = state.since()
+        statuses = await self._on_shards(lambda s: s.status(since))
         for status in statuses:
             self._take(state.absorb(status))
         if state.finished:
@@ -560,7 +584,8 @@ class Coordinator:
 
     async def _snapshot_committed(self, began: float) -> None:
         state = self._state
-        statuses = await self._on_shards(lambda s: s.status(state.committed_steps))
+        since = state.since()
+        statuses = await self._on_shards(lambda s: s.status(since))
         for status in statuses:
             self._take(state.absorb(status))
         if len({s.version for s in statuses}) != 1 or state.committed_steps <= state.ledger.snapshot_step:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import DataServerLostError, FatalError
 from .ledger import Ledger
@@ -67,8 +67,12 @@ class CoordinatorState:
         min_workers: int,
         min_workers_timeout: float,
         resume: Resume | None = None,
+        mode: str = "sync",
     ) -> None:
         self.job_id = job_id
+        # Async mode (seed 002): the schedule has one batch id per step; a step is committed in the ledger
+        # when every shard applied its batch id, in whatever order; work goes out in leases (`lease`).
+        self.mode = mode
         self.schedule = schedule
         self.shards = shards
         self.policy: Policy = policy
@@ -111,6 +115,14 @@ class CoordinatorState:
         # The lowest the ledger stood at since the controller last took a part of the journal: a rollback
         # since then replaced the steps after its snapshot, which the next part sends again.
         self._journaled = self.ledger.committed_steps
+        # Async mode: batch ids nobody holds (lowest first), the ones each member holds, what each shard
+        # applied of batch ids not yet committed, and the next record of each shard not yet read.
+        self._queue: list[int] = []
+        self._leases: dict[str, list[int]] = {}
+        self._applied: dict[int, dict[int, StepRecord]] = {}
+        self._seen: dict[int, int] = dict.fromkeys(range(shards), 0)
+        if mode == "async":
+            self._queue = [b for b in range(schedule.total_batches) if b not in self.ledger]
 
     # -- where the job is ------------------------------------------------------------------------
 
@@ -149,9 +161,11 @@ class CoordinatorState:
         )
 
     def holding(self) -> tuple[tuple[str, int], ...]:
-        """Each member with the micro-batches of the open step in its share."""
+        """Each member with the micro-batches of the open step in its share (async mode: of its lease)."""
         if self.finished or self.suspended or self.lost or not self.members:
             return ()
+        if self.mode == "async":
+            return tuple((w, len(ids)) for w in self.members if (ids := self._leases.get(w)))
         step, size = self.ledger.committed_steps, len(self.members)
         return tuple(
             (w, n) for rank, w in enumerate(self.members) if (n := len(self.schedule.share(step, rank, size)))
@@ -177,6 +191,7 @@ class CoordinatorState:
             holding=self.holding(),
             lost_shards=tuple(sorted(self.lost)),
             snapshot_step=self.ledger.snapshot_step,
+            mode=self.mode,
         )
 
     def snapshot_record(self) -> Resume:
@@ -192,6 +207,60 @@ class CoordinatorState:
     def refused(self) -> int:
         return sum(self._refused.values())
 
+    def since(self) -> int:
+        """The first record a shard's status must carry: every step not committed yet (sync), every apply
+        not read yet (async, where the shards' versions differ)."""
+        if self.mode == "async":
+            return min(self._seen.values(), default=0)
+        return self.ledger.committed_steps
+
+    # -- async mode: leases --------------------------------------------------------------------------
+
+    def lease(self, worker: str, generation: int, count: int) -> list[int] | None:
+        """Up to `count` batch ids for `worker` to train (async mode), lowest first; `[]` when none is
+        free (the last ones are held by workers); None when the worker has no role in `generation` (it
+        asks for its role again). A member's lease goes back to the queue when the membership changes."""
+        if self.mode != "async":
+            raise FatalError("lease: work is leased in async mode only")
+        if self.suspended or self.lost or worker not in self.members or generation != self.generation:
+            return None
+        given, self._queue = self._queue[:count], self._queue[count:]
+        self._leases.setdefault(worker, []).extend(given)
+        return given
+
+    def _return_leases(self) -> int:
+        """Every lease back to the queue (a new generation); returns how many batch ids that is."""
+        back = [b for ids in self._leases.values() for b in ids if b not in self.ledger]
+        self._leases.clear()
+        self._queue = sorted({*self._queue, *back})
+        return len(back)
+
+    def _absorb_async(self, i: int, status: ShardStatus) -> list[MembershipEvent]:
+        for record in status.records:
+            if record.step < self._seen[i]:
+                continue
+            self._seen[i] = record.step + 1
+            for b in record.batch_ids:
+                if b not in self.ledger:
+                    self._applied.setdefault(b, {})[i] = record
+        events: list[MembershipEvent] = []
+        ready = sorted(b for b, by_shard in self._applied.items() if len(by_shard) == self.shards)
+        for b in ready:
+            records = list(self._applied.pop(b).values())
+            worker = records[0].workers.get(b, "")
+            self.ledger.commit(
+                [b], self.ledger.committed_steps, max(r.generation for r in records), {b: worker},
+                staleness=max(r.staleness for r in records),
+            )  # fmt: skip
+            self.history.append(records[0].losses[b])
+            self.commit_times.append(max(r.time for r in records))
+            for ids in self._leases.values():
+                if b in ids:
+                    ids.remove(b)
+            if self.finished:
+                events.append(self.record(EventKind.DONE, now=self.commit_times[-1]))
+        return events
+
     # -- what the shards report ------------------------------------------------------------------
 
     def absorb(self, status: ShardStatus) -> list[MembershipEvent]:
@@ -202,10 +271,13 @@ class CoordinatorState:
         i = status.index
         self.versions[i] = status.version
         self._refused[i] = status.refused
+        self._snapshots[i] = {s.version: (s.time, s.seconds) for s in status.snapshots}
+        if self.mode == "async":
+            # (The only snapshot in async mode is the last: every shard applied every batch id.)
+            return self._absorb_async(i, status) + self._confirm_snapshot()
         for record in status.records:
             if record.step >= self.ledger.committed_steps:
                 self._records[i][record.step] = record
-        self._snapshots[i] = {s.version: (s.time, s.seconds) for s in status.snapshots}
         events = self._commit_ready()
         events += self._confirm_snapshot()
         return events
@@ -263,6 +335,11 @@ class CoordinatorState:
         and none can have passed it); a job that stands still (waiting, gated, at its end) is asked the
         version it stands at. A shard already past the version does not take it: the next check asks again.
         """
+        if self.mode == "async":
+            # The shards stand at different versions, each having applied its own set of batch ids: there
+            # is no one version to snapshot mid-run (docs/design/async.md). A membership change needs no
+            # snapshot in async mode, since nothing is rolled back.
+            return None
         newest = max(self.versions.values(), default=self.ledger.committed_steps)
         version = min(newest + 1, self.schedule.total_steps) if progressed else newest
         if version <= self.ledger.snapshot_step:
@@ -278,6 +355,11 @@ class CoordinatorState:
         for status in fenced:
             self.absorb(status)
         versions = tuple(s.version for s in sorted(fenced, key=lambda s: s.index))
+        if self.mode == "async":
+            # Shards apply gradients as they come, so their versions differ; a batch id applied by some
+            # shards only goes back to the queue and the others apply it when it is trained again (a shard
+            # applies a batch id once). Nothing is undone.
+            return Reconciliation(None, versions, True)
         consistent = len(set(versions)) == 1
         if not consistent and max(versions) - min(versions) > 1:
             raise FatalError(f"shards at versions {versions}: more than one step apart, which cannot happen")
@@ -305,7 +387,11 @@ class CoordinatorState:
         # The open step's micro-batches are trained again by the new members, from the start: every
         # member held a share of it, and whatever gradients reached the shards were dropped by the fence.
         dropped = 0
-        if was_running and open_step < self.schedule.total_steps:
+        if self.mode == "async":
+            dropped = self._return_leases()
+            if decision.action is Action.ROLLBACK:
+                decision = replace(decision, action=Action.REASSIGN)  # async mode never rolls back
+        elif was_running and open_step < self.schedule.total_steps:
             dropped = len(self.schedule.step_batches(open_step))
         if decision.action is Action.START:
             kind = EventKind.START

@@ -133,6 +133,11 @@ class DataServer:
         self._host = _worker_host()
         self._apply_seconds = 0.0
         self._server: ShardServer | None = None
+        # Async mode (seed 002): each micro-batch's gradient is applied as it arrives, once per batch id.
+        self._async = job.mode == "async"
+        self._applied: set[int] = set()  # batch ids applied here (async mode)
+        self._apply_lock: asyncio.Lock | None = None  # one apply at a time (async mode; made on first use)
+        self._published: tuple[int, Tensors] | None = None  # (version, a copy of the state) for pulls
         log.info(
             "data server %d of job %s: samples [%d, %d), %d params, %d buffers, version %d",
             index,
@@ -219,6 +224,13 @@ class DataServer:
         is answered as `next_error`, since the push itself went in."""
         header = frame.header
         generation = int(header["generation"])
+        if header["op"] == "apply":
+            return await self._on_apply(generation, frame)
+        if header["op"] == "current":
+            version, state = await self.current(generation)
+            return Frame(
+                {"ok": True, "version": version}, [(Entry("state", -1, n), t) for n, t in state.items()]
+            )
         if header["op"] == "push":
             grads: dict[int, Tensors] = {}
             buffers: dict[int, Tensors] = {}
@@ -241,6 +253,109 @@ class DataServer:
         except Exception as exc:
             return Frame({"ok": True, "next_error": error_header(exc)})
         return Frame({"ok": True}, tensors)
+
+    async def _on_apply(self, generation: int, frame: Frame) -> Frame:
+        """Async mode: one micro-batch's gradient (with the version of this shard it was computed on),
+        applied at once; the answer says what became of it and, if asked (`then`), carries the
+        parameters as they are after it and the batches asked for."""
+        header = frame.header
+        grads: Tensors = {}
+        buffers: Tensors = {}
+        for entry, tensor in frame.tensors:
+            (grads if entry.kind == "grad" else buffers)[entry.name] = tensor
+        outcome, staleness = await self.apply_one(
+            generation,
+            str(header["worker"]),
+            int(header["batch_id"]),
+            int(header["computed_on"]),
+            grads,
+            buffers,
+            float(header["loss"]),
+        )
+        answer = {"ok": True, "outcome": outcome, "staleness": staleness}
+        then = header.get("then") or {}
+        tensors: list[tuple[Entry, torch.Tensor]] = []
+        if then.get("state"):
+            version, state = await self.current(generation)
+            answer["version"] = version
+            tensors = [(Entry("state", -1, name), t) for name, t in state.items()]
+        return Frame(answer, tensors)
+
+    async def apply_one(
+        self,
+        generation: int,
+        worker: str,
+        batch_id: int,
+        computed_on: int,
+        grads: Tensors,
+        buffers: Tensors,
+        loss: float,
+    ) -> tuple[str, int]:
+        """Async mode: apply the gradient of one micro-batch now, unless this shard applied that batch id
+        already ("duplicate": its worker died after pushing here, and the batch was trained again) or the
+        parameters it was computed on are more than `max_staleness` versions old ("stale": the worker
+        trains it again on fresh parameters). Returns the outcome and the staleness."""
+        self._check(generation, "apply")
+        if not self._async:
+            raise FatalError(f"shard {self.index} got an async gradient in a sync job")
+        if not 0 <= batch_id < self._schedule.total_batches or computed_on < 0:
+            raise FatalError(f"gradient of batch {batch_id} computed on version {computed_on}")
+        if self._apply_lock is None:
+            self._apply_lock = asyncio.Lock()
+        async with self._apply_lock:
+            self._check(generation, "apply")  # a fence may have come while this one waited its turn
+            delay = _shard_delay()
+            if delay:
+                await asyncio.sleep(delay)  # a slowed shard (test hook, see local/slow.py)
+                self._check(generation, "apply")
+            staleness = self.version - computed_on
+            if batch_id in self._applied:
+                return "duplicate", staleness
+            if staleness > self._job.max_staleness or staleness < 0:
+                self._refused += 1
+                return "stale", staleness
+            if self._hold is not None and self.version >= self._hold:
+                raise RecoverableError(f"shard {self.index} holds at version {self._hold}")
+            self._applying = True
+            try:
+                began = time.perf_counter()
+                if self._apply_inline:
+                    self._apply([grads], [buffers])
+                else:
+                    await asyncio.to_thread(self._apply, [grads], [buffers])
+                self._apply_seconds += time.perf_counter() - began
+            finally:
+                self._applying = False
+            self._applied.add(batch_id)
+            self._records.append(
+                StepRecord(
+                    self.version,
+                    self.generation,
+                    (batch_id,),
+                    {batch_id: worker},
+                    {batch_id: loss},
+                    time.time(),
+                    computed_on,
+                    staleness,
+                )
+            )
+            self.version += 1
+            self._published = None
+        await self._announce_version()
+        return "applied", staleness
+
+    async def current(self, generation: int) -> tuple[int, Tensors]:
+        """Async mode: the version and a copy of the parameters and buffers as they are now. A copy, made
+        once per version: an apply may change the live tensors while the answer is still being sent."""
+        self._check(generation, "pull")
+        published = self._published
+        if published is None or published[0] != self.version:
+            if self._apply_lock is None:
+                self._apply_lock = asyncio.Lock()
+            async with self._apply_lock:
+                state = {n: t.detach().clone() for n, t in {**self._params, **self._buffers}.items()}
+                published = self._published = (self.version, state)
+        return published
 
     async def get_batch(self, generation: int, batch_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check(generation, "get_batch")
@@ -616,6 +731,21 @@ def _replica_of(snap: _Snapshot) -> dict[str, Any]:
         "buffers": snap.buffers,
         "optimizer": snap.optimizer,
     }
+
+
+SHARD_DELAY = "prefect-elastic-shard-delay"
+
+
+def _shard_delay() -> float:
+    """Seconds a shard waits before each async apply where its worker has a plugin named `SHARD_DELAY`
+    with a `seconds` attribute (the slowed-shard test hook, `prefect_elastic.local.slow`); 0 elsewhere."""
+    try:
+        from distributed import get_worker
+
+        plugin = get_worker().plugins.get(SHARD_DELAY)
+    except Exception:
+        return 0.0  # made outside a worker (unit tests)
+    return float(getattr(plugin, "seconds", 0.0)) if plugin is not None else 0.0
 
 
 def _worker_host() -> str:

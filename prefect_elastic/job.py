@@ -22,7 +22,7 @@ import numpy as np
 import pydantic
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from prefect_elastic.dataset import DatasetInfo, inspect_dataset, partition_bounds
 from prefect_elastic.errors import JobConfigError
@@ -129,6 +129,12 @@ class ElasticJob(BaseModel):
     # take a lost data server's role (seed 001). Off: less memory on static workers, and a lost data
     # server ends the job (unless nothing was trained since the start).
     peer_replicas: bool = True
+    # "sync": a step sums M micro-batches and every shard applies it at one step boundary (bitwise
+    # reproducible). "async" (seed 002): every shard applies each micro-batch's gradient as it arrives, a
+    # worker never waits for the others, and a gradient computed on parameters more than `max_staleness`
+    # versions old is refused and trained again (see docs/design/async.md).
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = 8
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -157,6 +163,7 @@ class ElasticJob(BaseModel):
         "liveness_interval",
         "min_workers_timeout",
         "call_timeout",
+        "max_staleness",
         mode="before",
     )
     @classmethod
@@ -189,6 +196,29 @@ class ElasticJob(BaseModel):
         if value < 1.0:
             raise ValueError("must be at least 1 second (workers wait up to 0.5 s for work in one call)")
         return value
+
+    @field_validator("max_staleness", mode="after")
+    @classmethod
+    def _staleness_floor(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(
+                "must be 0 or more (in async mode, how many versions a shard may have moved on since the "
+                "parameters a gradient was computed on; 0 refuses every gradient a faster worker overtook)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _async_supports(self) -> Self:
+        # Async mode has no common step at which every shard can be snapshotted mid-run yet, which
+        # persistent checkpoints need (see docs/design/async.md, "Not yet").
+        if self.mode == "async" and self.checkpoint is not None:
+            raise JobConfigError(
+                "checkpoint",
+                self.checkpoint,
+                "persistent checkpoints are not supported in async mode yet; set checkpoint=None or "
+                "mode='sync'",
+            )
+        return self
 
     @field_validator("seed", mode="after")
     @classmethod
@@ -530,6 +560,9 @@ def _describe(error: Any) -> tuple[str, Any, str]:
     if kind == "value_error":
         # Our own validators' text, without pydantic's "Value error, " prefix.
         ctx_error = error.get("ctx", {}).get("error")
+        if isinstance(ctx_error, JobConfigError):
+            # A check across fields names the field to change itself.
+            return ctx_error.field, ctx_error.value, ctx_error.problem
         message = str(ctx_error) if ctx_error is not None else message.removeprefix("Value error, ")
         return field, error.get("input"), message
     if kind == "missing":

@@ -1,5 +1,8 @@
 """The batch ledger: which batch ids are committed, by which step and generation.
 
+In async mode every batch id is a step of its own, and steps are numbered in the order the ledger
+committed them (every shard applied the batch id), not by batch id.
+
 Owned by the coordinator; nothing else writes it. A batch id is committed once, when the step that trains
 it has been applied on every shard, so the ledger always agrees with the parameter version: the
 parameters at version `v` are the result of steps `0..v-1`, and those are exactly the committed steps.
@@ -20,6 +23,9 @@ class LedgerEntry:
     step: int
     generation: int
     worker: str = ""  # the compute worker whose gradient was applied
+    # Async mode: the most versions any shard had moved on between the parameters the gradient was
+    # computed on and its apply (0 in sync mode, where every gradient is of the version it is applied to).
+    staleness: int = 0
 
 
 class Ledger:
@@ -32,7 +38,12 @@ class Ledger:
         self.dropped_steps = 0
 
     def commit(
-        self, batch_ids: Iterable[int], step: int, generation: int, workers: dict[int, str] | None = None
+        self,
+        batch_ids: Iterable[int],
+        step: int,
+        generation: int,
+        workers: dict[int, str] | None = None,
+        staleness: int = 0,
     ) -> None:
         if step != self.committed_steps:
             raise FatalError(f"ledger: step {step} committed out of order (next is {self.committed_steps})")
@@ -43,7 +54,7 @@ class Ledger:
             raise FatalError(f"ledger: batch ids {twice} committed twice (step {step})")
         for b in ids:
             worker = (workers or {}).get(b, "")
-            self._entries[b] = LedgerEntry(batch_id=b, step=step, generation=generation, worker=worker)
+            self._entries[b] = LedgerEntry(b, step, generation, worker, staleness)
         self._steps.append(ids)
         self.committed_steps += 1
 

@@ -74,7 +74,12 @@ class Role:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What a shard applied as one step: the batch ids, who computed each, their losses, and when."""
+    """What a shard applied as one step: the batch ids, who computed each, their losses, and when.
+
+    In async mode a shard applies one micro-batch at a time: `step` is then the shard's own version
+    before it applied it (shards apply in different orders), `batch_ids` the one batch id, `computed_on`
+    the version of the shard's parameters its gradient was computed on, and `staleness` how many versions
+    the shard had moved on since."""
 
     step: int
     generation: int
@@ -82,6 +87,8 @@ class StepRecord:
     workers: dict[int, str]
     losses: dict[int, float]
     time: float
+    computed_on: int = -1
+    staleness: int = 0
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,8 @@ class Progress:
     data_servers: tuple[str, ...] = ()
     coordinator_at: str | None = None
     standbys: tuple[str, ...] = ()
+    # "sync" or "async" (then a step is one batch id, committed once every shard applied it).
+    mode: str = "sync"
 
     def holds(self, worker: str) -> int:
         return dict(self.holding).get(worker, 0)
@@ -280,6 +289,8 @@ class CoordinatorHandle(Protocol):
     """The coordinator (`coordinator.Coordinator`), as compute loops and the controller see it."""
 
     def role(self, worker: str, generation: int) -> Call[Role | None]: ...
+
+    def lease(self, worker: str, generation: int, count: int) -> Call[list[int] | None]: ...
 
     def report_failure(
         self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -145,6 +146,18 @@ class TrainResult:
         """Micro-batches of steps in flight that membership changes dropped and re-queued."""
         return sum(e.batches_dropped for e in self.events)
 
+    @property
+    def staleness(self) -> dict[int, int]:
+        """How many committed batch ids had each staleness (async mode: the most versions any shard had
+        moved on between the parameters a gradient was computed on and its apply; all 0 in sync mode)."""
+        return dict(sorted(Counter(e.staleness for e in self.ledger).items()))
+
+    @property
+    def candidate_steps(self) -> int:
+        """Async mode: batch ids a worker trained on a candidate model (its own gradient applied to its
+        copy of the parameters, because the shards' answers were late)."""
+        return sum(loop.candidate_steps for loop in self.loops)
+
     def membership_events(self) -> list[MembershipEvent]:
         """The membership changes: the first admission and every rollback or reassign."""
         return [e for e in self.events if e.kind in (EventKind.START, EventKind.ROLLBACK, EventKind.REASSIGN)]
@@ -158,7 +171,9 @@ def build_schedule(job: ElasticJob, dataset: DatasetInfo) -> Schedule:
         )
     )
     try:
-        return Schedule(sizes, job.batch_size, job.micro_batches, job.epochs, job.seed)
+        # Async mode applies every micro-batch on its own: a step is one batch id.
+        per_step = 1 if job.mode == "async" else job.micro_batches
+        return Schedule(sizes, job.batch_size, per_step, job.epochs, job.seed)
     except ValueError as exc:
         raise JobConfigError("batch_size", job.batch_size, str(exc)) from exc
 
@@ -427,7 +442,12 @@ class TrainingRun:
             events=outcome.events,
             history=outcome.history,
             generation=outcome.generation,
-            counters={**outcome.counters, "loop_failures": self.loop_failures},
+            counters={
+                **outcome.counters,
+                "loop_failures": self.loop_failures,
+                "candidate_steps": sum(loop.candidate_steps for loop in self.loop_stats),
+                "stale_refusals": sum(loop.refused for loop in self.loop_stats),
+            },
             elapsed=time.monotonic() - self.started,
             total_steps=self.schedule.total_steps,
             total_batches=self.schedule.total_batches,
@@ -486,7 +506,7 @@ class TrainingRun:
         job = self.job
         return self.client.submit(
             Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
-            job.min_workers, job.min_workers_timeout, job.call_timeout, resume,
+            job.min_workers, job.min_workers_timeout, job.call_timeout, resume, job.mode,
             actor=True, workers=[where], allow_other_workers=False, pure=False,
             key=f"prefect-elastic-{job.job_id}-{self.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
@@ -911,6 +931,12 @@ class TrainingRun:
         start over with the new handle; data servers lost with it are promoted next, as any lost one."""
         began, clock = time.time(), time.monotonic()
         job, lost_at = self.job, self.coordinator_at
+        if job.mode == "async":
+            raise DataServerLostError(
+                f"the coordinator of job {job.job_id} was lost on {lost_at} ({reason}); async mode cannot "
+                "rebuild it yet (docs/design/async.md): run the job again, or use mode='sync', which "
+                "survives it"
+            )
         log.warning("job %s: the coordinator is lost (%s); rebuilding it", job.job_id, reason)
         while True:
             # The worker chosen may be dying too (two static workers killed at once): place it again then.

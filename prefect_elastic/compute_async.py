@@ -1,0 +1,347 @@
+"""The compute worker in async mode (seed 002): a worker never waits for the others, and it does not wait
+long for the shards either.
+
+Work comes in leases of batch ids from the coordinator (`Coordinator.lease`, asked for while the last
+lease trains, so off the step path). For each batch id the loop computes one gradient on the parameters it
+has and sends it to every shard, tagged with the version of that shard's parameters it was computed on
+(`computed_on`); the shard applies it at once (or refuses it as too stale, or as a batch id it applied
+already) and answers with its parameters as they are after it. If the answers have not come back within
+the time the gradient itself took, the loop applies its own gradient to its copy of the parameters (a
+**candidate** model, with a fresh optimizer of the job's kind: one step from zero state, so the shards'
+momentum or Adam moments are never touched or guessed) and trains the next batch id on that; answers that
+arrive later replace the candidate. The candidate is a cache, never the truth: only what the shards applied
+counts, and a gradient computed on a candidate is tagged with the version its parameters came from, so its
+staleness counts every step the shard took since.
+
+A batch id is done for this loop when every shard answered "applied" or "duplicate"; one refused as stale
+by any shard is trained again on newer parameters (the shards that applied it answer "duplicate" then).
+Batches come over a second connection to each shard, asked for one lease ahead, so that a slow shard's
+applies never hold up the data.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .channel import Entry, Frame, ShardLink, raise_error
+from .errors import StaleGenerationError
+from .messages import CoordinatorHandle, Role, Tensors
+from .schedule import Schedule
+
+if TYPE_CHECKING:
+    from .compute import LoopStats, MicroBatchTrainer
+
+log = logging.getLogger(__name__)
+
+# Gradients a loop may have sent to a shard whose answer it has not read; beyond this it waits for the
+# oldest (a shard far behind its workers: the gradients it would get next would be refused as stale).
+MAX_UNANSWERED = 2
+# How long a loop that holds no batch id and got none waits before it asks again (the last batch ids of
+# the job are held by other workers, or the shards have not reported them committed yet).
+IDLE_SECONDS = 0.02
+
+
+@dataclass
+class Pending:
+    """A gradient sent to every shard and not answered by all of them yet."""
+
+    batch_id: int
+    answered: set[int] = field(default_factory=set)
+    stale: bool = False
+
+
+class AsyncSession:
+    """One generation of an async compute loop: what it holds, and the loop's steps within it."""
+
+    def __init__(
+        self,
+        role: Role,
+        address: str,
+        coordinator: CoordinatorHandle,
+        trainer: MicroBatchTrainer,
+        schedule: Schedule,
+        shards: list[ShardLink],
+        data: list[ShardLink],
+        stats: LoopStats,
+        timeout: float,
+    ) -> None:
+        self.role = role
+        self.address = address
+        self.coordinator = coordinator
+        self.trainer = trainer
+        self.schedule = schedule
+        self.shards = shards
+        self.data = data
+        self.stats = stats
+        self.timeout = timeout
+        self.lease_size = max(1, trainer.job.micro_batches)
+        self.hand: deque[int] = deque()  # leased, not yet sent (or refused as stale: sent again)
+        self.asked: dict[int, deque[int]] = {i: deque() for i in range(len(data))}  # batches asked, by shard
+        self.batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lease_call: Any = None  # the coordinator's answer to the next lease, while it is on its way
+        self.pending: deque[Pending] = deque()  # sent, in order; answers come back in that order per shard
+        self.state: list[Tensors] = []  # per shard: its parameters (as it sent them, or a candidate)
+        self.versions: list[int] = []  # per shard: the version the parameters it last sent are of
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def run(self, wanted: Callable[[], bool]) -> bool:
+        """Train until the job ends (True) or this generation does (a `StaleGenerationError`)."""
+        self._fetch_state()
+        while wanted():
+            self._ask_lease()
+            if not self.hand:
+                self._settle(wait=True)
+                if not self.hand and self.lease_call is None:
+                    self._ask_lease()
+                if not self.hand and not self._take_lease(block=True):
+                    if not self.pending and self._job_over():
+                        return True
+                    time.sleep(IDLE_SECONDS)
+                    continue
+            self._ask_batches()
+            self._train_one()
+        return False
+
+    def _job_over(self) -> bool:
+        got = self.coordinator.role(self.address, self.role.generation).result(timeout=self.timeout)
+        if got is None:
+            return False
+        if got.stop:
+            return True
+        raise StaleGenerationError(self.role.generation, got.generation, "lease")
+
+    def _ask_lease(self) -> None:
+        if self.lease_call is None and len(self.hand) < self.lease_size:
+            self.lease_call = self.coordinator.lease(self.address, self.role.generation, self.lease_size)
+        self._take_lease(block=False)
+
+    def _take_lease(self, block: bool) -> bool:
+        call = self.lease_call
+        if call is None:
+            return False
+        if not block and not call.done():
+            return False
+        began = time.perf_counter()
+        given = call.result(timeout=self.timeout)
+        self.stats.add("lease", time.perf_counter() - began)
+        self.lease_call = None
+        if given is None:
+            # Not a member of this generation any more (or training is suspended): ask for the role.
+            raise StaleGenerationError(self.role.generation, self.role.generation + 1, "lease")
+        self.hand.extend(given)
+        return bool(given)
+
+    def _ask_batches(self) -> None:
+        # The batches of every batch id in hand are asked for at once, on the data connections, so they
+        # wait in the sockets while the loop computes.
+        gen = self.role.generation
+        asked = {b for q in self.asked.values() for b in q}
+        for b in self.hand:
+            if b in self.batches or b in asked:
+                continue
+            i = self.schedule.server_of(b)
+            then = {"step": None, "wait": 0.0, "batches": [b]}
+            self.data[i].send(Frame({"op": "pull", "generation": gen, "then": then}))
+            self.asked[i].append(b)
+
+    def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self.schedule.server_of(b)
+        while b not in self.batches:
+            frame = self.data[i].receive(self.timeout)
+            asked = self.asked[i].popleft()
+            raise_error(frame.header.get("next_error") or {})
+            xs = {e.batch_id: t for e, t in frame.tensors if e.kind == "x"}
+            ys = {e.batch_id: t for e, t in frame.tensors if e.kind == "y"}
+            self.batches[asked] = (xs[asked], ys[asked])
+        return self.batches.pop(b)
+
+    def _fetch_state(self) -> None:
+        """The parameters of every shard as they are now (a new generation, or after a failed call)."""
+        began = time.perf_counter()
+        frame = Frame({"op": "current", "generation": self.role.generation})
+        for link in self.shards:
+            link.send(frame)
+        self.state, self.versions = [], []
+        for link in self.shards:
+            answer = link.receive(self.timeout)
+            self.state.append({e.name: t for e, t in answer.tensors})
+            self.versions.append(int(answer.header["version"]))
+        self.stats.add("pull", time.perf_counter() - began)
+
+    def _train_one(self) -> None:
+        trainer, gen = self.trainer, self.role.generation
+        b = self.hand.popleft()
+        began = time.perf_counter()
+        x, y = self._batch(b)
+        merged = {n: t for part in self.state for n, t in part.items()}
+        # (detach: the loop's copy stays a plain tensor, which a candidate step changes in place)
+        params = {n: merged[n].to(trainer.device).detach().requires_grad_(True) for n in trainer.param_names}
+        buffers = {n: t for n, t in merged.items() if n not in params}
+        waited = time.perf_counter()
+        self.stats.add("pull", waited - began)
+        loss, grads, bufs = trainer.gradient(params, buffers, x, y, b, b)
+        del params
+        computed = time.perf_counter()
+        took = computed - waited
+        self.stats.add("compute", took)
+        trainer.slow_down(took)
+        for i, names in enumerate(trainer.plan):
+            link = self.shards[i]
+            while link.pending >= MAX_UNANSWERED:
+                self._read_answer(i)
+            header = {
+                "op": "apply",
+                "generation": gen,
+                "worker": self.address,
+                "batch_id": b,
+                "computed_on": self.versions[i],
+                "loss": loss,
+                "then": {"state": True},
+            }
+            tensors = [(Entry("grad", b, n), grads[n]) for n in names if n in grads]
+            tensors += [(Entry("buffer", b, n), bufs[n]) for n in names if n in bufs]
+            link.send(Frame(header, tensors))
+        self.pending.append(Pending(b))
+        self.stats.batches += 1
+        sent = time.perf_counter()
+        self.stats.add("push", sent - computed)
+        # Seed 002: wait for fresh parameters no longer than the gradient took to compute; then go on
+        # with a candidate model (this worker's own gradient applied to what it has).
+        self._settle(wait=False, deadline=sent + took)
+        late = [i for i, link in enumerate(self.shards) if link.pending]
+        if late:
+            # The shards that have not answered will apply this gradient: this loop applies it to its own
+            # copy of their parameters meanwhile, and trains the next batch id on that candidate.
+            self._candidate_step(grads, late)
+        self.stats.add("wait", time.perf_counter() - sent)
+
+    def _candidate_step(self, grads: Tensors, late: list[int]) -> None:
+        pairs = [(self.state[i][n], grads[n]) for i in late for n in self.trainer.plan[i] if n in grads]
+        if not pairs:
+            return
+        tensors = [t for t, _ in pairs]
+        for t, g in pairs:
+            t.grad = g
+        # A fresh optimizer of the job's kind, one step from zero state: the step is scaled as the job's
+        # optimizer scales a first step (SGD: lr * g; Adam: about lr * sign(g)), and the shards' optimizer
+        # state (momentum, moments) is neither changed nor guessed.
+        optimizer = self.trainer.job.build_optimizer(tensors)
+        with torch.no_grad():
+            optimizer.step()
+        for t in tensors:
+            t.grad = None
+        self.stats.candidate_steps += 1
+
+    def _settle(self, wait: bool, deadline: float | None = None) -> None:
+        """Read the answers that have arrived (all of them when `wait`; else until `deadline`)."""
+        for i, link in enumerate(self.shards):
+            while link.pending:
+                if not wait:
+                    remaining = 0.0 if deadline is None else deadline - time.perf_counter()
+                    if not link.ready(remaining):
+                        break
+                self._read_answer(i)
+
+    def _read_answer(self, i: int) -> None:
+        answer = self.shards[i].receive(self.timeout)
+        entry = next(p for p in self.pending if i not in p.answered)
+        entry.answered.add(i)
+        outcome = answer.header.get("outcome")
+        if outcome == "stale":
+            entry.stale = True
+            self.stats.refused += 1
+        if answer.tensors:
+            # Fresh parameters replace the candidate (answers come in order: each is newer).
+            self.state[i] = {e.name: t for e, t in answer.tensors}
+            self.versions[i] = int(answer.header["version"])
+        while self.pending and len(self.pending[0].answered) == len(self.shards):
+            done = self.pending.popleft()
+            if done.stale:
+                self.hand.appendleft(done.batch_id)  # trained again, on newer parameters
+            else:
+                self.stats.steps += 1
+
+
+def run_async(
+    address: str,
+    coordinator: CoordinatorHandle,
+    shards: list[ShardLink],
+    data: list[ShardLink],
+    trainer: MicroBatchTrainer,
+    schedule: Schedule,
+    stats: LoopStats,
+    timeout: float,
+    wanted: Callable[[], bool],
+) -> LoopStats:
+    """An async compute loop: a session per generation (its role, asked for as in sync mode), until the
+    job ends. Errors are treated as in sync mode (`compute._run`): a stale generation asks for the role
+    again; a model that fails is reported; a shard that cannot be reached is waited for (up to a call
+    timeout), since survival detection acts on a lost static worker."""
+    from .compute import MAX_CONSECUTIVE_CALL_ERRORS
+    from .errors import FatalError, ModelFailure, RecoverableError
+
+    job = trainer.job
+    known = -1
+    errors = 0
+    unreachable: list[float] = []
+    while wanted():
+        try:
+            asked = time.perf_counter()
+            role = coordinator.role(address, known).result(timeout=timeout)
+            stats.add("role", time.perf_counter() - asked)
+        except Exception as exc:
+            errors += 1
+            stats.call_errors += 1
+            log.warning("compute %s: role failed (%s: %s)", address, type(exc).__name__, exc)
+            if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
+                raise
+            time.sleep(min(1.0, job.liveness_interval))
+            continue
+        if role is None:
+            continue
+        if role.stop:
+            break
+        for links in (shards, data):
+            if [link.address for link in links] != list(role.channels):
+                for link in links:
+                    link.close()
+                links[:] = [ShardLink(channel, timeout) for channel in role.channels]
+        known = role.generation
+        session = AsyncSession(role, address, coordinator, trainer, schedule, shards, data, stats, timeout)
+        try:
+            if session.run(wanted):
+                break
+            errors = 0
+        except ModelFailure as failure:
+            coordinator.report_failure(
+                role.generation, address, failure.step, failure.batch_id, "model", str(failure)
+            ).result(timeout=timeout)
+        except StaleGenerationError as exc:
+            stats.stale += 1
+            log.debug("compute %s: generation %d ended: %s", address, role.generation, exc)
+        except FatalError:
+            raise
+        except (RecoverableError, OSError) as exc:
+            # A shard not reachable (its worker may be gone: survival detection acts on it) or a call that
+            # failed: start the generation's session again, after a pause that grows, for up to a call
+            # timeout.
+            stats.call_errors += 1
+            log.warning("compute %s: async step failed (%s: %s)", address, type(exc).__name__, exc)
+            unreachable.append(time.monotonic())
+            if unreachable[-1] - unreachable[0] > timeout:
+                raise
+            time.sleep(min(1.0, 0.05 * 2 ** len(unreachable)))
+            known = -1
+        finally:
+            for link in (*shards, *data):
+                if link.pending:
+                    link.close()  # answers left unread: the next session starts on clean connections
+    return stats
