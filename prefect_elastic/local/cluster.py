@@ -310,6 +310,15 @@ class LocalElasticCluster:
 
     # ------------------------------------------------------------------ membership changes
 
+    def slow_worker(self, name_or_address: str, factor: float) -> None:
+        """Make one compute worker a straggler: its compute takes `factor` times as long from now on (1:
+        normal again). One straggler at a time; see `prefect_elastic.local.slow`."""
+        from .slow import Straggler, register
+
+        self._require_running()
+        with self.client() as client:
+            register(client, Straggler(name_or_address, factor))
+
     def add_worker(self, static: bool = False, wait: bool = True, timeout: float | None = None) -> str:
         """Start one more worker process and return its name; if ``wait``, return once it registered."""
         self._require_running()

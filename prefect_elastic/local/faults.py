@@ -27,7 +27,7 @@ from .cluster import LocalElasticCluster
 
 log = logging.getLogger(__name__)
 
-FaultKind = Literal["kill", "restart", "retire", "add", "add-static", "freeze"]
+FaultKind = Literal["kill", "restart", "retire", "add", "add-static", "freeze", "slow"]
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Fault:
     # A static role instead of a worker: "data-server-<i>" or "coordinator", resolved from the progress
     # (`Progress.data_servers`, `Progress.coordinator_at`) when the fault is due.
     role: str | None = None
+    factor: float = 1.0  # "slow": how many times slower the worker computes
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,14 @@ class FaultSchedule:
     def retire_coordinator(self, at_step: int) -> FaultSchedule:
         """Retire gracefully the static worker that holds the coordinator (as `retire_data_server`)."""
         self.faults.append(Fault(at_step, "retire", 1, None, role="coordinator"))
+        return self
+
+    def slow_worker(self, at_step: int, factor: float, worker: str | None = None) -> FaultSchedule:
+        """Make a compute worker a straggler from `at_step` on: each micro-batch's compute takes `factor`
+        times as long (`local.slow.Straggler`; one straggler at a time: a later one replaces it)."""
+        if not factor >= 1.0:
+            raise ValueError(f"factor={factor!r}: a straggler is slower, so give a factor of 1 or more")
+        self.faults.append(Fault(at_step, "slow", 1, worker, factor=factor))
         return self
 
     def add_static_worker(self, at_step: int, count: int = 1) -> FaultSchedule:
@@ -242,7 +251,9 @@ class FaultSchedule:
                 )
                 return
             target = picked
-            if fault.kind == "kill":
+            if fault.kind == "slow":
+                cluster.slow_worker(target, fault.factor)
+            elif fault.kind == "kill":
                 cluster.kill_worker(target, sig=fault.sig)
             elif fault.kind == "restart":
                 cluster.kill_worker(target, sig=fault.sig, restart=True)

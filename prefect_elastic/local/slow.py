@@ -1,0 +1,63 @@
+"""Slowness on purpose, to rehearse against: a straggler compute worker and slowed shards.
+
+- `Straggler(worker, factor)`: a Dask worker plugin registered under `compute.SLOWDOWN`; on the worker it
+  names (a name or an address), every micro-batch's compute takes `factor` times as long (the loop sleeps
+  for the difference after computing it), in sync and async mode alike. `FaultSchedule.slow_worker` and
+  `LocalElasticCluster.slow_worker` register it.
+- `SlowShards(seconds)`: a plugin registered under `data_server.SHARD_DELAY`; every data server on a worker
+  that has it waits `seconds` before each async apply (the test hook for candidate steps: answers that
+  come later than the workers' compute).
+
+Registering a plugin under a name that is taken replaces the one there; `clear` removes both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import distributed
+from distributed.diagnostics.plugin import WorkerPlugin
+
+from ..compute import SLOWDOWN
+from ..data_server import SHARD_DELAY
+
+
+class Straggler(WorkerPlugin):
+    """Makes the compute of one worker `factor` times slower (1 everywhere else)."""
+
+    name = SLOWDOWN
+
+    def __init__(self, worker: str, factor: float) -> None:
+        if not factor >= 1.0:
+            raise ValueError(f"factor={factor!r}: a straggler is slower, so give a factor of 1 or more")
+        self.worker = worker
+        self.wanted = float(factor)
+        self.factor = 1.0
+
+    def setup(self, worker: Any) -> None:
+        if self.worker in (str(worker.address), str(worker.name)):
+            self.factor = self.wanted
+
+
+class SlowShards(WorkerPlugin):
+    """Makes every data server on the workers it is registered on wait before each async apply."""
+
+    name = SHARD_DELAY
+
+    def __init__(self, seconds: float) -> None:
+        if not seconds >= 0.0:
+            raise ValueError(f"seconds={seconds!r}: give a delay of 0 or more seconds")
+        self.seconds = float(seconds)
+
+
+def register(client: distributed.Client, plugin: Straggler | SlowShards) -> None:
+    """Register `plugin` on every worker, present and future (one with its name is replaced)."""
+    client.register_plugin(plugin, name=plugin.name)
+
+
+def clear(client: distributed.Client) -> None:
+    """Remove both plugins from every worker (where registered)."""
+    for name in (SLOWDOWN, SHARD_DELAY):
+        with contextlib.suppress(ValueError):  # not registered
+            client.unregister_worker_plugin(name)
