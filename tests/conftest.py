@@ -26,6 +26,8 @@ import torch
 from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.dataset import digits_dataset
 from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.local.faults import FaultSchedule
+from prefect_elastic.messages import Progress
 
 from .prefect_harness import prefect_server  # noqa: F401  (a session fixture: a real Prefect server)
 
@@ -142,6 +144,29 @@ def top_up(cluster: LocalElasticCluster, elastic: int) -> None:
     missing = elastic - len(cluster.elastic_addresses())
     names = [cluster.add_worker(wait=False) for _ in range(max(0, missing))]
     cluster.wait_for_workers(names)
+
+
+class HoldUntilJoined:
+    """An `on_progress` callback for jobs of `tests.models:gated_mlp`: while a worker that `faults` added
+    (or a nanny restarted) is not a member yet, training waits at the gate (in the model's forward
+    pass), so that every join lands mid-run however slowly its process starts."""
+
+    def __init__(self, faults: FaultSchedule) -> None:
+        self.faults = faults
+        self.initial: set[str] = set()
+        self.seen: set[str] = set()
+
+    def __call__(self, progress: Progress) -> None:
+        from .models import GATE
+
+        if not self.initial:
+            self.initial.update(progress.workers)
+        self.seen.update(progress.workers)
+        expected = sum(1 for r in self.faults.log if r.kind in ("add", "restart"))
+        if len(self.seen - self.initial) < expected and progress.state == "running":
+            GATE.touch()
+        else:
+            GATE.unlink(missing_ok=True)
 
 
 def assert_same_parameters(result: TrainResult, expected: TrainResult) -> None:

@@ -142,6 +142,17 @@ def gated_mlp() -> nn.Module:
     return _GatedMlp(*mlp())
 
 
+class _GatedSlowMlp(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _wait_at_gate()
+        time.sleep(0.004)  # paced like slow_mlp: async steps (one micro-batch each) do not race the faults
+        return super().forward(x)
+
+
+def gated_slow_mlp() -> nn.Module:
+    return _GatedSlowMlp(*mlp())
+
+
 # While this file exists, the next forward pass removes it and raises: a failure that a retry outlives.
 FAIL_ONCE = _signal_file("ELASTIC_TESTS_FAIL_ONCE")
 

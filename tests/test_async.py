@@ -1,0 +1,298 @@
+"""Async mode (seed 002): the bookkeeping without a cluster, the shard's apply in this process, and whole
+jobs on real processes (a SIGKILL, a join, a random schedule, slowed shards)."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from typing import Any
+
+import pytest
+import torch
+
+from prefect_elastic import ElasticJob, JobConfigError, TrainResult, train
+from prefect_elastic.coordinator_state import CoordinatorState
+from prefect_elastic.data_server import DataServer, plan_shards
+from prefect_elastic.errors import FatalError, StaleGenerationError
+from prefect_elastic.local import slow
+from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.local.faults import FaultSchedule
+from prefect_elastic.messages import EventKind, ShardStatus, StepRecord
+from prefect_elastic.schedule import Schedule
+from prefect_elastic.survival import survival_check
+from prefect_elastic.training import prepare
+
+from .conftest import HoldUntilJoined, References, make_job, top_up
+from .models import GATE
+
+# 2 data servers of 64 samples, batches of 8: 16 batch ids, each a step of its own in async mode.
+SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=1, epochs=1, seed=0)
+
+
+# -- the bookkeeping, without a cluster -------------------------------------------------------------------
+
+
+def new_state(policy: str = "rollback") -> CoordinatorState:
+    return CoordinatorState("job", SCHEDULE, 2, policy, 1, 10.0, mode="async")  # type: ignore[arg-type]
+
+
+def applied(index: int, generation: int, *applies: tuple[int, str, int]) -> ShardStatus:
+    """Shard `index` having applied (batch id, worker, staleness) in this order, from version 0."""
+    records = tuple(
+        StepRecord(v, generation, (b,), {b: w}, {b: float(b)}, 100.0 + v, max(0, v - s), s)
+        for v, (b, w, s) in enumerate(applies)
+    )
+    return ShardStatus(index, generation, len(applies), records, (), 0, 0)
+
+
+def admit(state: CoordinatorState, workers: set[str]) -> None:
+    decision = survival_check(state.survival_state(), workers, now=1.0)
+    fenced = [ShardStatus(i, decision.generation, state.versions.get(i, 0), (), (), 0, 0) for i in range(2)]
+    plan = state.reconcile(decision, fenced)
+    state.change_membership(decision, plan, fenced, "test", now=2.0, began=1.5)
+    state.after_decision(decision, now=2.0, began=1.5)
+
+
+def test_leases_hand_out_the_lowest_free_batch_ids_to_members_of_the_generation_only() -> None:
+    state = new_state()
+    assert state.lease("a", 0, 2) is None, "nothing is handed out before the first survival check"
+    admit(state, {"a", "b"})
+    gen = state.generation
+    assert state.lease("a", gen, 3) == [0, 1, 2]
+    assert state.lease("b", gen, 3) == [3, 4, 5]
+    assert state.lease("c", gen, 3) is None, "not a member"
+    assert state.lease("a", gen - 1, 3) is None, "an old generation"
+    assert dict(state.holding()) == {"a": 3, "b": 3}
+
+
+def test_a_batch_id_commits_once_every_shard_applied_it_in_whatever_order() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    gen = state.generation
+    state.lease("a", gen, 2)
+    state.lease("b", gen, 2)
+    state.absorb(applied(0, gen, (2, "b", 0), (0, "a", 1)))
+    assert state.committed_steps == 0, "shard 1 has applied nothing yet"
+    state.absorb(applied(1, gen, (0, "a", 0)))
+    assert [(e.batch_id, e.step, e.worker) for e in state.ledger.entries()] == [(0, 0, "a")]
+    state.absorb(applied(1, gen, (0, "a", 0), (2, "b", 3)))
+    entries = {e.batch_id: e for e in state.ledger.entries()}
+    assert sorted(entries) == [0, 2]
+    assert entries[2].step == 1, "steps are numbered in the order the ledger committed them"
+    assert entries[2].staleness == 3, "the most any shard had moved on"
+    assert entries[0].staleness == 1
+    assert state.history == [0.0, 2.0]
+    assert dict(state.holding()) == {"a": 1, "b": 1}, "committed batch ids leave their lease"
+
+
+def test_a_membership_change_returns_the_leases_and_undoes_nothing_even_under_rollback() -> None:
+    state = new_state("rollback")
+    admit(state, {"a", "b"})
+    gen = state.generation
+    assert state.lease("a", gen, 2) == [0, 1]
+    assert state.lease("b", gen, 2) == [2, 3]
+    # b died after its push of batch 2 reached shard 0 only; batch 0 reached both.
+    state.absorb(applied(0, gen, (0, "a", 0), (2, "b", 0)))
+    state.absorb(applied(1, gen, (0, "a", 0)))
+    assert state.committed_steps == 1
+    admit(state, {"a"})
+    change = state.events[-1]
+    assert change.kind is EventKind.REASSIGN and change.steps_lost == 0, "async mode never rolls back"
+    assert change.batches_dropped == 3, "batch ids 1, 2 and 3 went back to the queue"
+    assert state.counters["rollbacks"] == 0
+    assert state.committed_steps == 1
+    gen = state.generation
+    assert state.lease("a", gen, 3) == [1, 2, 3], "returned batch ids come first, lowest first"
+    # Shard 0 applied batch 2 already (it will answer "duplicate"); shard 1 applies it now: committed once.
+    state.absorb(applied(1, gen, (0, "a", 0), (2, "a", 0)))
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 2]
+
+
+def test_async_mode_asks_for_no_snapshot_mid_run() -> None:
+    state = new_state()
+    admit(state, {"a"})
+    state.absorb(applied(0, state.generation, (0, "a", 0)))
+    assert state.want_snapshot(progressed=True) is None
+
+
+def test_leases_are_for_async_mode_only() -> None:
+    state = CoordinatorState("job", SCHEDULE, 2, "rollback", 1, 10.0)
+    with pytest.raises(FatalError, match="async mode only"):
+        state.lease("a", 0, 1)
+
+
+# -- the job's settings -----------------------------------------------------------------------------------
+
+
+def test_the_job_validates_mode_and_max_staleness(digits_url: str) -> None:
+    with pytest.raises(JobConfigError, match="mode='lazy'"):
+        make_job(digits_url, mode="lazy")
+    with pytest.raises(JobConfigError, match="max_staleness=-1: must be 0 or more"):
+        make_job(digits_url, mode="async", max_staleness=-1)
+    with pytest.raises(JobConfigError, match=r"checkpoint=.*not supported in async mode yet"):
+        make_job(digits_url, mode="async", checkpoint="memory://ckpt")
+    assert make_job(digits_url).mode == "sync", "sync stays the default"
+
+
+# -- the shard's apply, in this process -------------------------------------------------------------------
+
+
+def async_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServer], list[list[str]]]:
+    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", mode="async", **overrides))
+    job, initial = prepared.job, prepared.persistence.initial
+    plan = plan_shards(initial, job.data_servers)
+    made = []
+    for i, names in enumerate(plan):
+        start = prepared.persistence.shard_start(i, names)
+        made.append(
+            DataServer(i, job, prepared.dataset, prepared.schedule, start.params, start.buffers, None, 0)
+        )
+    return made, plan
+
+
+def gradient_of(server: DataServer, value: float) -> dict[str, torch.Tensor]:
+    return {n: torch.full_like(p, value) for n, p in server._params.items()}
+
+
+def test_a_shard_applies_each_batch_id_once_and_refuses_stale_gradients(digits_url: str) -> None:
+    servers, _ = async_servers(digits_url, max_staleness=1)
+    shard = servers[0]
+
+    async def run() -> None:
+        version, before = await shard.current(0)
+        kept = {n: t.clone() for n, t in before.items()}
+        assert version == 0
+        grads = gradient_of(shard, 1.0)
+        assert await shard.apply_one(0, "a", 5, 0, grads, {}, 1.0) == ("applied", 0)
+        after = await shard.current(0)
+        assert after[0] == 1
+        assert any(not torch.equal(kept[n], after[1][n]) for n in kept), "the parameters moved"
+        assert all(torch.equal(kept[n], before[n]) for n in kept), "what `current` gave out is a copy"
+        assert await shard.apply_one(0, "b", 5, 1, grads, {}, 1.0) == ("duplicate", 0)
+        assert (await shard.current(0))[0] == 1, "a duplicate is not applied"
+        assert await shard.apply_one(0, "a", 6, 0, grads, {}, 1.0) == ("applied", 1)
+        # Two versions on since version 0: above max_staleness=1, refused and not applied.
+        assert await shard.apply_one(0, "a", 7, 0, grads, {}, 1.0) == ("stale", 2)
+        assert (await shard.current(0))[0] == 2
+        status = await shard.status(0)
+        assert [(r.step, r.batch_ids, r.computed_on, r.staleness) for r in status.records] == [
+            (0, (5,), 0, 0),
+            (1, (6,), 0, 1),
+        ]
+        assert status.refused == 1
+        await shard.fence(1)
+        with pytest.raises(StaleGenerationError):
+            await shard.apply_one(0, "a", 8, 2, grads, {}, 1.0)
+
+    asyncio.run(run())
+
+
+def test_a_sync_shard_refuses_an_async_gradient(digits_url: str) -> None:
+    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp"))
+    plan = plan_shards(prepared.persistence.initial, 2)
+    start = prepared.persistence.shard_start(0, plan[0])
+    shard = DataServer(0, prepared.job, prepared.dataset, prepared.schedule, start.params, start.buffers)
+
+    async def run() -> None:
+        with pytest.raises(FatalError, match="async gradient in a sync job"):
+            await shard.apply_one(0, "a", 0, 0, gradient_of(shard, 1.0), {}, 1.0)
+
+    asyncio.run(run())
+
+
+# -- whole jobs on real processes -------------------------------------------------------------------------
+
+
+def async_job(digits_url: str, **overrides: Any) -> ElasticJob:
+    fields: dict[str, Any] = {"mode": "async", "job_id": "test-async", **overrides}
+    return make_job(digits_url, "rollback", **fields)
+
+
+def tail_loss(result: TrainResult, share: float = 0.2) -> float:
+    """The mean loss of the last `share` of the committed steps."""
+    last = max(1, int(len(result.history) * share))
+    return statistics.fmean(result.history[-last:])
+
+
+def check_async(result: TrainResult, reference: TrainResult) -> None:
+    """Every batch id committed exactly once, nothing staler than allowed, nothing rolled back, and the
+    loss at the level of the sync run on the same data."""
+    ids = [e.batch_id for e in result.ledger]
+    assert sorted(ids) == list(range(result.total_batches)), "every batch id of the schedule, each once"
+    assert sorted(e.step for e in result.ledger) == list(range(result.total_batches))
+    assert result.counters["committed_steps"] == result.total_batches
+    assert max(e.staleness for e in result.ledger) <= result.job.max_staleness
+    assert result.steps_lost == 0 and result.counters["rollbacks"] == 0
+    assert len(result.history) == result.total_batches
+    first = statistics.fmean(result.history[:10])
+    assert tail_loss(result) < 0.5 * first, "the loss fell"
+    # Async applies one micro-batch at a time (4 times the updates of a sync step of 4), so its loss is
+    # at least as low in the end; the margin covers the noise of smaller updates.
+    assert tail_loss(result) <= 1.5 * tail_loss(reference) + 0.1, "the loss of the sync run, or better"
+
+
+def run_held(cluster: LocalElasticCluster, job: ElasticJob, faults: FaultSchedule) -> TrainResult:
+    try:
+        return train(job, cluster=cluster, faults=faults, on_progress=HoldUntilJoined(faults))
+    finally:
+        GATE.unlink(missing_ok=True)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_async_training_survives_a_kill_and_a_join(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    top_up(cluster, 2)
+    job = async_job(digits_url, model="tests.models:gated_slow_mlp", epochs=3)
+    faults = FaultSchedule(seed=3).kill_worker(at_step=60).add_worker(at_step=120)
+    result = run_held(cluster, job, faults)
+    assert [r.kind for r in faults.log] == ["kill", "add"]
+    check_async(result, reference(make_job(digits_url, model="tests.models:gated_slow_mlp", epochs=3)))
+    kinds = [e.kind for e in result.membership_events()]
+    assert kinds[0] is EventKind.START and kinds.count(EventKind.REASSIGN) >= 2, "the kill and the join"
+    workers = {e.worker for e in result.ledger}
+    assert faults.log[0].target in workers, "the killed worker trained before it died"
+    assert len(workers) >= 3, "the killed worker, the one that lived and the one that joined all trained"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_async_training_keeps_exactly_once_under_a_random_schedule(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    top_up(cluster, 2)
+    job = async_job(digits_url, model="tests.models:gated_slow_mlp", epochs=3, job_id="test-async-random")
+    # 336 batch ids (steps, in async mode) in 3 epochs: the faults land in the first two thirds, at least
+    # 26 steps apart (restart, add, kill, add, restart), so that each finds the workers the last one left.
+    faults = FaultSchedule.random(seed=22, steps=220, events=5, first_step=20)
+    planned = [f.kind for f in faults.faults]
+    result = run_held(cluster, job, faults)
+    assert [r.kind for r in faults.log] == planned, "every planned fault ran"
+    check_async(result, reference(make_job(digits_url, model="tests.models:gated_slow_mlp", epochs=3)))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_workers_take_candidate_steps_when_the_shards_are_slow_and_not_when_they_are_fast(
+    cluster: LocalElasticCluster, digits_url: str
+) -> None:
+    top_up(cluster, 2)
+    job = async_job(digits_url, epochs=1, job_id="test-async-candidates")
+    with cluster.client() as client:
+        slow.clear(client)
+    fast = train(job, cluster=cluster)
+    # slow_mlp computes a micro-batch in about 5 ms; the shards answer in about 1 ms.
+    assert fast.candidate_steps <= 0.1 * fast.total_batches, "fast shards: the answers come in time"
+    with cluster.client() as client:
+        slow.register(client, slow.SlowShards(0.03))
+    try:
+        slowed = train(job, cluster=cluster)
+    finally:
+        with cluster.client() as client:
+            slow.clear(client)
+    assert slowed.candidate_steps >= 0.5 * slowed.total_batches, "slow shards: the workers do not wait"
+    assert slowed.counters["candidate_steps"] == slowed.candidate_steps
+    ids = sorted(e.batch_id for e in slowed.ledger)
+    assert ids == list(range(slowed.total_batches)), "candidate models never reach the ledger"
+    assert max(e.staleness for e in slowed.ledger) <= job.max_staleness
