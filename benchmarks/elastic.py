@@ -32,6 +32,7 @@ def make_job(
     liveness_interval: float = 1.0,
     policy: str = "rollback",
     job_id: str = "bench",
+    mode: str = "sync",
 ) -> ElasticJob:
     # batch_size is per micro-batch: one micro-batch of 128 is exactly the plain loop's step.
     return ElasticJob(
@@ -47,6 +48,7 @@ def make_job(
         on_membership_change=policy,
         threads_per_worker=THREADS,
         min_workers=1,
+        mode=mode,
     )
 
 
@@ -90,7 +92,8 @@ def steady_throughput(result: TrainResult, skip: int = 5) -> float:
     steps = len(times) - 1 - skip
     if steps < 1:
         raise ValueError(f"too few steps ({len(times)}) for a steady-state figure")
-    samples = result.job.batch_size * result.job.micro_batches
+    # (In async mode a step is one micro-batch.)
+    samples = result.job.batch_size * (1 if result.job.mode == "async" else result.job.micro_batches)
     return steps * samples / (times[-1] - times[skip])
 
 

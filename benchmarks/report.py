@@ -142,6 +142,78 @@ def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+ASYNC_STRAGGLER_RATIO = 0.6  # issue 11: time to a target loss, async over sync, one worker of 4 3x slower
+ASYNC_STEADY_MLP = 0.85  # issue 11: async mode's steady throughput over plain PyTorch, mlp, 1 worker
+
+
+def async_rows(r: Results) -> list[tuple[str, str, str, str]]:
+    """Async mode (seed 002) against sync mode, with and without a straggler; async over the plain loop."""
+    a = r.get("async") or {}
+    rows: list[tuple[str, str, str, str]] = []
+    st = a.get("straggler")
+    if st:
+        times = st["time_to_target_s"]
+
+        def case(name: str) -> str:
+            sync_t, async_t = times.get(f"sync-{name}"), times.get(f"async-{name}")
+            runs = st["runs"].get(f"async-{name}") or [{}]
+            share = statistics.median(x.get("candidate_steps", 0) / max(1, x.get("batches", 1)) for x in runs)
+            return (
+                f"{_fmt(st.get(f'ratio_{name}'))} (async {_fmt(async_t, 2)} s, sync {_fmt(sync_t, 2)} s to a "
+                f"mean loss of {st['target_loss']:.3f} over the last 2048 samples; candidate steps "
+                f"{100 * share:.0f}%)"
+            )
+
+        ratio = st.get("ratio_straggler")
+        rows.append(
+            (
+                f"time to a target loss, async over sync, {st['workers']} compute workers, one "
+                f"{st['factor']:.0f}x slower ({st['workload']})",
+                case("straggler"),
+                f"≤ {ASYNC_STRAGGLER_RATIO}",
+                _verdict(None if ratio is None else ratio <= ASYNC_STRAGGLER_RATIO),
+            )
+        )
+        rows.append(
+            (
+                f"the same without a straggler ({st['workload']})",
+                case("even"),
+                "reported (async should not be slower)",
+                "reported",
+            )
+        )
+        runs = [x for key in ("async-straggler", "async-even") for x in st["runs"].get(key, [])]
+        merged: dict[str, int] = {}
+        for x in runs:
+            for k, n in x.get("staleness", {}).items():
+                merged[str(k)] = merged.get(str(k), 0) + n
+        total = sum(merged.values()) or 1
+        shown = ", ".join(
+            f"{k}: {100 * n / total:.0f}%" for k, n in sorted(merged.items(), key=lambda i: int(i[0]))
+        )
+        rows.append(
+            (
+                "staleness of the applied gradients, async runs above (versions a shard moved on)",
+                shown or "n/a",
+                "reported",
+                "reported",
+            )
+        )
+    sd = a.get("steady")
+    if sd:
+        ratios = [p["ratio"] for p in sd["pairs"]]
+        rows.append(
+            (
+                "steady throughput, 1 worker, async mode over plain PyTorch (mlp, communication-bound)",
+                f"{sd['ratio']:.2f} (median of the pairs; candidate steps {100 * sd['candidate_share']:.0f}%)"
+                + _spread(ratios),
+                f"≥ {ASYNC_STEADY_MLP}",
+                _verdict(sd["ratio"] >= ASYNC_STEADY_MLP),
+            )
+        )
+    return rows
+
+
 def _spread_list(values: list[int]) -> str:
     if not values:
         return "-"
@@ -215,6 +287,7 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
             )
         )
     rows += standby_rows(r)
+    rows += async_rows(r)
     if rec and rec["scale_up_s"]:
         bound = rec["liveness_interval"] + 0.5
         worst = rec["scale_up_s"]["max"]

@@ -25,7 +25,7 @@ from typing import Any
 import dask
 import torch
 
-from . import calls, elastic, report, standby
+from . import async_mode, calls, elastic, report, standby
 from .plain import plain_process
 from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 
@@ -74,6 +74,13 @@ class Sizes:
     join_at: float = 8.0
     torchrun_duration: float = 45.0
     call_repeats: int = 200
+    # Async mode (issue 11): 4 compute workers, one 3x slower, sync against async to a target loss; and 1
+    # worker in async mode over the plain loop (mlp, communication-bound).
+    straggler_workload: str = "cnn-20"
+    straggler_epochs: int = 4
+    straggler_repeats: int = 1
+    async_steady_epochs: int = 10
+    async_steady_repeats: int = 3
 
 
 SMOKE = Sizes(
@@ -104,6 +111,9 @@ SMOKE = Sizes(
     join_at=0.6,
     torchrun_duration=20.0,
     call_repeats=5,
+    straggler_epochs=2,
+    async_steady_epochs=1,
+    async_steady_repeats=1,
 )
 
 
@@ -346,6 +356,20 @@ def standby_figures(results: dict[str, Any], data: str, big: str, sizes: Sizes) 
     }  # fmt: skip
 
 
+def async_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
+    """Async mode against sync mode with a straggler, and its steady throughput over the plain loop."""
+    results["async"] = {
+        "straggler": attempt(
+            results, "async straggler", async_mode.straggler, sizes.straggler_workload, data, 4, 3.0,
+            sizes.straggler_epochs, sizes.straggler_repeats,
+        ),
+        "steady": attempt(
+            results, "async steady", async_mode.steady, "mlp", data, sizes.async_steady_epochs,
+            sizes.async_steady_repeats,
+        ),
+    }  # fmt: skip
+
+
 def torchrun_figures(results: dict[str, Any], data: str, workdir: Path, sizes: Sizes) -> None:
     from . import torchrun_bench
 
@@ -371,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite --docs from --raw; run nothing")
     parser.add_argument(
         "--only",
-        choices=["standby"],
+        choices=["standby", "async"],
         help="run this group of scenarios alone, and merge its results into --raw (the rest stay as stored)",
     )
     args = parser.parse_args(argv)
@@ -412,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pool.close()
     standby_figures(results, data, big, sizes)
+    async_figures(results, data, sizes)
     if not args.no_torchrun:
         torchrun_figures(results, data, workdir, sizes)
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -435,14 +460,17 @@ def run_only(args: argparse.Namespace) -> int:
     data = write_dataset(Path(args.data_dir) / f"synthetic-{sizes.samples}.npz", sizes.samples)
     big = write_dataset(Path(args.data_dir) / f"synthetic-{sizes.memory_samples}.npz", sizes.memory_samples)
     results.pop("errors", None)
-    standby_figures(results, data, big, sizes)
+    if args.only == "async":
+        async_figures(results, data, sizes)
+    else:
+        standby_figures(results, data, big, sizes)
     results.setdefault("partial_runs", []).append(
         {"only": args.only, "at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     )
     raw.write_text(json.dumps(results, indent=1, default=str))
     report.write(results, docs, docs.parent / "img")
     for row in report.figures(results):
-        if "static worker" in row[0] or "replica" in row[0] or "shard" in row[0]:
+        if any(word in row[0] for word in ("static worker", "replica", "shard", "async")):
             print(" | ".join(row))
     return 1 if results.get("errors") else 0
 

@@ -2,16 +2,19 @@
 long for the shards either.
 
 Work comes in leases of batch ids from the coordinator (`Coordinator.lease`, asked for while the last
-lease trains, so off the step path). For each batch id the loop computes one gradient on the parameters it
-has and sends it to every shard, tagged with the version of that shard's parameters it was computed on
+lease trains, so off the step path). For each batch id the loop computes one gradient on the model it has
+and sends it to every shard, tagged with the version of that shard's parameters the model came from
 (`computed_on`); the shard applies it at once (or refuses it as too stale, or as a batch id it applied
-already) and answers with its parameters as they are after it. If the answers have not come back within
-the time the gradient itself took, the loop applies its own gradient to its copy of the parameters (a
-**candidate** model, with a fresh optimizer of the job's kind: one step from zero state, so the shards'
-momentum or Adam moments are never touched or guessed) and trains the next batch id on that; answers that
-arrive later replace the candidate. The candidate is a cache, never the truth: only what the shards applied
-counts, and a gradient computed on a candidate is tagged with the version its parameters came from, so its
-staleness counts every step the shard took since.
+already) and answers with its parameters as they are after it. The loop does not wait for that answer: it
+starts on the next batch id. When a gradient is computed, the parameters that arrived meanwhile (during
+that computation: seed 002's "first time period") are the next model; for a shard whose parameters did
+not arrive in that time, the loop applies its own gradient to its copy of that shard's parameters (a
+**candidate** model) and trains the next batch id on that. The local step uses a fresh optimizer of the
+job's kind, one step from zero state: it is scaled as the job's optimizer scales a first step (SGD: lr * g;
+Adam: about lr * sign(g)), and the shards' optimizer state (momentum, moments) is never touched or
+guessed. The candidate is a cache, never the truth: only what the shards applied counts, and a gradient
+computed on a candidate is tagged with the version its parameters came from, so its staleness counts every
+step the shard took since.
 
 A batch id is done for this loop when every shard answered "applied" or "duplicate"; one refused as stale
 by any shard is trained again on newer parameters (the shards that applied it answer "duplicate" then).
@@ -119,7 +122,9 @@ class AsyncSession:
         raise StaleGenerationError(self.role.generation, got.generation, "lease")
 
     def _ask_lease(self) -> None:
-        if self.lease_call is None and len(self.hand) < self.lease_size:
+        # The next lease is asked for when one batch id is left in hand: a loop holds at most a lease and
+        # one, so a straggler holds little that faster loops could have trained.
+        if self.lease_call is None and len(self.hand) <= 1:
             self.lease_call = self.coordinator.lease(self.address, self.role.generation, self.lease_size)
         self._take_lease(block=False)
 
@@ -193,10 +198,20 @@ class AsyncSession:
         took = computed - waited
         self.stats.add("compute", took)
         trainer.slow_down(took)
+        # Seed 002: the parameters that arrived while this gradient was computed are the next model; for
+        # a shard whose answer did not arrive in that time, the loop applies this gradient to its own copy
+        # of that shard's parameters (a candidate model) and trains on, without waiting.
+        arrived = self._settle(wait=False)
         for i, names in enumerate(trainer.plan):
             link = self.shards[i]
-            while link.pending >= MAX_UNANSWERED:
-                self._read_answer(i)
+            if link.pending >= MAX_UNANSWERED:
+                # A shard far behind this loop: what it would send next would only be refused as stale.
+                # Its answer did not come within the computation, so it is still a candidate step below
+                # (on the parameters that came, with this gradient applied).
+                blocked = time.perf_counter()
+                while link.pending >= MAX_UNANSWERED:
+                    self._read_answer(i)
+                self.stats.add("wait", time.perf_counter() - blocked)
             header = {
                 "op": "apply",
                 "generation": gen,
@@ -213,15 +228,10 @@ class AsyncSession:
         self.stats.batches += 1
         sent = time.perf_counter()
         self.stats.add("push", sent - computed)
-        # Seed 002: wait for fresh parameters no longer than the gradient took to compute; then go on
-        # with a candidate model (this worker's own gradient applied to what it has).
-        self._settle(wait=False, deadline=sent + took)
-        late = [i for i, link in enumerate(self.shards) if link.pending]
+        late = [i for i in range(len(self.shards)) if i not in arrived]
         if late:
-            # The shards that have not answered will apply this gradient: this loop applies it to its own
-            # copy of their parameters meanwhile, and trains the next batch id on that candidate.
             self._candidate_step(grads, late)
-        self.stats.add("wait", time.perf_counter() - sent)
+            self.stats.add("candidate", time.perf_counter() - sent)
 
     def _candidate_step(self, grads: Tensors, late: list[int]) -> None:
         pairs = [(self.state[i][n], grads[n]) for i in late for n in self.trainer.plan[i] if n in grads]
@@ -240,15 +250,15 @@ class AsyncSession:
             t.grad = None
         self.stats.candidate_steps += 1
 
-    def _settle(self, wait: bool, deadline: float | None = None) -> None:
-        """Read the answers that have arrived (all of them when `wait`; else until `deadline`)."""
+    def _settle(self, wait: bool) -> set[int]:
+        """Read the answers that have arrived (every answer, when `wait`); returns the shards that sent
+        parameters."""
+        arrived: set[int] = set()
         for i, link in enumerate(self.shards):
-            while link.pending:
-                if not wait:
-                    remaining = 0.0 if deadline is None else deadline - time.perf_counter()
-                    if not link.ready(remaining):
-                        break
+            while link.pending and (wait or link.ready(0.0)):
                 self._read_answer(i)
+                arrived.add(i)
+        return arrived
 
     def _read_answer(self, i: int) -> None:
         answer = self.shards[i].receive(self.timeout)
@@ -292,6 +302,11 @@ def run_async(
     known = -1
     errors = 0
     unreachable: list[float] = []
+    # The first optimizer a process builds and steps imports much of torch (about a second): pay it now,
+    # not in the first candidate step.
+    warm = torch.zeros(1, requires_grad=True)
+    warm.grad = torch.zeros(1)
+    job.build_optimizer([warm]).step()
     while wanted():
         try:
             asked = time.perf_counter()

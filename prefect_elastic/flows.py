@@ -67,7 +67,7 @@ class PrefectReporter:
         self.progress_id = create_progress_artifact(  # type: ignore[assignment]
             progress=100.0 * fraction,
             key=f"{self.key}-progress",
-            description=f"share of the schedule of job {self.job.job_id} committed",
+            description=f"share of the schedule of job {self.job.job_id} committed ({self.job.mode} mode)",
         )
 
     def progress(self, p: Progress) -> None:
@@ -177,7 +177,21 @@ class PrefectReporter:
             f"| resumed from | {result.resumed_from or '-'} |",
             f"| last checkpoint | {result.checkpoint or '-'} |",
             f"| model written to | {output or '-'} |",
+            f"| mode | {self.job.mode} |",
         ]
+        if self.job.mode == "async":
+            lines += [
+                f"| candidate steps | {result.candidate_steps} of {result.total_batches} batch ids |",
+                f"| refused as stale | {result.counters.get('stale_refusals', 0)} gradients "
+                f"(max_staleness {self.job.max_staleness}) |",
+                "",
+                "Staleness of the applied gradients (versions a shard moved on since the parameters a "
+                "gradient was computed on):",
+                "",
+                "| staleness | batch ids |",
+                "|---|---|",
+                *(f"| {s} | {n} |" for s, n in result.staleness.items()),
+            ]
         create_markdown_artifact("\n".join(lines), key=f"{self.key}-summary", description="training summary")
 
 

@@ -389,15 +389,20 @@ class TrainingRun:
         self.coordinator, self.shards, self.plan = self._start_servers()
         self.client.subscribe_topic("all", self._on_scheduler_event)
         self._copy_journal()
+        job = self.job
+        if job.mode == "async":
+            log.info(
+                "job %s: async mode, %d batch ids of %d applied one by one (max staleness %d), %d data "
+                "servers, leases of %d",
+                job.job_id, self.schedule.total_batches, job.batch_size, job.max_staleness,
+                job.data_servers, job.micro_batches,
+            )  # fmt: skip
+            return
         log.info(
             "job %s: %d steps of %d micro-batches of %d, %d data servers, policy %s",
-            self.job.job_id,
-            self.schedule.total_steps,
-            self.job.micro_batches,
-            self.job.batch_size,
-            self.job.data_servers,
-            self.job.on_membership_change,
-        )
+            job.job_id, self.schedule.total_steps, job.micro_batches, job.batch_size, job.data_servers,
+            job.on_membership_change,
+        )  # fmt: skip
 
     def supervise(self) -> Progress:
         """Run survival detection and compute loops until the job is done, failed or asked to stop; a

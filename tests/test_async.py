@@ -13,7 +13,7 @@ import torch
 from prefect_elastic import ElasticJob, JobConfigError, TrainResult, train
 from prefect_elastic.coordinator_state import CoordinatorState
 from prefect_elastic.data_server import DataServer, plan_shards
-from prefect_elastic.errors import FatalError, StaleGenerationError
+from prefect_elastic.errors import DataServerLostError, FatalError, StaleGenerationError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -282,8 +282,9 @@ def test_workers_take_candidate_steps_when_the_shards_are_slow_and_not_when_they
     with cluster.client() as client:
         slow.clear(client)
     fast = train(job, cluster=cluster)
-    # slow_mlp computes a micro-batch in about 5 ms; the shards answer in about 1 ms.
-    assert fast.candidate_steps <= 0.1 * fast.total_batches, "fast shards: the answers come in time"
+    # slow_mlp computes a micro-batch in about 5 ms; the shards answer in about 1 ms, within it. (The first
+    # batch id of each generation is always a candidate step: nothing can have arrived while it trained.)
+    assert fast.candidate_steps <= 0.2 * fast.total_batches, "fast shards: the answers come in time"
     with cluster.client() as client:
         slow.register(client, slow.SlowShards(0.03))
     try:
@@ -291,8 +292,21 @@ def test_workers_take_candidate_steps_when_the_shards_are_slow_and_not_when_they
     finally:
         with cluster.client() as client:
             slow.clear(client)
-    assert slowed.candidate_steps >= 0.5 * slowed.total_batches, "slow shards: the workers do not wait"
+    assert slowed.candidate_steps >= 0.8 * slowed.total_batches, "slow shards: the workers do not wait"
     assert slowed.counters["candidate_steps"] == slowed.candidate_steps
     ids = sorted(e.batch_id for e in slowed.ledger)
     assert ids == list(range(slowed.total_batches)), "candidate models never reach the ledger"
     assert max(e.staleness for e in slowed.ledger) <= job.max_staleness
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_a_lost_data_server_fails_an_async_job_saying_why(digits_url: str) -> None:
+    with LocalElasticCluster(static_workers=3, elastic_workers=1) as cluster:
+        job = async_job(digits_url, model="tests.models:slow_mlp", job_id="test-async-lost")
+        faults = FaultSchedule().kill_data_server(at_step=30, index=1)
+        with pytest.raises(DataServerLostError) as failed:
+            train(job, cluster=cluster, faults=faults)
+    message = str(failed.value)
+    assert "data servers [1] lost" in message
+    assert "async mode cannot move a data server to a standby yet" in message and "mode='sync'" in message

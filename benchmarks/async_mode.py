@@ -1,0 +1,131 @@
+"""Async mode (issue 11, seed 002) against sync mode: a straggler, and steady throughput over plain PyTorch.
+
+- `straggler`: 4 compute workers, one of them `factor` times slower (`LocalElasticCluster.slow_worker`), and
+  the same without a straggler; sync and async in turn on one cluster. The figure is the time from the
+  first committed step to a target loss: the mean loss over the last `WINDOW_SAMPLES` samples trained
+  falls to the level the sync run without a straggler reaches half-way through its run.
+- `steady`: 1 compute worker, async, beside the plain loop in a process of its own, interleaved.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from prefect_elastic.local import slow
+from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.training import TrainResult, train
+
+from .elastic import make_job, steady_throughput
+from .plain import plain_process
+from .workloads import BATCH
+
+WINDOW_SAMPLES = 2048  # the loss a run stands at: the mean over this many samples trained
+
+
+def loss_curve(result: TrainResult) -> list[tuple[float, float]]:
+    """(seconds since the first commit, mean loss over the last `WINDOW_SAMPLES` samples) at each commit."""
+    per_step = result.job.batch_size * (1 if result.job.mode == "async" else result.job.micro_batches)
+    window = max(1, WINDOW_SAMPLES // per_step)
+    times, losses = result.commit_times, result.history
+    start = times[0]
+    return [
+        (times[k] - start, statistics.fmean(losses[k + 1 - window : k + 1]))
+        for k in range(window - 1, len(losses))
+    ]
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float | None:
+    return next((t for t, loss in curve if loss <= target), None)
+
+
+def straggler(
+    workload: str, data: str, workers: int, factor: float, epochs: int, repeats: int
+) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {}
+    curves: dict[str, list[list[tuple[float, float]]]] = {}
+    with LocalElasticCluster(static_workers=2, elastic_workers=workers) as cluster:
+        # Uncounted: the first job on a fresh cluster is slower in every phase.
+        train(make_job(workload, data, micro_batches=workers, epochs=1, job_id="warm"), cluster=cluster)
+        for _ in range(repeats):
+            for slowed in (False, True):
+                with cluster.client() as client:
+                    slow.clear(client)
+                if slowed:
+                    cluster.slow_worker(cluster.elastic_addresses()[0], factor)
+                for mode in ("sync", "async"):
+                    job = make_job(
+                        workload, data, micro_batches=workers, epochs=epochs, mode=mode,
+                        job_id=f"straggler-{mode}",
+                    )  # fmt: skip
+                    began = time.time()
+                    result = train(job, cluster=cluster)
+                    key = f"{mode}-{'straggler' if slowed else 'even'}"
+                    curves.setdefault(key, []).append(loss_curve(result))
+                    runs.setdefault(key, []).append(
+                        {
+                            "wall_s": time.time() - began,
+                            "train_s": result.commit_times[-1] - result.commit_times[0],
+                            "final_loss": loss_curve(result)[-1][1],
+                            "candidate_steps": result.candidate_steps,
+                            "batches": result.total_batches,
+                            "staleness": result.staleness,
+                            "stale_refusals": result.counters.get("stale_refusals", 0),
+                        }
+                    )
+        with cluster.client() as client:
+            slow.clear(client)
+    # The target: where the sync run without a straggler stands half-way through its run.
+    reference = curves["sync-even"][0]
+    target = reference[len(reference) // 2][1]
+    for key, per_run in curves.items():
+        for run, curve in zip(runs[key], per_run, strict=True):
+            run["time_to_target_s"] = time_to(curve, target)
+
+    def median_time(key: str) -> float | None:
+        times = [r["time_to_target_s"] for r in runs[key]]
+        return statistics.median(times) if all(t is not None for t in times) else None
+
+    out: dict[str, Any] = {
+        "workload": workload,
+        "workers": workers,
+        "factor": factor,
+        "epochs": epochs,
+        "target_loss": target,
+        "runs": runs,
+        "time_to_target_s": {key: median_time(key) for key in runs},
+    }
+    for case in ("straggler", "even"):
+        a, s = out["time_to_target_s"][f"async-{case}"], out["time_to_target_s"][f"sync-{case}"]
+        out[f"ratio_{case}"] = a / s if a is not None and s else None
+    return out
+
+
+def steady(workload: str, data: str, epochs: int, repeats: int) -> dict[str, Any]:
+    """1 compute worker in async mode against the plain loop, `repeats` interleaved pairs."""
+    pairs = []
+    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
+        train(make_job(workload, data, epochs=1, mode="async", job_id="warm"), cluster=cluster)
+        for _ in range(repeats):
+            result = train(
+                make_job(workload, data, epochs=epochs, mode="async", job_id="steady-async"), cluster=cluster
+            )
+            ours = steady_throughput(result)
+            plain = plain_process(workload, data, steps=result.total_batches)["samples_per_s"]
+            pairs.append(
+                {
+                    "async_samples_per_s": ours,
+                    "plain_samples_per_s": plain,
+                    "ratio": ours / plain,
+                    "candidate_share": result.candidate_steps / result.total_batches,
+                    "staleness": result.staleness,
+                }
+            )
+    return {
+        "workload": workload,
+        "batch": BATCH,
+        "pairs": pairs,
+        "ratio": statistics.median(p["ratio"] for p in pairs),
+        "candidate_share": statistics.median(p["candidate_share"] for p in pairs),
+    }
