@@ -656,7 +656,11 @@ class TrainingRun:
         if self.coordinator_at not in view.static:
             raise CoordinatorLost(f"its static worker {self.coordinator_at} left the cluster")
         lost = [i for i, where in enumerate(self.placement) if where not in view.static]
-        if lost:
+        if lost and self.job.mode == "async":
+            # (No promotion in async mode yet: the coordinator fails the job, saying so.)
+            reason = f"their static workers {[self.placement[i] for i in lost]} left the cluster"
+            self._call(self.coordinator.shards_lost(lost, reason), timeout=self.job.call_timeout)
+        elif lost:
             self._promote_standbys(lost)
         for worker in sorted(self.retiring):
             self.retiring.discard(worker)
@@ -671,6 +675,13 @@ class TrainingRun:
         committed step is redone. Then it is retired."""
         job = self.job
         indices = [i for i, w in enumerate(self.placement) if w == worker]
+        if (indices or worker == self.coordinator_at) and job.mode == "async":
+            log.warning(
+                "job %s: static worker %s is asked to retire, but async mode cannot hand its roles over yet; "
+                "it is not retired until the job ends",
+                job.job_id, worker,
+            )  # fmt: skip
+            return
         if indices or worker == self.coordinator_at:
             if indices and not standbys(self._workers_view().static, self.placement):
                 log.warning(
