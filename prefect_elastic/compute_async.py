@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 # Gradients a loop may have sent to a shard whose answer it has not read; beyond this it waits for the
 # oldest (a shard far behind its workers: the gradients it would get next would be refused as stale).
 MAX_UNANSWERED = 2
+# The fewest batch ids a loop leases at a time (`micro_batches` where that is more).
+MIN_LEASE = 4
 # How long a loop that holds no batch id and got none waits before it asks again (the last batch ids of
 # the job are held by other workers, or the shards have not reported them committed yet).
 IDLE_SECONDS = 0.02
@@ -84,7 +86,9 @@ class AsyncSession:
         self.data = data
         self.stats = stats
         self.timeout = timeout
-        self.lease_size = max(1, trainer.job.micro_batches)
+        # At least 4: a lease costs a Dask actor call (its answer is collected through the worker's event
+        # loop, about half a millisecond); the next one is asked for with one batch id left.
+        self.lease_size = max(MIN_LEASE, trainer.job.micro_batches)
         self.hand: deque[int] = deque()  # leased, not yet sent (or refused as stale: sent again)
         self.asked: dict[int, deque[int]] = {i: deque() for i in range(len(data))}  # batches asked, by shard
         self.batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -100,15 +104,15 @@ class AsyncSession:
         self._fetch_state()
         while wanted():
             self._ask_lease()
-            if not self.hand:
+            if not self.hand and not self._take_lease(block=True):
+                # Nothing left to lease: the answers still on their way may send a batch id back (refused
+                # as stale); once every one is in, the job may be over.
                 self._settle(wait=True)
-                if not self.hand and self.lease_call is None:
-                    self._ask_lease()
-                if not self.hand and not self._take_lease(block=True):
+                if not self.hand:
                     if not self.pending and self._job_over():
                         return True
                     time.sleep(IDLE_SECONDS)
-                    continue
+                continue
             self._ask_batches()
             self._train_one()
         return False
@@ -187,6 +191,9 @@ class AsyncSession:
         began = time.perf_counter()
         x, y = self._batch(b)
         merged = {n: t for part in self.state for n, t in part.items()}
+        # The version of each shard the model came from: the tag of this gradient, whatever arrives while
+        # it computes (a candidate's version is that of the parameters it was made from).
+        base = list(self.versions)
         # (detach: the loop's copy stays a plain tensor, which a candidate step changes in place)
         params = {n: merged[n].to(trainer.device).detach().requires_grad_(True) for n in trainer.param_names}
         buffers = {n: t for n, t in merged.items() if n not in params}
@@ -217,7 +224,7 @@ class AsyncSession:
                 "generation": gen,
                 "worker": self.address,
                 "batch_id": b,
-                "computed_on": self.versions[i],
+                "computed_on": base[i],
                 "loss": loss,
                 "then": {"state": True},
             }
