@@ -158,10 +158,23 @@ def async_rows(r: Results) -> list[tuple[str, str, str, str]]:
             sync_t, async_t = times.get(f"sync-{name}"), times.get(f"async-{name}")
             runs = st["runs"].get(f"async-{name}") or [{}]
             share = statistics.median(x.get("candidate_steps", 0) / max(1, x.get("batches", 1)) for x in runs)
+            refused = statistics.median(x.get("stale_refusals", 0) for x in runs)
+
+            def final(mode: str) -> str:
+                losses = [x["final_loss"] for x in st["runs"].get(f"{mode}-{name}", [])]
+                return _fmt(statistics.median(losses) if losses else None, 3)
+
+            def whole(mode: str) -> str:
+                spans = [x["train_s"] for x in st["runs"].get(f"{mode}-{name}", [])]
+                return _fmt(statistics.median(spans) if spans else None, 1)
+
             return (
                 f"{_fmt(st.get(f'ratio_{name}'))} (async {_fmt(async_t, 2)} s, sync {_fmt(sync_t, 2)} s to a "
-                f"mean loss of {st['target_loss']:.3f} over the last 2048 samples; candidate steps "
-                f"{100 * share:.0f}%)"
+                f"mean loss of {st['target_loss']:.3f} over the last 2048 samples, where the sync run "
+                f"without a straggler stands half-way; the whole run: async {whole('async')} s, sync "
+                f"{whole('sync')} s; "
+                f"loss at the end: async {final('async')}, sync {final('sync')}; candidate steps "
+                f"{100 * share:.0f}%, gradients refused as stale {refused:.0f})"
             )
 
         ratio = st.get("ratio_straggler")
@@ -416,7 +429,8 @@ def markdown(r: Results, plots: dict[str, str]) -> str:
         + "".join(
             f" The {p['only']} rows were measured on {p['at']} "
             f"(`python -m benchmarks.run --only {p['only']}`)."
-            for p in r.get("partial_runs", [])[-1:]
+            # The latest run of each group measured alone.
+            for p in {p["only"]: p for p in r.get("partial_runs", [])}.values()
         ),
         "",
         f"Machine: {m['cpus']} cores ({m['cpu_model']}), {m['memory_gib']:.0f} GiB, {m['device']}; "

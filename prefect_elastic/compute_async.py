@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 # Gradients a loop may have sent to a shard whose answer it has not read; beyond this it waits for the
 # oldest (a shard far behind its workers: the gradients it would get next would be refused as stale).
-MAX_UNANSWERED = 2
+MAX_UNANSWERED = 1
 # The fewest batch ids a loop leases at a time (`micro_batches` where that is more).
 MIN_LEASE = 4
 # How long a loop that holds no batch id and got none waits before it asks again (the last batch ids of
