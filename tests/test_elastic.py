@@ -17,6 +17,7 @@ from prefect_elastic.local.push_faults import KillBetweenPushes
 from prefect_elastic.messages import EventKind, Progress
 
 from .conftest import (
+    HoldUntilJoined,
     References,
     assert_ledger_exactly_once,
     assert_same_parameters,
@@ -202,23 +203,10 @@ def test_random_kills_and_joins(
     job = make_job(digits_url, policy, epochs=4, model="tests.models:gated_mlp")
     faults = FaultSchedule.random(seed=8, steps=90, events=6, start_alive=2)
     planned = [f.kind for f in faults.faults]
-    initial: set[str] = set()
-    seen: set[str] = set()
-
-    def hold_until_joined(p: Progress) -> None:
-        # Every add and nanny restart brings a new process; training waits in the forward pass until it
-        # is a member, so each takes part however slowly it starts (the job would otherwise end first).
-        if not initial:
-            initial.update(p.workers)
-        seen.update(p.workers)
-        expected = sum(1 for r in faults.log if r.kind in ("add", "restart"))
-        if len(seen - initial) < expected and p.state == "running":
-            GATE.touch()
-        else:
-            GATE.unlink(missing_ok=True)
-
     try:
-        result = train(job, cluster=cluster, faults=faults, on_progress=hold_until_joined)
+        # Every add and nanny restart brings a new process; training waits in the forward pass until it is
+        # a member, so each takes part however slowly it starts (the job would otherwise end first).
+        result = train(job, cluster=cluster, faults=faults, on_progress=HoldUntilJoined(faults))
     finally:
         GATE.unlink(missing_ok=True)
     check_run(result, reference(job), policy)

@@ -16,7 +16,14 @@ from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
 
-from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job, top_up
+from .conftest import (
+    HoldUntilJoined,
+    References,
+    assert_ledger_exactly_once,
+    assert_same_parameters,
+    make_job,
+    top_up,
+)
 from .models import GATE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -376,22 +383,9 @@ def test_random_kills_of_static_and_elastic_workers(
     job = make_job(digits_url, policy, job_id=f"mix-{policy}", epochs=4, model="tests.models:gated_mlp")
     faults = FaultSchedule.random(seed=3, steps=90, events=4, start_alive=2, data_server_kills=2)
     planned = [(f.kind, f.role) for f in faults.faults]
-    initial: set[str] = set()
-    seen: set[str] = set()
-
-    def hold_until_joined(p: Progress) -> None:
-        # As in test_random_kills_and_joins: each new compute process takes part before the job ends.
-        if not initial:
-            initial.update(p.workers)
-        seen.update(p.workers)
-        expected = sum(1 for r in faults.log if r.kind in ("add", "restart"))
-        if len(seen - initial) < expected and p.state == "running":
-            GATE.touch()
-        else:
-            GATE.unlink(missing_ok=True)
-
     try:
-        result = train(job, cluster=static_cluster, faults=faults, on_progress=hold_until_joined)
+        # Each new compute process takes part before the job ends.
+        result = train(job, cluster=static_cluster, faults=faults, on_progress=HoldUntilJoined(faults))
     finally:
         GATE.unlink(missing_ok=True)
     assert_same_parameters(result, reference(job))
