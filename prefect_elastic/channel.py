@@ -206,8 +206,9 @@ class ShardLink:
         sock = self._sock
         if sock is None or not self.pending:
             return False
-        readable, _, _ = select.select([sock], [], [], max(0.0, timeout))
-        return bool(readable)
+        poller = select.poll()  # (not select.select: it fails for descriptors of 1024 and more)
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
 def _tune(sock: socket.socket) -> None:

@@ -1,20 +1,20 @@
 """The compute worker in async mode (seed 002): a worker never waits for the others, and it does not wait
-long for the shards either.
+for the shards' fresh parameters either (only for a shard that has not answered its previous gradient).
 
-Work comes in leases of batch ids from the coordinator (`Coordinator.lease`, asked for while the last
-lease trains, so off the step path). For each batch id the loop computes one gradient on the model it has
-and sends it to every shard, tagged with the version of that shard's parameters the model came from
+Work comes in leases of batch ids from the coordinator (`Coordinator.lease`, asked for while the last lease
+trains, so off the step path). For each batch id the loop computes one gradient on the model it has and
+sends it to every shard, tagged with the version of that shard's parameters the model came from
 (`computed_on`); the shard applies it at once (or refuses it as too stale, or as a batch id it applied
 already) and answers with its parameters as they are after it. The loop does not wait for that answer: it
-starts on the next batch id. When a gradient is computed, the parameters that arrived meanwhile (during
-that computation: seed 002's "first time period") are the next model; for a shard whose parameters did
-not arrive in that time, the loop applies its own gradient to its copy of that shard's parameters (a
-**candidate** model) and trains the next batch id on that. The local step uses a fresh optimizer of the
-job's kind, one step from zero state: it is scaled as the job's optimizer scales a first step (SGD: lr * g;
-Adam: about lr * sign(g)), and the shards' optimizer state (momentum, moments) is never touched or
-guessed. The candidate is a cache, never the truth: only what the shards applied counts, and a gradient
-computed on a candidate is tagged with the version its parameters came from, so its staleness counts every
-step the shard took since.
+starts on the next batch id (and reads the answer before it sends the next gradient). When a gradient is
+computed, the parameters that arrived meanwhile (during that computation: seed 002's "first time period")
+are the next model; for a shard whose parameters did not arrive in that time, the loop applies its own
+gradient to its copy of that shard's parameters (a **candidate** model) and trains the next batch id on
+that. The local step uses a fresh optimizer of the job's kind, one step from zero state: it is scaled as the
+job's optimizer scales a first step (SGD: lr * g; Adam: about lr * sign(g)), and the shards' optimizer state
+(momentum, moments) is never touched or guessed. The candidate is a cache, never the truth: only what the
+shards applied counts, and a gradient computed on a candidate is tagged with the version its parameters came
+from, so its staleness counts every step the shard took since.
 
 A batch id is done for this loop when every shard answered "applied" or "duplicate"; one refused as stale
 by any shard is trained again on newer parameters (the shards that applied it answer "duplicate" then).
@@ -93,6 +93,7 @@ class AsyncSession:
         self.asked: dict[int, deque[int]] = {i: deque() for i in range(len(data))}  # batches asked, by shard
         self.batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lease_call: Any = None  # the coordinator's answer to the next lease, while it is on its way
+        self.leased = False  # whether this session asked for a lease yet
         self.pending: deque[Pending] = deque()  # sent, in order; answers come back in that order per shard
         self.state: list[Tensors] = []  # per shard: its parameters (as it sent them, or a candidate)
         self.versions: list[int] = []  # per shard: the version the parameters it last sent are of
@@ -129,7 +130,12 @@ class AsyncSession:
         # The next lease is asked for when one batch id is left in hand: a loop holds at most a lease and
         # one, so a straggler holds little that faster loops could have trained.
         if self.lease_call is None and len(self.hand) <= 1:
-            self.lease_call = self.coordinator.lease(self.address, self.role.generation, self.lease_size)
+            # The first lease of a session gives back what an earlier session of this loop held in the
+            # same generation (it started over after an error, and dropped it).
+            self.lease_call = self.coordinator.lease(
+                self.address, self.role.generation, self.lease_size, not self.leased
+            )
+            self.leased = True
         self._take_lease(block=False)
 
     def _take_lease(self, block: bool) -> bool:

@@ -245,10 +245,10 @@ class Coordinator:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), remaining)
 
-    async def lease(self, worker: str, generation: int, count: int) -> list[int] | None:
+    async def lease(self, worker: str, generation: int, count: int, renew: bool = False) -> list[int] | None:
         """Async mode: up to `count` batch ids for `worker` to train (`CoordinatorState.lease`). A loop asks
         for its next lease while it trains the last one, so this call is off its step path."""
-        return self._state.lease(worker, generation, count)
+        return self._state.lease(worker, generation, count, renew)
 
     async def report_failure(
         self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str

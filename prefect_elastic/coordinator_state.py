@@ -216,14 +216,24 @@ class CoordinatorState:
 
     # -- async mode: leases --------------------------------------------------------------------------
 
-    def lease(self, worker: str, generation: int, count: int) -> list[int] | None:
+    def lease(self, worker: str, generation: int, count: int, renew: bool = False) -> list[int] | None:
         """Up to `count` batch ids for `worker` to train (async mode), lowest first; `[]` when none is
-        free (the last ones are held by workers); None when the worker has no role in `generation` (it
-        asks for its role again). A member's lease goes back to the queue when the membership changes."""
+        free (the last ones are held by workers); None when the worker has no role in `generation` or the
+        job is over (it asks for its role again, which says so). A member's lease goes back to the queue
+        when the membership changes; `renew`: the worker's loop started over within the generation (after
+        an error), so what it held before goes back now."""
         if self.mode != "async":
             raise FatalError("lease: work is leased in async mode only")
-        if self.suspended or self.lost or worker not in self.members or generation != self.generation:
+        if self.finished or self.suspended or self.lost or worker not in self.members:
             return None
+        if generation != self.generation:
+            return None
+        if renew:
+            back = [b for b in self._leases.pop(worker, []) if b not in self.ledger]
+            self._queue = sorted({*self._queue, *back})
+        # (A batch id returned by a membership change may have been committed since: its last shard's
+        # apply was already under way when the fence came.)
+        self._queue = [b for b in self._queue if b not in self.ledger]
         given, self._queue = self._queue[:count], self._queue[count:]
         self._leases.setdefault(worker, []).extend(given)
         return given

@@ -312,7 +312,7 @@ class DataServer:
             if batch_id in self._applied:
                 return "duplicate", staleness
             if staleness > self._job.max_staleness or staleness < 0:
-                self._refused += 1
+                # (Counted by the loops, as `stale_refusals`; `_refused` counts messages of old generations.)
                 return "stale", staleness
             if self._hold is not None and self.version >= self._hold:
                 raise RecoverableError(f"shard {self.index} holds at version {self._hold}")

@@ -290,7 +290,9 @@ class CoordinatorHandle(Protocol):
 
     def role(self, worker: str, generation: int) -> Call[Role | None]: ...
 
-    def lease(self, worker: str, generation: int, count: int) -> Call[list[int] | None]: ...
+    def lease(
+        self, worker: str, generation: int, count: int, renew: bool = False
+    ) -> Call[list[int] | None]: ...
 
     def report_failure(
         self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str

@@ -28,6 +28,7 @@ from distributed import Client, Future
 
 from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
+from .compute_async import MIN_LEASE
 from .connect import is_static_worker
 from .coordinator import Coordinator
 from .data_server import DataServer, plan_shards, warm_standby
@@ -395,7 +396,7 @@ class TrainingRun:
                 "job %s: async mode, %d batch ids of %d applied one by one (max staleness %d), %d data "
                 "servers, leases of %d",
                 job.job_id, self.schedule.total_batches, job.batch_size, job.max_staleness,
-                job.data_servers, job.micro_batches,
+                job.data_servers, max(MIN_LEASE, job.micro_batches),
             )  # fmt: skip
             return
         log.info(
@@ -678,7 +679,7 @@ class TrainingRun:
         if (indices or worker == self.coordinator_at) and job.mode == "async":
             log.warning(
                 "job %s: static worker %s is asked to retire, but async mode cannot hand its roles over yet; "
-                "it is not retired until the job ends",
+                "it is not retired (retire it again after the job)",
                 job.job_id, worker,
             )  # fmt: skip
             return

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from prefect_elastic import ElasticJob, JobConfigError, TrainResult, train
+from prefect_elastic.channel import Entry, Frame
 from prefect_elastic.coordinator_state import CoordinatorState
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.errors import DataServerLostError, FatalError, StaleGenerationError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
-from prefect_elastic.messages import EventKind, ShardStatus, StepRecord
+from prefect_elastic.messages import EventKind, Role, ShardStatus, StepRecord
 from prefect_elastic.schedule import Schedule
 from prefect_elastic.survival import survival_check
 from prefect_elastic.training import prepare
@@ -121,6 +122,32 @@ def test_leases_are_for_async_mode_only() -> None:
         state.lease("a", 0, 1)
 
 
+def test_a_loop_that_started_over_gives_its_lease_back_and_committed_ids_are_not_leased_again() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    gen = state.generation
+    assert state.lease("a", gen, 4) == [0, 1, 2, 3]
+    state.absorb(applied(0, gen, (1, "a", 0)))
+    state.absorb(applied(1, gen, (1, "a", 0)))
+    # a's loop failed (a shard timed out) and starts over in the same generation: its first lease renews.
+    assert state.lease("a", gen, 2, renew=True) == [0, 2], "its uncommitted ids come back, lowest first"
+    assert state.lease("b", gen, 4) == [3, 4, 5, 6]
+    assert 1 not in state._queue and dict(state.holding()) == {"a": 2, "b": 4}
+
+
+def test_no_lease_once_the_job_is_over() -> None:
+    state = new_state()
+    admit(state, {"a"})
+    gen = state.generation
+    ids = state.lease("a", gen, SCHEDULE.total_batches)
+    assert ids == list(range(SCHEDULE.total_batches))
+    records = [(b, "a", 0) for b in ids]
+    state.absorb(applied(0, gen, *records))
+    state.absorb(applied(1, gen, *records))
+    assert state.finished
+    assert state.lease("a", gen, 4) is None, "the loop asks for its role, which says stop"
+
+
 # -- the job's settings -----------------------------------------------------------------------------------
 
 
@@ -179,7 +206,7 @@ def test_a_shard_applies_each_batch_id_once_and_refuses_stale_gradients(digits_u
             (0, (5,), 0, 0),
             (1, (6,), 0, 1),
         ]
-        assert status.refused == 1
+        assert status.refused == 0, "a stale gradient is not a message of an old generation"
         await shard.fence(1)
         with pytest.raises(StaleGenerationError):
             await shard.apply_one(0, "a", 8, 2, grads, {}, 1.0)
@@ -198,6 +225,131 @@ def test_a_sync_shard_refuses_an_async_gradient(digits_url: str) -> None:
             await shard.apply_one(0, "a", 0, 0, gradient_of(shard, 1.0), {}, 1.0)
 
     asyncio.run(run())
+
+
+class FakeShard:
+    """A shard for an `AsyncSession` in this process: applies what it gets at once (version + 1), records
+    the version each gradient says it was computed on, and refuses the batch ids in `refuse` once."""
+
+    def __init__(self, names: list[str], state: dict[str, torch.Tensor], refuse: set[int]) -> None:
+        self.names, self.state, self.refuse = names, state, refuse
+        self.version = 0
+        self.tags: list[tuple[int, int]] = []  # (batch id, computed_on) of every gradient applied
+
+    def answer(self, frame: Frame) -> Frame:
+        header = frame.header
+        state = [(Entry("state", -1, n), self.state[n].clone()) for n in self.names]
+        if header["op"] == "current":
+            return Frame({"ok": True, "version": self.version}, state)
+        if header["op"] == "pull":
+            b = header["then"]["batches"][0]
+            return Frame(
+                {"ok": True},
+                [(Entry("x", b, ""), torch.randn(16, 64)), (Entry("y", b, ""), torch.tensor([b % 10] * 16))],
+            )
+        b = int(header["batch_id"])
+        if b in self.refuse:
+            self.refuse.discard(b)
+            return Frame({"ok": True, "outcome": "stale", "staleness": 99, "version": self.version}, state)
+        self.tags.append((b, int(header["computed_on"])))
+        self.version += 1
+        return Frame({"ok": True, "outcome": "applied", "staleness": 0, "version": self.version}, state)
+
+
+class FakeLink:
+    """A `ShardLink` to a `FakeShard`: answers at once; `in_time` says whether an answer counts as arrived
+    while the loop computed (`ready`)."""
+
+    def __init__(self, shard: FakeShard, in_time: bool) -> None:
+        self.shard, self.in_time = shard, in_time
+        self.answers: list[Frame] = []
+        self.address = ("fake", 0)
+
+    @property
+    def pending(self) -> int:
+        return len(self.answers)
+
+    def send(self, frame: Frame) -> None:
+        self.answers.append(self.shard.answer(frame))
+
+    def receive(self, timeout: float | None = None) -> Frame:
+        return self.answers.pop(0)
+
+    def ready(self, timeout: float) -> bool:
+        return self.in_time and bool(self.answers)
+
+    def close(self) -> None:
+        self.answers.clear()
+
+
+class Done:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.value
+
+
+class FakeCoordinator:
+    def __init__(self, total: int) -> None:
+        self.queue = list(range(total))
+        self.renews: list[bool] = []
+
+    def lease(self, worker: str, generation: int, count: int, renew: bool = False) -> Done:
+        self.renews.append(renew)
+        given, self.queue = self.queue[:count], self.queue[count:]
+        return Done(given)
+
+    def role(self, worker: str, generation: int) -> Done:
+        return Done(Role(generation, -1, (), 0, stop=True))
+
+
+def run_session(digits_url: str, in_time: bool, refuse: set[int] = frozenset()) -> tuple[Any, ...]:
+    from prefect_elastic.compute import LoopStats, MicroBatchTrainer
+    from prefect_elastic.compute_async import AsyncSession
+
+    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", mode="async"))
+    plan = plan_shards(prepared.persistence.initial, 2)
+    trainer = MicroBatchTrainer(prepared.job, plan, prepared.persistence.layout, torch.device("cpu"))
+    shards = [FakeShard(names, prepared.persistence.initial, set(refuse)) for names in plan]
+    links = [FakeLink(shard, in_time) for shard in shards]
+    data = [FakeLink(shard, True) for shard in shards]
+    coordinator = FakeCoordinator(12)
+    stats = LoopStats("w")
+    role = Role(1, 0, ("w",), 0, channels=(("fake", 0), ("fake", 1)))
+    session = AsyncSession(role, "w", coordinator, trainer, SCHEDULE, links, data, stats, 5.0)  # type: ignore[arg-type]
+    assert session.run(lambda: True) is True, "the session ends when the job is over"
+    return shards, stats, coordinator
+
+
+def test_an_async_loop_tags_each_gradient_with_the_versions_its_model_came_from(digits_url: str) -> None:
+    # Answers in time: the parameters of the previous gradient arrived while this one computed, so each
+    # gradient is computed on the version before the last (one step behind), and no candidate step is
+    # taken but the first (nothing can have arrived while the first gradient computed).
+    shards, stats, coordinator = run_session(digits_url, in_time=True)
+    for shard in shards:
+        assert [b for b, _ in shard.tags] == list(range(12))
+        assert [v for _, v in shard.tags] == [0, *range(11)]
+    assert stats.candidate_steps == 1
+    assert coordinator.renews[0] is True and not any(coordinator.renews[1:]), "the first lease renews"
+    # Answers late: every step is a candidate step, and a gradient computed on a candidate is tagged
+    # with the version its parameters came from (not the one read just before sending it).
+    shards, stats, _ = run_session(digits_url, in_time=False)
+    for shard in shards:
+        assert [v for _, v in shard.tags] == [0, *range(11)]
+    assert stats.candidate_steps == 12
+
+
+def test_an_async_loop_trains_a_refused_batch_id_again(digits_url: str) -> None:
+    shards, stats, _ = run_session(digits_url, in_time=True, refuse={3})
+    for shard in shards:
+        ids = [b for b, _ in shard.tags]
+        assert sorted(ids) == list(range(12)) and ids.count(3) == 1, "applied once, after the refusal"
+    assert stats.refused == 2, "refused by both shards"
+    assert stats.steps == 12
 
 
 # -- whole jobs on real processes -------------------------------------------------------------------------
@@ -277,6 +429,21 @@ def test_async_training_keeps_exactly_once_under_a_random_schedule(
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
+def test_gradients_staler_than_allowed_are_refused_and_trained_again(
+    cluster: LocalElasticCluster, digits_url: str
+) -> None:
+    top_up(cluster, 2)
+    # With two workers and max_staleness=0, a gradient is applied only if no other was applied since the
+    # parameters it was computed on: the other worker's pushes make many of them stale.
+    job = async_job(digits_url, model="tests.models:slow_mlp", max_staleness=0, job_id="test-async-stale")
+    result = train(job, cluster=cluster)
+    assert result.counters["stale_refusals"] > 0, "some gradients were refused"
+    assert sorted(e.batch_id for e in result.ledger) == list(range(result.total_batches)), "each once"
+    assert set(result.staleness) == {0}, "nothing applied staler than allowed"
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
 def test_workers_take_candidate_steps_when_the_shards_are_slow_and_not_when_they_are_fast(
     cluster: LocalElasticCluster, digits_url: str
 ) -> None:
@@ -287,7 +454,7 @@ def test_workers_take_candidate_steps_when_the_shards_are_slow_and_not_when_they
     fast = train(job, cluster=cluster)
     # slow_mlp computes a micro-batch in about 5 ms; the shards answer in about 1 ms, within it. (The first
     # batch id of each generation is always a candidate step: nothing can have arrived while it trained.)
-    assert fast.candidate_steps <= 0.2 * fast.total_batches, "fast shards: the answers come in time"
+    assert fast.candidate_steps <= 0.3 * fast.total_batches, "fast shards: the answers come in time"
     with cluster.client() as client:
         slow.register(client, slow.SlowShards(0.03))
     try:
