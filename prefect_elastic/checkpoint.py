@@ -48,6 +48,10 @@ class Checkpoint:
     history: list[float]
     tensors: dict[str, torch.Tensor]  # parameters and buffers, each once (see StateLayout)
     optimizers: list[dict[str, Any]]  # one optimizer state_dict per shard
+    # Async mode: each shard's version, and the batch ids it had applied (sync: every shard is at
+    # `committed_steps`, and the ledger says what was applied).
+    versions: tuple[int, ...] = ()
+    applied: tuple[tuple[int, ...], ...] = ()
 
     def to_bytes(self) -> bytes:
         payload = {
@@ -64,6 +68,9 @@ class Checkpoint:
             "tensors": self.tensors,
             "optimizers": self.optimizers,
         }
+        if self.versions:
+            payload["versions"] = torch.tensor(self.versions, dtype=torch.int64)
+            payload["applied"] = [torch.tensor(ids, dtype=torch.int64) for ids in self.applied]
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         return buffer.getvalue()
@@ -85,6 +92,8 @@ class Checkpoint:
                 history=[float(v) for v in payload["history"].tolist()],
                 tensors=dict(payload["tensors"]),
                 optimizers=list(payload["optimizers"]),
+                versions=tuple(int(v) for v in payload.get("versions", torch.zeros(0)).tolist()),
+                applied=tuple(tuple(int(b) for b in t.tolist()) for t in payload.get("applied", [])),
             )
         except Exception as exc:
             raise FatalError(
@@ -191,6 +200,7 @@ class ShardStart:
     buffers: dict[str, torch.Tensor]
     optimizer_state: dict[str, Any] | None
     version: int
+    applied: tuple[int, ...] = ()  # async mode: the batch ids this shard had applied
 
 
 class Persistence:
@@ -217,6 +227,12 @@ class Persistence:
             if found is not None:
                 checkpoint, where = found
                 check_compatible(checkpoint, self.expected, where)
+                if job.mode == "sync" and any(v != checkpoint.committed_steps for v in checkpoint.versions):
+                    raise CheckpointMismatchError(
+                        f"checkpoint {where} was written mid-run by an async run (its shards stand at "
+                        f"versions {list(checkpoint.versions)}, which a sync run cannot go on from); resume "
+                        "it with mode='async', or point `checkpoint` at another folder"
+                    )
                 self.resumed, self.resumed_from = checkpoint, where
                 log.info("job %s resumes from %s at step %d", job.job_id, where, checkpoint.committed_steps)
 
@@ -229,6 +245,11 @@ class Persistence:
         buffers = {n: source[n] for n in names if n not in self.layout.params}
         if checkpoint is None:
             return ShardStart(params, buffers, None, 0)
+        if checkpoint.versions:
+            return ShardStart(
+                params, buffers, checkpoint.optimizers[index], checkpoint.versions[index],
+                checkpoint.applied[index],
+            )  # fmt: skip
         return ShardStart(params, buffers, checkpoint.optimizers[index], checkpoint.committed_steps)
 
     def fallback(self) -> tuple[Checkpoint | None, str] | None:
@@ -250,12 +271,14 @@ class Persistence:
         if self.resumed is None:
             return None
         r = self.resumed
-        return Resume(r.generation, r.committed_steps, r.ledger, r.history)
+        return Resume(r.generation, r.committed_steps, r.ledger, r.history, r.versions, r.applied)
 
     def after_snapshot(self, coordinator: Any, shards: list[Any], timeout: float) -> str | None:
         """Count a snapshot; every `checkpoint_every`-th is written."""
         self._snapshots += 1
-        if self.store is None or self._snapshots % self.job.checkpoint_every:
+        # (In async mode the coordinator snapshots only every `checkpoint_every` checks: each is written.)
+        every = 1 if self.job.mode == "async" else self.job.checkpoint_every
+        if self.store is None or self._snapshots % every:
             return None
         return self.write(coordinator, shards, timeout)
 
@@ -267,12 +290,14 @@ class Persistence:
         record: Resume = coordinator.snapshot_record().result(timeout=timeout)
         if self.written_step == record.committed_steps:
             return self.last_written
-        version = record.committed_steps
-        parts = [f.result(timeout=timeout) for f in [s.export_snapshot(version) for s in shards]]
-        if {p["version"] for p in parts} != {record.committed_steps}:
+        # Async mode: each shard has a version of its own (`record.versions`); sync: the ledger's.
+        versions = list(record.versions) or [record.committed_steps] * len(shards)
+        asked = [s.export_snapshot(v) for s, v in zip(shards, versions, strict=True)]
+        parts = [f.result(timeout=timeout) for f in asked]
+        if [p["version"] for p in parts] != versions:
             raise FatalError(
                 f"snapshot versions {[p['version'] for p in parts]} differ from the ledger's "
-                f"{record.committed_steps}; no checkpoint written"
+                f"{versions}; no checkpoint written"
             )
         tensors: dict[str, torch.Tensor] = {}
         for p in parts:
@@ -286,6 +311,8 @@ class Persistence:
             history=record.history,
             tensors=tensors,
             optimizers=[p["optimizer"] for p in parts],
+            versions=tuple(record.versions),
+            applied=tuple(tuple(p["applied"]) for p in parts) if record.versions else (),
         )
         self.last_written = self.store.write(checkpoint)
         self.written_step = record.committed_steps

@@ -83,10 +83,11 @@ class Coordinator:
         call_timeout: float,
         resume: Resume | None = None,
         mode: str = "sync",
+        snapshot_every: int = 0,
     ) -> None:
         self.job_id = job_id
         self._state = CoordinatorState(
-            job_id, schedule, shards, policy, min_workers, min_workers_timeout, resume, mode
+            job_id, schedule, shards, policy, min_workers, min_workers_timeout, resume, mode, snapshot_every
         )
         self._call_timeout = call_timeout
         self._shards: list[Any] = []  # Dask actor handles of the data servers (awaitable calls here)
@@ -454,7 +455,11 @@ class Coordinator:
             )
         progressed = state.committed_steps > self._last_check_steps
         self._last_check_steps = state.committed_steps
-        if decision.action is Action.SNAPSHOT:
+        if decision.action is Action.SNAPSHOT and state.mode == "async":
+            if progressed and state.async_snapshot_due():
+                await self._pause_for_snapshot(began)
+                decision = replace(decision, generation=state.generation)  # (the pause's)
+        elif decision.action is Action.SNAPSHOT:
             version = state.want_snapshot(progressed)
             if version is not None:
                 keep = state.ledger.snapshot_step
@@ -563,13 +568,17 @@ class Coordinator:
                 )
                 fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(decision.generation))
                 plan = state.reconcile(decision, fenced)
-                if plan.restore_to is not None:
+                if state.mode == "async":
+                    state.generation = decision.generation
+                    await self._snapshot_async(fenced, began)
+                elif plan.restore_to is not None:
                     target = plan.restore_to
                     await self._on_shards(lambda s: s.restore(decision.generation, target))
                     state.change_membership(decision, plan, fenced, "stop", time.time(), began)
                 else:
                     state.generation = decision.generation
-                await self._snapshot_committed(began)
+                if state.mode != "async":
+                    await self._snapshot_committed(began)
             self._fail("stopped", reason, state.committed_steps)
         await self._notify()
         return state.ledger.snapshot_step
@@ -604,6 +613,27 @@ class Coordinator:
             state.events[-1] = replace(
                 last, reason="requested by the controller", seconds=time.time() - began
             )
+
+    async def _pause_for_snapshot(self, began: float) -> None:
+        """Async mode: fence every shard into a new generation (nothing is applied meanwhile), snapshot
+        each at its own version, and go on at once: the members get their roles of the new generation."""
+        state = self._state
+        generation = state.generation + 1
+        fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
+        state.pause(generation)
+        await self._snapshot_async(fenced, began)
+
+    async def _snapshot_async(self, fenced: list[ShardStatus], began: float) -> None:
+        """Async mode, every shard fenced (`fenced`: where each stands): each snapshots its own version."""
+        state = self._state
+        for status in fenced:
+            self._take(state.absorb(status))
+        versions = {i: s.version for i, s in enumerate(sorted(fenced, key=lambda s: s.index))}
+        by_handle = {id(shard): versions[i] for i, shard in enumerate(self._shards)}
+        generation = state.generation
+        await self._on_shards(lambda s: s.snapshot_at(generation, by_handle[id(s)], by_handle[id(s)]))
+        ordered = tuple(versions[i] for i in range(len(versions)))
+        self._take([state.snapshot_async(ordered, time.time(), time.time() - began)])
 
     async def snapshot_record(self) -> Resume:
         """The coordinator's part of the last snapshot, for a persistent checkpoint."""

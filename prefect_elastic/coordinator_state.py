@@ -68,8 +68,13 @@ class CoordinatorState:
         min_workers_timeout: float,
         resume: Resume | None = None,
         mode: str = "sync",
+        snapshot_every: int = 0,
     ) -> None:
         self.job_id = job_id
+        # Async mode: snapshot (a brief pause of every shard) every this many survival checks that saw
+        # progress; 0: only when the run stops or ends. (Set where the job writes checkpoints.)
+        self.snapshot_every = snapshot_every
+        self._checks_since_snapshot = 0
         # Async mode (seed 002): the schedule has one batch id per step; a step is committed in the ledger
         # when every shard applied its batch id, in whatever order; work goes out in leases (`lease`).
         self.mode = mode
@@ -121,8 +126,20 @@ class CoordinatorState:
         self._leases: dict[str, list[int]] = {}
         self._applied: dict[int, dict[int, StepRecord]] = {}
         self._seen: dict[int, int] = dict.fromkeys(range(shards), 0)
+        # Async mode: each shard's version in the last snapshot (`snapshot_async`), for a checkpoint.
+        self.snapshot_versions: tuple[int, ...] = ()
         if mode == "async":
             self._queue = [b for b in range(schedule.total_batches) if b not in self.ledger]
+            for i, ids in enumerate(resume.applied if resume is not None else ()):
+                for b in ids:
+                    if b not in self.ledger:
+                        # Applied by this shard before the checkpoint, not by every shard: it commits
+                        # once the others apply it (this shard answers "duplicate" then).
+                        self._applied.setdefault(b, {})[i] = StepRecord(
+                            -1, self.generation, (b,), {b: ""}, {b: math.nan}, math.nan
+                        )
+            if resume is not None:
+                self.snapshot_versions = resume.versions
 
     # -- where the job is ------------------------------------------------------------------------
 
@@ -201,6 +218,37 @@ class CoordinatorState:
             committed_steps=step,
             ledger=[e for e in self.ledger.entries() if e.step < step],
             history=self.history[:step],
+            versions=self.snapshot_versions,
+        )
+
+    def async_snapshot_due(self) -> bool:
+        """Async mode: whether this survival check (which saw progress) takes a snapshot."""
+        if not self.snapshot_every:
+            return False
+        self._checks_since_snapshot += 1
+        if self._checks_since_snapshot < self.snapshot_every:
+            return False
+        self._checks_since_snapshot = 0
+        return True
+
+    def pause(self, generation: int) -> None:
+        """Async mode: every shard was fenced into `generation` for a snapshot, with the same members; the
+        leases go back to the queue and the members get their roles of the new generation at once."""
+        self._return_leases()
+        self.generation = generation
+
+    def snapshot_async(self, versions: tuple[int, ...], now: float, seconds: float) -> MembershipEvent:
+        """Async mode: every shard was fenced (nothing is applied any more) and took a snapshot at its own
+        version, `versions`; every batch id in the ledger is in them (it was applied by every shard before
+        the fence). That is the snapshot a checkpoint writes, with each shard's applied batch ids."""
+        self.ledger.mark_snapshot(self.ledger.committed_steps)
+        self.snapshot_versions = versions
+        self.counters["snapshots"] += 1
+        return self.record(
+            EventKind.SNAPSHOT,
+            reason=f"async: every shard fenced, at versions {list(versions)}",
+            now=now,
+            seconds=seconds,
         )
 
     @property
@@ -257,13 +305,15 @@ class CoordinatorState:
         ready = sorted(b for b, by_shard in self._applied.items() if len(by_shard) == self.shards)
         for b in ready:
             records = list(self._applied.pop(b).values())
+            # (The records of this run first: a record of a checkpoint's apply has no loss or worker.)
+            records.sort(key=lambda r: r.step < 0)
             worker = records[0].workers.get(b, "")
             self.ledger.commit(
                 [b], self.ledger.committed_steps, max(r.generation for r in records), {b: worker},
                 staleness=max(r.staleness for r in records),
             )  # fmt: skip
             self.history.append(records[0].losses[b])
-            self.commit_times.append(max(r.time for r in records))
+            self.commit_times.append(max((r.time for r in records if r.step >= 0), default=math.nan))
             for ids in self._leases.values():
                 if b in ids:
                     ids.remove(b)

@@ -78,6 +78,7 @@ class _Snapshot:
     optimizer: dict[str, Any]
     time: float
     seconds: float
+    applied: frozenset[int] = frozenset()  # async mode: the batch ids applied up to this version
 
 
 @dataclass
@@ -101,6 +102,7 @@ class DataServer:
         buffers: Tensors,
         optimizer_state: dict[str, Any] | None = None,
         version: int = 0,
+        applied: tuple[int, ...] = (),
     ) -> None:
         tune_allocator()  # pulls, pushes and snapshots allocate megabytes every step; see allocator.py
         self.index = index
@@ -120,6 +122,7 @@ class DataServer:
         self._snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
         self._snapshotting: asyncio.Task[None] | None = None
         self._hold: int | None = None  # no step from this one on is taken (`hold_at`), until the next fence
+        self._applied: set[int] = set(applied)  # batch ids applied here (async mode; a checkpoint's)
         self._load(params, buffers, optimizer_state, version)
         # Peer replicas (seed 001): every snapshot this shard takes is copied to its peer, shard
         # `(index + 1) % D`, which keeps it in memory; a standby promoted to this role takes it from there.
@@ -135,7 +138,6 @@ class DataServer:
         self._server: ShardServer | None = None
         # Async mode (seed 002): each micro-batch's gradient is applied as it arrives, once per batch id.
         self._async = job.mode == "async"
-        self._applied: set[int] = set()  # batch ids applied here (async mode)
         self._apply_lock: asyncio.Lock | None = None  # one apply at a time (async mode; made on first use)
         self._published: tuple[int, Tensors] | None = None  # (version, a copy of the state) for pulls
         log.info(
@@ -515,6 +517,11 @@ class DataServer:
             raise StaleGenerationError(generation, self.generation, "fence")
         self.generation = generation
         self._hold = None
+        if self._apply_lock is not None:
+            # Async mode: an apply under way ends before the answer says where the shard stands; the ones
+            # waiting for the lock are refused (their generation is old now).
+            async with self._apply_lock:
+                pass
         pending = len(self._open.grads)
         self._open = _OpenStep()
         self._snapshot_wanted = None
@@ -686,6 +693,7 @@ class DataServer:
             "version": snap.version,
             "tensors": {**snap.params, **snap.buffers},
             "optimizer": snap.optimizer,
+            "applied": sorted(snap.applied),
         }
 
     async def state(self) -> Tensors:
@@ -710,7 +718,10 @@ class DataServer:
         params = {n: t.detach().clone() for n, t in self._params.items()}
         buffers = {n: t.clone() for n, t in self._buffers.items()}
         optimizer = copy.deepcopy(self._optimizer.state_dict()) if self._optimizer is not None else {}
-        return _Snapshot(self.version, params, buffers, optimizer, time.time(), time.perf_counter() - began)
+        applied = frozenset(self._applied)
+        return _Snapshot(
+            self.version, params, buffers, optimizer, time.time(), time.perf_counter() - began, applied
+        )
 
 
 def warm_standby(job: ElasticJob) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import pydantic
 import torch
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from prefect_elastic.dataset import DatasetInfo, inspect_dataset, partition_bounds
 from prefect_elastic.errors import JobConfigError
@@ -132,7 +132,8 @@ class ElasticJob(BaseModel):
     # "sync": a step sums M micro-batches and every shard applies it at one step boundary (bitwise
     # reproducible). "async" (seed 002): every shard applies each micro-batch's gradient as it arrives, a
     # worker never waits for the others, and a gradient computed on parameters more than `max_staleness`
-    # versions old is refused and trained again (see docs/design/async.md).
+    # versions old is refused and trained again (see docs/design/async.md). With `checkpoint`, every shard
+    # pauses for a snapshot every `checkpoint_every` survival checks, each written.
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 8
 
@@ -206,19 +207,6 @@ class ElasticJob(BaseModel):
                 "parameters a gradient was computed on; 0 refuses every gradient a faster worker overtook)"
             )
         return value
-
-    @model_validator(mode="after")
-    def _async_supports(self) -> Self:
-        # Async mode has no common step at which every shard can be snapshotted mid-run yet, which
-        # persistent checkpoints need (see docs/design/async.md, "Not yet").
-        if self.mode == "async" and self.checkpoint is not None:
-            raise JobConfigError(
-                "checkpoint",
-                self.checkpoint,
-                "persistent checkpoints are not supported in async mode yet; set checkpoint=None or "
-                "mode='sync'",
-            )
-        return self
 
     @field_validator("seed", mode="after")
     @classmethod

@@ -197,6 +197,10 @@ class Resume:
     committed_steps: int
     ledger: list[LedgerEntry]
     history: list[float]
+    # Async mode: each shard's version in the snapshot (they differ), and the batch ids each had applied
+    # (a batch id some shards applied and others did not is trained again, and applied where it lacks).
+    versions: tuple[int, ...] = ()
+    applied: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

@@ -513,6 +513,7 @@ class TrainingRun:
         return self.client.submit(
             Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
             job.min_workers, job.min_workers_timeout, job.call_timeout, resume, job.mode,
+            job.checkpoint_every if job.checkpoint and job.mode == "async" else 0,
             actor=True, workers=[where], allow_other_workers=False, pure=False,
             key=f"prefect-elastic-{job.job_id}-{self.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
@@ -526,15 +527,17 @@ class TrainingRun:
         """A data server for shard `index` on the static worker `where`: with the tensors of `start`
         (scattered straight to that worker, not put in the task graph, which would make a big model's
         graph big), or empty, to take its state from its peer (`adopt`) at `version`."""
+        applied: tuple[int, ...] = ()
         if start is None:
             tensors: list[Any] = [{}, {}, None]
         else:
+            applied = start.applied
             version = start.version
             tensors = self.client.scatter(
                 [start.params, start.buffers, start.optimizer_state], workers=[where], hash=False
             )
         return self.client.submit(
-            DataServer, index, self.job, self.dataset, self.schedule, *tensors, version,
+            DataServer, index, self.job, self.dataset, self.schedule, *tensors, version, applied,
             actor=True, workers=[where], allow_other_workers=False,
             key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",
             pure=False,

@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from prefect_elastic import ElasticJob, JobConfigError, TrainResult, train
+from prefect_elastic import (
+    CheckpointMismatchError,
+    ElasticJob,
+    JobConfigError,
+    TrainingStopped,
+    TrainResult,
+    train,
+)
 from prefect_elastic.channel import Entry, Frame
+from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
 from prefect_elastic.coordinator_state import CoordinatorState
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.errors import DataServerLostError, FatalError, StaleGenerationError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
-from prefect_elastic.messages import EventKind, Role, ShardStatus, StepRecord
+from prefect_elastic.messages import EventKind, Progress, Role, ShardStatus, StepRecord
 from prefect_elastic.schedule import Schedule
 from prefect_elastic.survival import survival_check
 from prefect_elastic.training import prepare
@@ -156,8 +166,6 @@ def test_the_job_validates_mode_and_max_staleness(digits_url: str) -> None:
         make_job(digits_url, mode="lazy")
     with pytest.raises(JobConfigError, match="max_staleness=-1: must be 0 or more"):
         make_job(digits_url, mode="async", max_staleness=-1)
-    with pytest.raises(JobConfigError, match=r"checkpoint=.*not supported in async mode yet"):
-        make_job(digits_url, mode="async", checkpoint="memory://ckpt")
     assert make_job(digits_url).mode == "sync", "sync stays the default"
 
 
@@ -383,9 +391,36 @@ def check_async(result: TrainResult, reference: TrainResult) -> None:
     assert tail_loss(result) <= 1.5 * tail_loss(reference) + 0.1, "the loss of the sync run, or better"
 
 
-def run_held(cluster: LocalElasticCluster, job: ElasticJob, faults: FaultSchedule) -> TrainResult:
+class HoldUntilLeased:
+    """Like `HoldUntilJoined`, but training waits (at the gate) until every added worker is a member that
+    holds a lease: nothing else in async mode waits for a new worker, which could join and find no work
+    left before its loop has started."""
+
+    def __init__(self, faults: FaultSchedule) -> None:
+        self.faults = faults
+        self.initial: set[str] = set()
+        self.released = False
+
+    def __call__(self, progress: Progress) -> None:
+        if not self.initial:
+            self.initial.update(progress.workers)
+        added = sum(1 for r in self.faults.log if r.kind == "add")
+        new = [w for w in progress.workers if w not in self.initial]
+        if self.released or not added or progress.state != "running":
+            GATE.unlink(missing_ok=True)
+        elif len(new) >= added and all(progress.holds(w) for w in new):
+            self.released = True
+            GATE.unlink(missing_ok=True)
+        else:
+            GATE.touch()
+
+
+def run_held(
+    cluster: LocalElasticCluster, job: ElasticJob, faults: FaultSchedule, leased: bool = False
+) -> TrainResult:
+    hold = HoldUntilLeased(faults) if leased else HoldUntilJoined(faults)
     try:
-        return train(job, cluster=cluster, faults=faults, on_progress=HoldUntilJoined(faults))
+        return train(job, cluster=cluster, faults=faults, on_progress=hold)
     finally:
         GATE.unlink(missing_ok=True)
 
@@ -401,7 +436,7 @@ def test_async_training_survives_a_kill_and_a_join(
     # loop and train. The kill is of a worker that was there from the start.
     first = cluster.elastic_addresses()[0]
     faults = FaultSchedule(seed=3).add_worker(at_step=40).kill_worker(at_step=200, worker=first)
-    result = run_held(cluster, job, faults)
+    result = run_held(cluster, job, faults, leased=True)
     assert [r.kind for r in faults.log] == ["add", "kill"]
     check_async(result, reference(make_job(digits_url, model="tests.models:gated_slow_mlp", epochs=4)))
     kinds = [e.kind for e in result.membership_events()]
@@ -480,3 +515,75 @@ def test_a_lost_data_server_fails_an_async_job_saying_why(digits_url: str) -> No
     message = str(failed.value)
     assert "data servers [1] lost" in message
     assert "async mode cannot move a data server to a standby yet" in message and "mode='sync'" in message
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_an_async_run_stopped_and_run_again_commits_every_batch_id_once_across_both(
+    cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
+) -> None:
+    top_up(cluster, 2)
+    folder = f"file://{tmp_path}/checkpoints"
+    job = async_job(digits_url, model="tests.models:slow_mlp", checkpoint=folder, job_id="test-async-resume")
+    stop = threading.Event()
+
+    def stop_midway(progress: Progress) -> None:
+        if progress.committed_steps >= 60:
+            stop.set()
+
+    with pytest.raises(TrainingStopped) as stopped:
+        train(job, cluster=cluster, stop=stop, on_progress=stop_midway)
+    found = CheckpointStore(folder).latest()
+    assert found is not None and found[1] == stopped.value.checkpoint
+    first = found[0]
+    assert 60 <= len(first.ledger) < 224 and len(first.versions) == 2
+    for ids in first.applied:
+        assert {e.batch_id for e in first.ledger} <= set(ids), "each shard applied every committed id"
+    result = train(job, cluster=cluster)
+    assert result.resumed_from == stopped.value.checkpoint
+    ids = sorted(e.batch_id for e in result.ledger)
+    assert ids == list(range(result.total_batches)), "every batch id committed once across both runs"
+    again = {e.batch_id: e for e in result.ledger}
+    assert all(again[e.batch_id] == e for e in first.ledger), "what the first run committed stands"
+    assert statistics.fmean(result.history[-40:]) < 0.5 * statistics.fmean(result.history[:10])
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_an_async_run_checkpoints_as_it_goes(
+    cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
+) -> None:
+    top_up(cluster, 2)
+    folder = f"file://{tmp_path}/checkpoints"
+    job = async_job(
+        digits_url, model="tests.models:slow_mlp", epochs=3, checkpoint=folder, checkpoint_every=1,
+        liveness_interval=0.2, job_id="test-async-periodic",
+    )  # fmt: skip
+    result = train(job, cluster=cluster)
+    paused = [e for e in result.events if e.kind is EventKind.SNAPSHOT and e.reason.startswith("async")]
+    assert len(paused) >= 2, "every shard paused and snapshotted at its own version, more than once"
+    assert all(e.step < result.total_batches for e in paused[:-1]), "mid-run"
+    store = CheckpointStore(folder)
+    assert len(store.names()) >= 2, "each of them written"
+    assert sorted(e.batch_id for e in result.ledger) == list(range(result.total_batches))
+    assert result.counters["rollbacks"] == 0 and result.steps_lost == 0
+
+
+def test_a_sync_job_refuses_a_checkpoint_an_async_run_wrote_mid_run(digits_url: str, tmp_path: Path) -> None:
+    folder = f"file://{tmp_path}/checkpoints"
+    prepared = prepare(async_job(digits_url, checkpoint=folder))
+    persistence = prepared.persistence
+    store = CheckpointStore(folder)
+    tensors = dict(persistence.initial)
+    store.write(
+        Checkpoint(
+            job_id="test-async", fingerprint=persistence.expected, generation=3, committed_steps=0,
+            ledger=[], history=[], tensors=tensors, optimizers=[{}, {}], versions=(2, 1),
+            applied=((0, 1), (1,)),
+        )
+    )  # fmt: skip
+    again = store.latest()
+    assert again is not None and again[0].versions == (2, 1) and again[0].applied == ((0, 1), (1,))
+    assert prepare(async_job(digits_url, checkpoint=folder)).persistence.resume() is not None
+    with pytest.raises(CheckpointMismatchError, match="resume it with mode='async'"):
+        prepare(make_job(digits_url, checkpoint=folder, job_id="test-async"))
