@@ -371,6 +371,9 @@ class CoordinatorState:
             return []
         times = [t for t in taken if t is not None]
         self.ledger.mark_snapshot(wanted)
+        if self.mode == "async":
+            # (The end of an async run: every shard applied every batch id, one version everywhere.)
+            self.snapshot_versions = (wanted,) * self.shards
         self.snapshot_wanted = None
         self.counters["snapshots"] += 1
         # The window in which the snapshot could slow a step: from the first copy's start to the last end.

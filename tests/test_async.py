@@ -565,6 +565,9 @@ def test_an_async_run_checkpoints_as_it_goes(
     assert all(e.step < result.total_batches for e in paused[:-1]), "mid-run"
     store = CheckpointStore(folder)
     assert len(store.names()) >= 2, "each of them written"
+    last = store.latest()
+    assert last is not None and last[0].committed_steps == result.total_batches, "and the end"
+    assert last[0].versions == (result.total_batches,) * 2
     assert sorted(e.batch_id for e in result.ledger) == list(range(result.total_batches))
     assert result.counters["rollbacks"] == 0 and result.steps_lost == 0
 
