@@ -79,6 +79,7 @@ class Sizes:
     # (the transformer: a 15 to 20 ms step, and its loss falls within the run; cnn-20's hardly moves in 4
     # epochs of the synthetic data)
     straggler_workload: str = "transformer"
+    straggler_workers: int = 4
     straggler_epochs: int = 4
     straggler_repeats: int = 1
     async_steady_epochs: int = 10
@@ -113,7 +114,8 @@ SMOKE = Sizes(
     join_at=0.6,
     torchrun_duration=20.0,
     call_repeats=5,
-    straggler_epochs=2,
+    straggler_epochs=1,
+    straggler_workers=2,
     async_steady_epochs=1,
     async_steady_repeats=1,
 )
@@ -362,7 +364,8 @@ def async_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
     """Async mode against sync mode with a straggler, and its steady throughput over the plain loop."""
     results["async"] = {
         "straggler": attempt(
-            results, "async straggler", async_mode.straggler, sizes.straggler_workload, data, 4, 3.0,
+            results, "async straggler", async_mode.straggler, sizes.straggler_workload, data,
+            sizes.straggler_workers, 3.0,
             sizes.straggler_epochs, sizes.straggler_repeats,
         ),
         "steady": attempt(

@@ -568,6 +568,15 @@ class DataServer:
             self._start_snapshot()
         if self._snapshotting is not None and self.version == version:
             await self._snapshotting
+        if (
+            self._replicas_on
+            and version in self._snapshots
+            and version not in self._replicated
+            and version not in self._replicating
+        ):
+            # Taken, but its copy was refused: it was started in the generation a fence just ended (the
+            # step before the fence asked for it), and the peer, fenced too, refused that generation.
+            self._replicate(self._snapshots[version])
         copying = self._replicating.get(version)
         if copying is not None and self.version == version:
             # The shard stands at this version (the job waits or ends): answer once the copy is whole, so
