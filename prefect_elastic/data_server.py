@@ -318,6 +318,11 @@ class DataServer:
                 return "stale", staleness
             if self._hold is not None and self.version >= self._hold:
                 raise RecoverableError(f"shard {self.index} holds at version {self._hold}")
+            if staleness > 1:
+                # Staleness-aware step (Zhang et al., 2016): a gradient computed `staleness` versions ago
+                # counts 1/staleness. With several workers pushing, plain async SGD with momentum diverges
+                # (a transformer, 4 workers, staleness 5 to 8: the loss went from 1.4 to 1e9).
+                grads = {n: g.div_(staleness) for n, g in grads.items()}
             self._applying = True
             try:
                 began = time.perf_counter()
