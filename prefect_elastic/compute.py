@@ -218,26 +218,12 @@ def _run(
     while wanted():
         if role is None or step >= schedule.total_steps:
             # No role yet, a new generation, or past the last step: ask (a long poll of the coordinator).
-            try:
-                asked = time.perf_counter()
-                got = coordinator.role(address, known).result(timeout=timeout)
-                stats.add("role", time.perf_counter() - asked)
-            except Exception as exc:
-                errors += 1
-                stats.call_errors += 1
-                log.warning("compute %s: role failed (%s: %s)", address, type(exc).__name__, exc)
-                if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
-                    raise
-                time.sleep(min(1.0, job.liveness_interval))
-                continue
+            got, errors = ask_role(coordinator, address, known, stats, job, errors)
             if got is None:
                 continue
             if got.stop:
                 break
-            if [link.address for link in shards] != list(got.channels):
-                for link in shards:
-                    link.close()
-                shards[:] = [ShardLink(channel, timeout) for channel in got.channels]
+            reconnect(shards, got.channels, timeout)
             if got.generation == resume[0]:
                 # The role this loop had, asked again after a shard did not answer: go on where it was.
                 role, known, step, ahead = got, got.generation, resume[1], None
@@ -301,6 +287,34 @@ def _run(
             if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
                 raise
     return stats
+
+
+def ask_role(
+    coordinator: CoordinatorHandle, address: str, known: int, stats: LoopStats, job: ElasticJob, errors: int
+) -> tuple[Role | None, int]:
+    """The loop's role in a generation newer than `known` (a long poll of the coordinator), or None, and
+    how many asks in a row have failed (`errors` counts them: the loop ends after
+    `MAX_CONSECUTIVE_CALL_ERRORS`, the controller then starts another if the worker is still a member)."""
+    try:
+        asked = time.perf_counter()
+        got = coordinator.role(address, known).result(timeout=job.call_timeout)
+        stats.add("role", time.perf_counter() - asked)
+        return got, errors
+    except Exception as exc:
+        stats.call_errors += 1
+        log.warning("compute %s: role failed (%s: %s)", address, type(exc).__name__, exc)
+        if errors + 1 >= MAX_CONSECUTIVE_CALL_ERRORS:
+            raise
+        time.sleep(min(1.0, job.liveness_interval))
+        return None, errors + 1
+
+
+def reconnect(links: list[ShardLink], channels: Sequence[tuple[str, int]], timeout: float) -> None:
+    """Connections to where the shards listen now (a promoted data server listens elsewhere)."""
+    if [link.address for link in links] != list(channels):
+        for link in links:
+            link.close()
+        links[:] = [ShardLink(channel, timeout) for channel in channels]
 
 
 class MicroBatchTrainer:

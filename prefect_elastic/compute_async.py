@@ -308,7 +308,7 @@ def run_async(
     job ends. Errors are treated as in sync mode (`compute._run`): a stale generation asks for the role
     again; a model that fails is reported; a shard that cannot be reached is waited for (up to a call
     timeout), since survival detection acts on a lost static worker."""
-    from .compute import MAX_CONSECUTIVE_CALL_ERRORS
+    from .compute import ask_role, reconnect
     from .errors import FatalError, ModelFailure, RecoverableError
 
     job = trainer.job
@@ -321,27 +321,13 @@ def run_async(
     warm.grad = torch.zeros(1)
     job.build_optimizer([warm]).step()
     while wanted():
-        try:
-            asked = time.perf_counter()
-            role = coordinator.role(address, known).result(timeout=timeout)
-            stats.add("role", time.perf_counter() - asked)
-        except Exception as exc:
-            errors += 1
-            stats.call_errors += 1
-            log.warning("compute %s: role failed (%s: %s)", address, type(exc).__name__, exc)
-            if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
-                raise
-            time.sleep(min(1.0, job.liveness_interval))
-            continue
+        role, errors = ask_role(coordinator, address, known, stats, job, errors)
         if role is None:
             continue
         if role.stop:
             break
-        for links in (shards, data):
-            if [link.address for link in links] != list(role.channels):
-                for link in links:
-                    link.close()
-                links[:] = [ShardLink(channel, timeout) for channel in role.channels]
+        reconnect(shards, role.channels, timeout)
+        reconnect(data, role.channels, timeout)
         known = role.generation
         session = AsyncSession(role, address, coordinator, trainer, schedule, shards, data, stats, timeout)
         try:

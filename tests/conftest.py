@@ -19,15 +19,18 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
+from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.dataset import digits_dataset
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import Progress
+from prefect_elastic.training import prepare
 
 from .prefect_harness import prefect_server  # noqa: F401  (a session fixture: a real Prefect server)
 
@@ -144,6 +147,21 @@ def top_up(cluster: LocalElasticCluster, elastic: int) -> None:
     missing = elastic - len(cluster.elastic_addresses())
     names = [cluster.add_worker(wait=False) for _ in range(max(0, missing))]
     cluster.wait_for_workers(names)
+
+
+def in_process_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServer], list[list[str]]]:
+    """The data servers of a test job (the mlp, `overrides` applied), made in this process (no cluster),
+    and the plan of which tensors each holds."""
+    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", **overrides))
+    job, initial = prepared.job, prepared.persistence.initial
+    plan = plan_shards(initial, job.data_servers)
+    made = []
+    for i, names in enumerate(plan):
+        start = prepared.persistence.shard_start(i, names)
+        made.append(
+            DataServer(i, job, prepared.dataset, prepared.schedule, start.params, start.buffers, None, 0)
+        )
+    return made, plan
 
 
 class HoldUntilJoined:

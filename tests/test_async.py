@@ -33,7 +33,7 @@ from prefect_elastic.schedule import Schedule
 from prefect_elastic.survival import survival_check
 from prefect_elastic.training import prepare
 
-from .conftest import HoldUntilJoined, References, make_job, top_up
+from .conftest import HoldUntilJoined, References, in_process_servers, make_job, top_up
 from .models import GATE
 
 # 2 data servers of 64 samples, batches of 8: 16 batch ids, each a step of its own in async mode.
@@ -172,25 +172,12 @@ def test_the_job_validates_mode_and_max_staleness(digits_url: str) -> None:
 # -- the shard's apply, in this process -------------------------------------------------------------------
 
 
-def async_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServer], list[list[str]]]:
-    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", mode="async", **overrides))
-    job, initial = prepared.job, prepared.persistence.initial
-    plan = plan_shards(initial, job.data_servers)
-    made = []
-    for i, names in enumerate(plan):
-        start = prepared.persistence.shard_start(i, names)
-        made.append(
-            DataServer(i, job, prepared.dataset, prepared.schedule, start.params, start.buffers, None, 0)
-        )
-    return made, plan
-
-
 def gradient_of(server: DataServer, value: float) -> dict[str, torch.Tensor]:
     return {n: torch.full_like(p, value) for n, p in server._params.items()}
 
 
 def test_a_shard_applies_each_batch_id_once_and_refuses_stale_gradients(digits_url: str) -> None:
-    servers, _ = async_servers(digits_url, max_staleness=1)
+    servers, _ = in_process_servers(digits_url, mode="async", max_staleness=1)
     shard = servers[0]
 
     async def run() -> None:
@@ -223,10 +210,7 @@ def test_a_shard_applies_each_batch_id_once_and_refuses_stale_gradients(digits_u
 
 
 def test_a_sync_shard_refuses_an_async_gradient(digits_url: str) -> None:
-    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp"))
-    plan = plan_shards(prepared.persistence.initial, 2)
-    start = prepared.persistence.shard_start(0, plan[0])
-    shard = DataServer(0, prepared.job, prepared.dataset, prepared.schedule, start.params, start.buffers)
+    shard = in_process_servers(digits_url)[0][0]
 
     async def run() -> None:
         with pytest.raises(FatalError, match="async gradient in a sync job"):

@@ -10,24 +10,16 @@ from typing import Any
 import pytest
 import torch
 
-from prefect_elastic.data_server import DataServer, plan_shards
+from prefect_elastic.data_server import DataServer
 from prefect_elastic.errors import FatalError, StaleGenerationError
 from prefect_elastic.training import prepare, standbys
 
-from .conftest import make_job
+from .conftest import in_process_servers
 
 
 def servers(digits_url: str, **overrides: Any) -> tuple[DataServer, DataServer, list[list[str]]]:
-    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", **overrides))
-    job, initial = prepared.job, prepared.persistence.initial
-    plan = plan_shards(initial, job.data_servers)
-    made = []
-    for i, names in enumerate(plan):
-        start = prepared.persistence.shard_start(i, names)
-        made.append(
-            DataServer(i, job, prepared.dataset, prepared.schedule, start.params, start.buffers, None, 0)
-        )
-    return made[0], made[1], plan
+    (first, second), plan = in_process_servers(digits_url, **overrides)
+    return first, second, plan
 
 
 async def settled() -> None:
