@@ -311,10 +311,6 @@ class Coordinator:
         # at once, so that fencing the others does not wait on one lost with the first.
         for index in indices:
             self._gone.setdefault(index, asyncio.Event()).set()
-        if state.mode == "async":
-            self._fail_async_static(indices, reason)
-            await self._notify()
-            return state.ledger.snapshot_step
         async with lock:
             new = [i for i in indices if i not in state.lost]
             if not state.finished and new:
@@ -334,14 +330,10 @@ class Coordinator:
         await self._notify()
         return state.ledger.snapshot_step
 
-    def _fail_async_static(self, indices: list[int], reason: str) -> None:
-        # Async mode has no version that every shard holds, which a promotion from a replica needs.
-        self._fail(
-            "data-server-lost",
-            f"data servers {sorted(indices)} lost ({reason}); async mode cannot move a data server to a "
-            "standby yet (docs/design/async.md); run the job again, or use mode='sync', which survives it",
-            self._state.committed_steps,
-        )
+    async def snapshot_version(self, index: int) -> int:
+        """The version a standby taking shard `index` starts from: of the last snapshot every shard holds
+        (in async mode, the shard's own version in it)."""
+        return self._state.snapshot_version_of(index)
 
     async def hand_over(self, indices: list[int], reason: str) -> int:
         """A static worker is retiring: stop training at a step every shard applied (every shard fenced
@@ -353,7 +345,13 @@ class Coordinator:
         lock, _ = self._primitives()
         state = self._state
         if state.mode == "async":
-            self._fail_async_static(indices, reason)
+            async with lock:
+                if not state.finished:
+                    # Every shard fenced and snapshotted where it stands (its copy on the peer): the
+                    # standby takes exactly what the retiring shard had applied, so nothing is redone.
+                    await self._pause_for_snapshot(began)
+                    for index in indices:
+                        self._take(state.lose_shard(index, state.generation, reason, time.time()))
             await self._notify()
             return state.ledger.snapshot_step
         async with lock:
@@ -403,14 +401,21 @@ class Coordinator:
             self._shards[index] = shard
             self._gone[index] = asyncio.Event()
             generation = state.generation + 1
-            target = state.ledger.snapshot_step
+            # (Async mode: the other shards stay where they stand; nothing goes back.)
+            target = state.ledger.snapshot_step if state.mode == "sync" else None
             state.lost.discard(index)
             try:
-                await self._fence_and_restore(generation, target, index)
+                fenced = await self._fence_and_restore(generation, target, index)
             finally:
                 state.lost.add(index)
             where = (str(channel[0]), int(channel[1]))
-            event = state.promote_shard(index, worker, generation, where, time.time(), began)
+            applied: frozenset[int] = frozenset()
+            if state.mode == "async":
+                applied = frozenset(await shard.applied_ids())
+            version = next(f.version for f in fenced if f.index == index)
+            event = state.promote_shard(
+                index, worker, generation, where, time.time(), began, applied=applied, version=version
+            )
             self._take([event])
             # The promoted shard copies its snapshot to its peer, and the shard whose peer it is now copies
             # its own to it (the copies the lost worker held are gone).
@@ -419,16 +424,17 @@ class Coordinator:
         await self._notify()
         return event
 
-    async def _fence_and_restore(self, generation: int, target: int, keep: int) -> None:
-        """Fence every shard not lost into `generation` and bring it to version `target`. Another shard
-        found lost meanwhile (not `keep`) is recorded lost and left out: its own promotion comes next."""
+    async def _fence_and_restore(self, generation: int, target: int | None, keep: int) -> list[ShardStatus]:
+        """Fence every shard not lost into `generation` and bring it to version `target` (None: leave it
+        where it stands). Another shard found lost meanwhile (not `keep`) is recorded lost and left out:
+        its own promotion comes next. Returns where the shards stood when fenced."""
         state = self._state
         while True:
             try:
                 fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
-                if any(f.version != target for f in fenced):
+                if target is not None and any(f.version != target for f in fenced):
                     await self._on_shards(lambda s: s.restore(generation, target))
-                return
+                return fenced
             except ShardUnreachable as other:
                 if other.index == keep or other.index in state.lost:
                     raise

@@ -301,6 +301,10 @@ class CoordinatorState:
             for b in record.batch_ids:
                 if b not in self.ledger:
                     self._applied.setdefault(b, {})[i] = record
+        return self._commit_applied()
+
+    def _commit_applied(self) -> list[MembershipEvent]:
+        """Async mode: commit every batch id that every shard has applied, lowest first."""
         events: list[MembershipEvent] = []
         ready = sorted(b for b, by_shard in self._applied.items() if len(by_shard) == self.shards)
         for b in ready:
@@ -320,6 +324,42 @@ class CoordinatorState:
             if self.finished:
                 events.append(self.record(EventKind.DONE, now=self.commit_times[-1]))
         return events
+
+    def _rejoin_async(self, index: int, applied: frozenset[int], version: int) -> int:
+        """Async mode: shard `index` came back on a standby from its peer's replica of its last snapshot,
+        at `version`, holding the applies `applied`; whatever it applied after that is gone. Nothing is
+        rolled back on the other shards. A committed batch id it lacks leaves the ledger again (the ledger
+        drops every commit after the last snapshot as one; those the shard holds commit again at once)
+        and goes back to the queue, to be trained again and applied there alone: the other shards answer
+        "duplicate". Returns how many batch ids left the ledger."""
+        first = self.ledger.snapshot_step
+        retracted = self.ledger.entries_from(first)
+        losses, times = self.history[first:], self.commit_times[first:]
+        self._back_to_snapshot()
+        for entry, loss, when in zip(retracted, losses, times, strict=True):
+            b = entry.batch_id
+            record = StepRecord(
+                entry.step, entry.generation, (b,), {b: entry.worker}, {b: loss}, when, -1, entry.staleness
+            )
+            for j in range(self.shards):
+                if j != index or b in applied:
+                    self._applied.setdefault(b, {})[j] = record
+        for b, by_shard in list(self._applied.items()):
+            if index in by_shard and b not in applied:
+                del by_shard[index]  # applied there after the snapshot: lost with the worker
+            if not by_shard:
+                del self._applied[b]
+        for b in applied:
+            if b not in self.ledger:
+                # (Known already, unless the shard's status was not read since: then as a checkpoint's.)
+                self._applied.setdefault(b, {}).setdefault(
+                    index, StepRecord(-1, self.generation, (b,), {b: ""}, {b: math.nan}, math.nan)
+                )
+        self._seen[index] = version  # its records start again from there
+        self._commit_applied()
+        back = [e.batch_id for e in retracted if e.batch_id not in self.ledger]
+        self._queue = sorted({*self._queue, *back})
+        return len(back)
 
     # -- what the shards report ------------------------------------------------------------------
 
@@ -530,7 +570,9 @@ class CoordinatorState:
         if index in self.lost:
             return []
         dropped = 0
-        if not self.suspended and self.members and self.ledger.committed_steps < self.schedule.total_steps:
+        if self.mode == "async":
+            self._return_leases()  # (the fence dropped nothing: applies are whole or not made)
+        elif not self.suspended and self.members and self.ledger.committed_steps < self.schedule.total_steps:
             dropped = len(self.schedule.step_batches(self.ledger.committed_steps))
         self.lost.add(index)
         self.generation = generation
@@ -538,29 +580,50 @@ class CoordinatorState:
         return [self.record(EventKind.SHARD_LOST, batches_dropped=dropped, reason=reason, now=now)]
 
     def promote_shard(
-        self, index: int, worker: str, generation: int, channel: tuple[str, int], now: float, began: float
+        self,
+        index: int,
+        worker: str,
+        generation: int,
+        channel: tuple[str, int],
+        now: float,
+        began: float,
+        applied: frozenset[int] = frozenset(),
+        version: int = 0,
     ) -> MembershipEvent:
         """A standby (`worker`) holds shard `index` again, taken from its peer's replica of the last
         snapshot every shard holds, and every other shard was fenced into `generation` and brought back to
-        that snapshot: the ledger drops the steps after it, and training goes on from there."""
+        that snapshot: the ledger drops the steps after it, and training goes on from there.
+
+        Async mode: the other shards stay where they are; the promoted one stands at `version` with the
+        batch ids `applied` of its snapshot, and what it lacks is trained again (`_rejoin_async`)."""
         if index not in self.lost:
             raise FatalError(f"shard {index} was promoted but was not lost")
         self.lost.discard(index)
         channels = list(self.channels)
         channels[index] = channel
         self.channels = tuple(channels)
-        steps_lost = self._back_to_snapshot()
+        if self.mode == "async":
+            steps_lost = self._rejoin_async(index, applied, version)
+            where = f"version {version}"
+        else:
+            steps_lost = self._back_to_snapshot()
+            where = f"step {self.ledger.committed_steps}"
         self._forget_open_records()
         self.generation = generation
         self.counters["promotions"] += 1
         return self.record(
             EventKind.PROMOTED,
             steps_lost=steps_lost,
-            reason=f"data server {index} on standby {worker}, from its peer's replica of step "
-            f"{self.ledger.committed_steps}",
+            reason=f"data server {index} on standby {worker}, from its peer's replica of {where}",
             now=now,
             seconds=now - began,
         )
+
+    def snapshot_version_of(self, index: int) -> int:
+        """The version of shard `index` in the last snapshot every shard holds (async mode: its own)."""
+        if self.mode == "async":
+            return self.snapshot_versions[index] if self.snapshot_versions else 0
+        return self.ledger.snapshot_step
 
     # -- the controller's copy of the record, and a coordinator rebuilt from it --------------------
 

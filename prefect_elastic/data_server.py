@@ -661,6 +661,12 @@ class DataServer:
     def _prune_replicas(self) -> None:
         # The snapshot every shard holds (the one a promotion goes back to) and the two newest: the peer
         # may learn of a newer `keep` after the copy of the next snapshot arrived.
+        if self._async:
+            # (Async mode: every shard snapshots at its own version, so the source's versions and this
+            # shard's `keep` are not comparable; the newest two are kept.)
+            for v in sorted(self._replicas)[:-2]:
+                del self._replicas[v]
+            return
         newest = sorted(v for v in self._replicas if v > self._keep)[-2:]
         for v in [v for v in self._replicas if v != self._keep and v not in newest]:
             del self._replicas[v]
@@ -685,6 +691,8 @@ class DataServer:
         # the snapshot of their version is copied from them in the background, while the promotion goes on
         # (a 200 MB shard: 0.2 s of copies off the promotion's path); the first step waits for it.
         self._load(replica["params"], replica["buffers"], replica["optimizer"], int(replica["version"]), True)
+        self._applied = set(replica.get("applied", ()))  # async mode: the applies the snapshot holds
+        self._published = None
         self._start_snapshot()
         self._records = []
         self._open = _OpenStep()
@@ -695,6 +703,10 @@ class DataServer:
             self.index, self.job_id, self.version, copied, time.perf_counter() - began - copied,
         )  # fmt: skip
         return self.version
+
+    async def applied_ids(self) -> list[int]:
+        """Async mode: the batch ids applied here (a promoted shard's, from its snapshot)."""
+        return sorted(self._applied)
 
     # -- the controller ----------------------------------------------------------------------------
 
@@ -755,6 +767,7 @@ def _replica_of(snap: _Snapshot) -> dict[str, Any]:
         "params": snap.params,
         "buffers": snap.buffers,
         "optimizer": snap.optimizer,
+        "applied": sorted(snap.applied),  # async mode: what a standby taking it has applied
     }
 
 

@@ -313,6 +313,17 @@ def _scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) ->
     ]
 
 
+def _async_snapshot_every(job: ElasticJob) -> int:
+    """Survival checks between two snapshots in async mode (0: none), each a brief pause of every shard: a
+    checkpoint's (`checkpoint_every`), or, with peer replicas, what a standby goes back to when a data
+    server's worker dies (else it would go back to the start)."""
+    if job.mode != "async":
+        return 0
+    if job.checkpoint or (job.peer_replicas and job.data_servers > 1):
+        return job.checkpoint_every
+    return 0
+
+
 class TrainingRun:
     """One run of a job on a connected client, in phases: `start`, `supervise`, `finish`, `release`.
 
@@ -513,7 +524,7 @@ class TrainingRun:
         return self.client.submit(
             Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
             job.min_workers, job.min_workers_timeout, job.call_timeout, resume, job.mode,
-            job.checkpoint_every if job.checkpoint and job.mode == "async" else 0,
+            _async_snapshot_every(job),
             actor=True, workers=[where], allow_other_workers=False, pure=False,
             key=f"prefect-elastic-{job.job_id}-{self.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
@@ -660,11 +671,7 @@ class TrainingRun:
         if self.coordinator_at not in view.static:
             raise CoordinatorLost(f"its static worker {self.coordinator_at} left the cluster")
         lost = [i for i, where in enumerate(self.placement) if where not in view.static]
-        if lost and self.job.mode == "async":
-            # (No promotion in async mode yet: the coordinator fails the job, saying so.)
-            reason = f"their static workers {[self.placement[i] for i in lost]} left the cluster"
-            self._call(self.coordinator.shards_lost(lost, reason), timeout=self.job.call_timeout)
-        elif lost:
+        if lost:
             self._promote_standbys(lost)
         for worker in sorted(self.retiring):
             self.retiring.discard(worker)
@@ -679,10 +686,10 @@ class TrainingRun:
         committed step is redone. Then it is retired."""
         job = self.job
         indices = [i for i, w in enumerate(self.placement) if w == worker]
-        if (indices or worker == self.coordinator_at) and job.mode == "async":
+        if worker == self.coordinator_at and job.mode == "async":
             log.warning(
-                "job %s: static worker %s is asked to retire, but async mode cannot hand its roles over yet; "
-                "it is not retired (retire it again after the job)",
+                "job %s: static worker %s is asked to retire, but it holds the coordinator, which async mode "
+                "cannot rebuild elsewhere yet; it is not retired (retire it again after the job)",
                 job.job_id, worker,
             )  # fmt: skip
             return
@@ -714,6 +721,9 @@ class TrainingRun:
         seen, clock = time.time(), time.monotonic()
         left = ", ".join(sorted({self.placement[i] for i in lost}))
         targets = dict.fromkeys(lost, self._call(coordinator.shards_lost(lost, f"static worker {left} left")))
+        if job.mode == "async":
+            # Each shard snapshots at its own version in async mode: each standby starts from its own.
+            targets = {i: self._call(coordinator.snapshot_version(i)) for i in lost}
         suspended = time.monotonic() - clock
 
         def peer_holding_replica(i: int) -> ShardHandle | None:
@@ -736,8 +746,18 @@ class TrainingRun:
                 sorted({*lost, *(j for j, w in enumerate(self.placement) if w == left.worker)})
             )
             return
-        start_version = self.persistence.shard_start(0, []).version
-        unrestorable = [i for i in lost if replicas[i] is None and targets[i] != start_version]
+        unrestorable = [
+            i
+            for i in lost
+            if replicas[i] is None and targets[i] != self.persistence.shard_start(i, []).version
+        ]
+        if unrestorable and job.mode == "async":
+            raise DataServerLostError(
+                f"data servers {unrestorable} of job {job.job_id} were lost with the replicas of their "
+                "shards; async mode cannot go back to a checkpoint in the same run yet "
+                "(docs/design/async.md): run the job again (it resumes from its checkpoint), or use "
+                "mode='sync'"
+            )
         if unrestorable:
             if not job.peer_replicas:
                 why = "the job has peer_replicas=False, so no copy of a shard was kept"

@@ -24,7 +24,7 @@ from prefect_elastic.channel import Entry, Frame
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
 from prefect_elastic.coordinator_state import CoordinatorState
 from prefect_elastic.data_server import DataServer, plan_shards
-from prefect_elastic.errors import DataServerLostError, FatalError, StaleGenerationError
+from prefect_elastic.errors import FatalError, StaleGenerationError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -117,6 +117,55 @@ def test_a_membership_change_returns_the_leases_and_undoes_nothing_even_under_ro
     # Shard 0 applied batch 2 already (it will answer "duplicate"); shard 1 applies it now: committed once.
     state.absorb(applied(1, gen, (0, "a", 0), (2, "a", 0)))
     assert [e.batch_id for e in state.ledger.entries()] == [0, 2]
+
+
+def test_a_shard_promoted_from_its_snapshot_retracts_only_what_it_lost() -> None:
+    """Shard 1 dies after applying batch ids its snapshot does not hold; its standby takes the snapshot.
+    Committed ids it lacks leave the ledger and go back to the queue (shard 0 keeps its applies and will
+    answer "duplicate"); ids the snapshot holds commit again at once; nothing is committed twice."""
+    state = new_state("rollback")
+    state.channels = (("127.0.0.1", 1), ("127.0.0.1", 2))
+    admit(state, {"a"})
+    gen = state.generation
+    assert state.lease("a", gen, 4) == [0, 1, 2, 3]
+    state.absorb(applied(0, gen, (0, "a", 0), (1, "a", 0)))
+    state.absorb(applied(1, gen, (0, "a", 0), (1, "a", 0)))
+    state.pause(gen + 1)  # every shard fenced: the snapshot holds batch ids 0 and 1 everywhere
+    state.snapshot_async((2, 2), now=3.0, seconds=0.1)
+    gen = state.generation
+    assert state.snapshot_version_of(1) == 2 and state.ledger.snapshot_step == 2
+    # After the snapshot: both shards apply 2 and 3 (committed); shard 1 also applies 4, shard 0 not yet.
+    state.lease("a", gen, 3)
+    state.absorb(applied(0, gen, (0, "a", 0), (1, "a", 0), (2, "a", 0), (3, "a", 0)))
+    state.absorb(applied(1, gen, (0, "a", 0), (1, "a", 0), (2, "a", 0), (3, "a", 0), (4, "a", 0)))
+    assert state.committed_steps == 4
+    [lost] = state.lose_shard(1, gen + 1, "its worker died", now=4.0)
+    assert lost.kind is EventKind.SHARD_LOST
+    assert state.lease("a", state.generation, 4) is None, "nothing is leased while a shard is lost"
+    event = state.promote_shard(
+        1, "standby", gen + 2, ("127.0.0.1", 1), now=5.0, began=4.5, applied=frozenset({0, 1}), version=2
+    )
+    assert event.kind is EventKind.PROMOTED and event.steps_lost == 2 and "version 2" in event.reason
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 1], "2 and 3 are not on shard 1 any more"
+    assert state.counters["rollbacks"] == 0
+    leased = state.lease("a", state.generation, 8)
+    assert leased is not None and leased[:3] == [2, 3, 4], "the lost applies are trained again first"
+    # Shard 0 answers "duplicate" for 2 and 3 (no new record); shard 1 applies them from version 2 on.
+    state.absorb(ShardStatus(1, state.generation, 4, (
+        StepRecord(2, state.generation, (2,), {2: "a"}, {2: 2.5}, 110.0, 2, 0),
+        StepRecord(3, state.generation, (3,), {3: "a"}, {3: 3.5}, 111.0, 3, 0),
+    ), (), 0, 0))  # fmt: skip
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 1, 2, 3]
+    assert sorted(e.step for e in state.ledger.entries()) == [0, 1, 2, 3], "each committed once"
+    # Batch 4: shard 1's apply was lost, shard 0 never made one: it commits once both apply it.
+    state.absorb(
+        applied(0, state.generation, (0, "a", 0), (1, "a", 0), (2, "a", 0), (3, "a", 0), (4, "a", 0))
+    )
+    assert 4 not in state.ledger
+    state.absorb(ShardStatus(1, state.generation, 5, (
+        StepRecord(4, state.generation, (4,), {4: "a"}, {4: 4.5}, 112.0, 4, 0),
+    ), (), 0, 0))  # fmt: skip
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 1, 2, 3, 4]
 
 
 def test_async_mode_asks_for_no_snapshot_mid_run() -> None:
@@ -358,6 +407,10 @@ def tail_loss(result: TrainResult, share: float = 0.2) -> float:
     return statistics.fmean(result.history[-last:])
 
 
+def first_loss_fell(result: TrainResult) -> bool:
+    return tail_loss(result) < 0.5 * statistics.fmean(result.history[:10])
+
+
 def check_async(result: TrainResult, reference: TrainResult) -> None:
     """Every batch id committed exactly once, nothing staler than allowed, nothing rolled back, and the
     loss at the level of the sync run on the same data."""
@@ -490,15 +543,63 @@ def test_workers_take_candidate_steps_when_the_shards_are_slow_and_not_when_they
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_a_lost_data_server_fails_an_async_job_saying_why(digits_url: str) -> None:
+def test_a_lost_data_server_of_an_async_job_moves_to_a_standby(
+    reference: References, digits_url: str
+) -> None:
+    """SIGKILL of data server 1's static worker mid-run, with a standby: it takes the shard from its peer's
+    replica of the last snapshot, the other shard goes back to nothing, and what it lost is trained again
+    for it alone: every batch id committed once, the loss of a sync run."""
+    killed: list[str] = []
+    with LocalElasticCluster(static_workers=3, elastic_workers=2) as cluster:
+        job = async_job(
+            digits_url, model="tests.models:gated_slow_mlp", epochs=3, checkpoint_every=2, job_id="async-lost"
+        )
+
+        def kill_after_a_snapshot(p: Progress) -> None:
+            # Once 20 batch ids committed after a snapshot past the start: shard 1 applied them after the
+            # snapshot its standby will take, so they are lost with it and trained again.
+            if not killed and p.snapshot_step > 0 and p.committed_steps >= p.snapshot_step + 20:
+                killed.append(p.data_servers[1])
+                cluster.kill_worker(killed[0])
+
+        result = train(job, cluster=cluster, on_progress=kill_after_a_snapshot)
+    ids = sorted(e.batch_id for e in result.ledger)
+    assert ids == list(range(result.total_batches)), "every batch id of the schedule, each once"
+    assert sorted(e.step for e in result.ledger) == list(range(result.total_batches))
+    kinds = [e.kind for e in result.events]
+    lost = kinds.index(EventKind.SHARD_LOST)
+    assert kinds[lost + 1] is EventKind.PROMOTED and result.counters["promotions"] == 1
+    promoted = result.events[lost + 1]
+    assert "standby tcp://" in promoted.reason and killed[0] not in promoted.reason
+    assert promoted.steps_lost >= 1, "what shard 1 applied after its snapshot left the ledger"
+    assert result.counters["rollbacks"] == 0
+    snapshots = [e for e in result.events[:lost] if e.kind is EventKind.SNAPSHOT]
+    assert snapshots, "the standby took a snapshot past the start"
+    assert first_loss_fell(result)
+    assert (
+        tail_loss(result)
+        <= 1.5 * tail_loss(reference(make_job(digits_url, model="tests.models:gated_slow_mlp", epochs=3)))
+        + 0.1
+    )
+
+
+def test_an_async_data_server_retired_gracefully_hands_over_with_nothing_redone(digits_url: str) -> None:
+    """`Client.retire_workers` on data server 1's static worker in async mode: every shard is fenced and
+    snapshotted where it stands, the standby takes that snapshot, and no batch id is trained again."""
     with LocalElasticCluster(static_workers=3, elastic_workers=1) as cluster:
-        job = async_job(digits_url, model="tests.models:slow_mlp", job_id="test-async-lost")
-        faults = FaultSchedule().kill_data_server(at_step=30, index=1)
-        with pytest.raises(DataServerLostError) as failed:
-            train(job, cluster=cluster, faults=faults)
-    message = str(failed.value)
-    assert "data servers [1] lost" in message
-    assert "async mode cannot move a data server to a standby yet" in message and "mode='sync'" in message
+        job = async_job(digits_url, model="tests.models:slow_mlp", job_id="async-retire")
+        faults = FaultSchedule().retire_data_server(at_step=60, index=1)
+        faults.bind(cluster)
+        result = train(job, cluster=cluster, faults=faults)
+        faults.wait(timeout=60)
+        assert [r.kind for r in faults.log] == ["retire"]
+        cluster.wait_until_gone([faults.log[0].target], timeout=30)
+    assert sorted(e.batch_id for e in result.ledger) == list(range(result.total_batches))
+    handed = [e for e in result.events if e.kind is EventKind.SHARD_LOST]
+    assert handed and all("retiring" in e.reason for e in handed)
+    promoted = [e for e in result.events if e.kind is EventKind.PROMOTED]
+    assert len(promoted) == 1 and promoted[0].steps_lost == 0, "nothing was trained again"
+    assert result.steps_lost == 0 and result.counters["rollbacks"] == 0
 
 
 @pytest.mark.cluster
