@@ -254,14 +254,27 @@ class Coordinator:
     async def report_failure(
         self, generation: int, worker: str, step: int, batch_id: int | None, kind: str, message: str
     ) -> None:
-        """A failure that no retry fixes (the model raised, a NaN loss): the job stops. A report of an
-        older generation is dropped: its step was dropped with it, and the batch trains again."""
-        if generation != self._state.generation:
+        """A failure that no retry on the same worker fixes. The model raised (or its loss was not finite):
+        the worker is excluded and its share goes to the others at once, and the job fails only when the
+        batch failed on another worker too, or no member is left (`CoordinatorState.model_failed`). Any
+        other kind stops the job. A report of an older generation is dropped: its step was dropped with
+        it, and the batch trains again."""
+        state = self._state
+        if generation != state.generation:
             log.info(
                 "job %s: dropped a failure report of generation %d: %s", self.job_id, generation, message
             )
             return
-        self._fail(kind, f"{message} (on {worker})", step, batch_id)
+        if kind != "model":
+            self._fail(kind, f"{message} (on {worker})", step, batch_id)
+            await self._notify()
+            return
+        events = state.model_failed(worker, step, batch_id, message, time.time())
+        self._take(events)
+        if any(e.kind is EventKind.EXCLUDED for e in events) and not state.finished:
+            log.warning("job %s: compute worker %s excluded: %s", self.job_id, worker, message)
+            # Its share goes to the others now, not at the controller's next check.
+            await self._survive(frozenset(state.members), "excluded")
         await self._notify()
 
     # -- survival detection ----------------------------------------------------------------------
@@ -276,9 +289,13 @@ class Coordinator:
         one version, and the new members get their roles. Otherwise a snapshot is asked for, which the
         shards take between two steps without stopping.
         """
+        await self._survive(frozenset(live_workers), trigger, renew)
+        events, self._unreported = self._unreported, []
+        return events
+
+    async def _survive(self, live: frozenset[str], trigger: str, renew: bool = False) -> None:
         began = time.time()
         lock, _ = self._primitives()
-        live = frozenset(live_workers)
         lost: ShardUnreachable | None = None
         try:
             async with lock:
@@ -294,8 +311,6 @@ class Coordinator:
             await self._notify()
         if lost is not None:
             await self.shards_lost([lost.index], str(lost))
-        events, self._unreported = self._unreported, []
-        return events
 
     # -- a data server lost, and a standby promoted (seed 001) -----------------------------------
 
@@ -443,6 +458,7 @@ class Coordinator:
 
     async def _check(self, live: frozenset[str], trigger: str, renew: bool, began: float) -> None:
         state = self._state
+        live = frozenset(w for w in live if w not in state.excluded)  # (their model failed: not members)
         since = state.since()
         statuses = await self._on_shards(lambda s: s.status(since))
         for status in statuses:

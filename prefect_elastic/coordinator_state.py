@@ -116,12 +116,17 @@ class CoordinatorState:
             "promotions": 0,  # data servers that a standby static worker took over
             "coordinator_rebuilds": 0,  # coordinators rebuilt on another static worker (`rebuild`)
             "checkpoint_restores": 0,  # every shard back to a checkpoint: data servers lost with replicas
+            "excluded": 0,  # compute workers excluded after their model failed (`model_failed`)
         }
         # The lowest the ledger stood at since the controller last took a part of the journal: a rollback
         # since then replaced the steps after its snapshot, which the next part sends again.
         self._journaled = self.ledger.committed_steps
         # Async mode: batch ids nobody holds (lowest first), the ones each member holds, what each shard
         # applied of batch ids not yet committed, and the next record of each shard not yet read.
+        # Workers excluded after their model failed on a batch (`model_failed`), with why, and the workers
+        # each batch id failed on.
+        self.excluded: dict[str, str] = {}
+        self._model_failures: dict[int, dict[str, str]] = {}
         self._queue: list[int] = []
         self._leases: dict[str, list[int]] = {}
         self._applied: dict[int, dict[int, StepRecord]] = {}
@@ -746,6 +751,58 @@ class CoordinatorState:
         )
 
     # -- the end ---------------------------------------------------------------------------------
+
+    def model_failed(
+        self, worker: str, step: int, batch_id: int | None, message: str, now: float
+    ) -> list[MembershipEvent]:
+        """A member's model raised (or its loss was not finite) on `batch_id`: like Horovod's host
+        blacklist, the worker is excluded (it trains no more for this job; the next survival check takes
+        its share away, and the batch trains again on another worker). The job fails only when the same
+        batch failed on two workers (the model or the data is at fault, not a node), or when no member is
+        left that was not excluded."""
+        if self.failure is not None:
+            return []
+        key = -1 if batch_id is None else batch_id
+        failed_on = self._model_failures.setdefault(key, {})
+        failed_on[worker] = message
+        if batch_id is None or len(failed_on) > 1:
+            where = ", ".join(sorted(failed_on))
+            why = "; ".join(f"on {w}: {m}" for w, m in sorted(failed_on.items()))
+            what = f"batch {batch_id} of step {step}" if batch_id is not None else f"step {step}"
+            return self.fail(
+                Failure(
+                    "model",
+                    f"{what} failed on {len(failed_on)} workers ({where}), so the model or the data is at "
+                    f"fault, not a node: {why}",
+                    step,
+                    batch_id,
+                ),
+                now,
+            )
+        self.excluded[worker] = message
+        event = self.record(
+            EventKind.EXCLUDED,
+            left=frozenset({worker}),
+            reason=f"{worker} excluded: {message}",
+            now=now,
+        )
+        self.counters["excluded"] += 1
+        if all(m in self.excluded for m in self.members):
+            excluded = "; ".join(f"{w}: {m}" for w, m in sorted(self.excluded.items()))
+            return [
+                event,
+                *self.fail(
+                    Failure(
+                        "model",
+                        f"every compute worker was excluded after its model failed ({excluded}); the last "
+                        f"failure was at step {step}, batch {batch_id}",
+                        step,
+                        batch_id,
+                    ),
+                    now,
+                ),
+            ]
+        return [event]
 
     def fail(self, failure: Failure, now: float) -> list[MembershipEvent]:
         if self.failure is not None:

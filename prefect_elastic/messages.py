@@ -43,6 +43,7 @@ class EventKind(StrEnum):
     PROMOTED = "promoted"  # a standby static worker took the lost data server's role, from its peer's replica
     COORDINATOR_REBUILT = "coordinator-rebuilt"  # its worker died: rebuilt from the journal and the shards
     RESTORED = "restored"  # data servers lost with their replicas: every shard back to the last checkpoint
+    EXCLUDED = "excluded"  # a compute worker's model failed on a batch: it trains no more for this job
     FAILED = "failed"
     DONE = "done"
 

@@ -39,6 +39,7 @@ _SIGNALS = Path(tempfile.mkdtemp(prefix="prefect-elastic-tests-"))
 os.environ["ELASTIC_TESTS_GATE"] = str(_SIGNALS / "gate")
 os.environ["ELASTIC_TESTS_FAIL_ONCE"] = str(_SIGNALS / "fail-once")
 os.environ["ELASTIC_TESTS_HOLD"] = str(_SIGNALS / "hold")
+os.environ["ELASTIC_TESTS_BAD_WORKER"] = str(_SIGNALS / "bad-worker")
 
 
 @contextlib.contextmanager

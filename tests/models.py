@@ -196,3 +196,26 @@ class _HeldFailsOnce(_FailsOnce):
 
 def held_mlp() -> nn.Module:
     return _HeldFailsOnce(*mlp())
+
+
+# The address of one compute worker on which the model always raises (a broken GPU, a bad driver on one
+# host), written by a test; the model trains normally on every other worker.
+BAD_WORKER = _signal_file("ELASTIC_TESTS_BAD_WORKER")
+
+
+class _FailsOnOneWorker(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from distributed import get_worker
+
+        try:
+            bad = BAD_WORKER.read_text().strip()
+        except FileNotFoundError:
+            bad = ""
+        if bad and get_worker().address == bad:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected here)")
+        time.sleep(0.004)  # paced like slow_mlp: the bad worker takes its share before the good one is done
+        return super().forward(x)
+
+
+def fails_on_one_worker() -> nn.Module:
+    return _FailsOnOneWorker(*mlp())

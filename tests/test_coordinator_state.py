@@ -276,3 +276,38 @@ def test_promoting_a_shard_that_was_not_lost_is_a_bug() -> None:
     admit(state, {"a"})
     with pytest.raises(FatalError, match="not lost"):
         state.promote_shard(0, "w", 5, ("h", 1), now=1.0, began=1.0)
+
+
+def test_a_worker_whose_model_failed_is_excluded_and_the_next_check_takes_its_share() -> None:
+    state = new_state("reassign")
+    admit(state, {"a", "b"})
+    [event] = state.model_failed("b", 0, 1, "CUDA error on b", now=3.0)
+    assert event.kind is EventKind.EXCLUDED and event.left == ("b",) and "CUDA error on b" in event.reason
+    assert state.failure is None and state.excluded == {"b": "CUDA error on b"}
+    # The coordinator's next check leaves the excluded worker out, as if it had left: "a" takes all.
+    live = {w for w in {"a", "b"} if w not in state.excluded}
+    decision = survival_check(state.survival_state(), live, now=4.0)
+    assert decision.action is Action.REASSIGN and decision.workers == frozenset({"a"})
+
+
+def test_the_same_batch_failing_on_two_workers_fails_the_job_naming_both() -> None:
+    state = new_state()
+    admit(state, {"a", "b", "c"})
+    state.model_failed("a", 0, 2, "boom on a", now=3.0)
+    events = state.model_failed("b", 0, 2, "boom on b", now=4.0)
+    assert [e.kind for e in events] == [EventKind.FAILED]
+    failure = state.failure
+    assert failure is not None and failure.kind == "model" and (failure.step, failure.batch_id) == (0, 2)
+    assert "batch 2 of step 0" in failure.message and "a, b" in failure.message
+    assert "boom on a" in failure.message and "boom on b" in failure.message
+    assert "b" not in state.excluded, "the batch, not the second worker, is at fault"
+
+
+def test_every_member_excluded_fails_the_job() -> None:
+    state = new_state()
+    admit(state, {"a", "b"})
+    state.model_failed("a", 0, 1, "bad driver on a", now=3.0)
+    events = state.model_failed("b", 0, 3, "bad driver on b", now=4.0)
+    assert [e.kind for e in events] == [EventKind.EXCLUDED, EventKind.FAILED]
+    assert state.failure is not None and "every compute worker was excluded" in state.failure.message
+    assert "step 0, batch 3" in state.failure.message

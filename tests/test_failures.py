@@ -20,6 +20,7 @@ from prefect_elastic import (
 from prefect_elastic.compute import MicroBatchTrainer
 from prefect_elastic.dataset import write_npz
 from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.messages import EventKind
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job, top_up
 
@@ -136,6 +137,51 @@ def test_model_failure_ends_job_naming_step_and_batch(
     assert words in str(err.value)
     assert err.value.step == 0 and err.value.batch_id is not None
     assert f"batch {err.value.batch_id}" in str(err.value)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("policy", ["rollback", "reassign"])
+def test_a_worker_whose_model_fails_is_excluded_and_training_goes_on(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    """One bad node (Horovod's host blacklist): the model raises on one compute worker only. That worker is
+    excluded, its share goes to the other, the batch it failed on trains there, and the result is still
+    bitwise equal to the one-worker, no-fault run."""
+    from .models import BAD_WORKER
+
+    top_up(cluster, 2)
+    bad = sorted(cluster.elastic_addresses())[0]
+    job = make_job(digits_url, policy, model="tests.models:fails_on_one_worker", job_id=f"bad-node-{policy}")
+    BAD_WORKER.write_text(bad)
+    try:
+        result = train(job, cluster=cluster)
+    finally:
+        BAD_WORKER.unlink(missing_ok=True)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    [excluded] = [e for e in result.events if e.kind == EventKind.EXCLUDED]
+    assert excluded.left == (bad,) and "illegal memory access" in excluded.reason, excluded
+    assert result.counters["excluded"] == 1
+    after = [e for e in result.membership_events() if e.time >= excluded.time]
+    assert after and bad in after[0].left and bad not in after[-1].workers, "its share went to the other"
+    assert bad not in {e.worker for e in result.ledger if e.generation > excluded.generation}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_a_batch_that_fails_on_every_worker_fails_the_job_naming_them(
+    cluster: LocalElasticCluster, digits_url: str
+) -> None:
+    """The same batch failing on two workers is the model's or the data's fault, not a node's: the job
+    fails, naming the step, the batch and both workers."""
+    top_up(cluster, 2)
+    with pytest.raises(TrainingFailedError) as err:
+        train(make_job(digits_url, model="tests.models:raises", job_id="bad-model"), cluster=cluster)
+    message = str(err.value)
+    assert "boom from the model" in message and f"batch {err.value.batch_id}" in message
+    named = [w for w in cluster.elastic_addresses() if w in message]
+    assert len(named) >= 2, f"both workers it failed on are named: {message}"
 
 
 @pytest.mark.cluster
