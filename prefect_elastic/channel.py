@@ -19,6 +19,10 @@ snapshot, status) stay Dask actor calls: they are rare, and the coordinator make
 
 Every message carries the generation (in its header), and every wait is bounded: a socket op by the
 caller's timeout, a shard's wait for a step by the `wait` the frame names.
+
+When the cluster uses TLS (Dask's `Security`: workers started with `--tls-ca-file/--tls-cert/--tls-key`),
+the connection uses it too, with the worker's own certificates (`worker_tls`): encrypted, and only a peer
+with a certificate of the cluster's authority gets through the handshake.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import contextlib
 import json
 import select
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -144,9 +149,10 @@ class ShardLink:
     loop may send a second frame before it reads the first answer. Any error closes the connection (a
     half-read stream cannot be trusted), and the next `send` opens a new one."""
 
-    def __init__(self, address: tuple[str, int], timeout: float) -> None:
+    def __init__(self, address: tuple[str, int], timeout: float, tls: ssl.SSLContext | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self.tls = tls
         self._sock: socket.socket | None = None
         self.pending = 0  # frames sent whose answer was not read yet
 
@@ -154,6 +160,12 @@ class ShardLink:
         if self._sock is None:
             sock = socket.create_connection(self.address, timeout=self.timeout)
             _tune(sock)
+            if self.tls is not None:
+                try:
+                    sock = self.tls.wrap_socket(sock, server_hostname=self.address[0])
+                except BaseException:
+                    sock.close()
+                    raise
             self._sock = sock
         return self._sock
 
@@ -206,6 +218,8 @@ class ShardLink:
         sock = self._sock
         if sock is None or not self.pending:
             return False
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True  # decrypted bytes already wait in the TLS layer, which poll does not see
         poller = select.poll()  # (not select.select: it fails for descriptors of 1024 and more)
         poller.register(sock, select.POLLIN)
         return bool(poller.poll(max(0, int(timeout * 1000))))
@@ -220,6 +234,10 @@ def _tune(sock: socket.socket) -> None:
 
 
 def _send_all(sock: socket.socket, parts: Sequence[memoryview]) -> None:
+    if isinstance(sock, ssl.SSLSocket):
+        for part in parts:  # (a TLS socket has no sendmsg: each buffer is encrypted on its own)
+            sock.sendall(part)
+        return
     pending = [p.cast("B") for p in parts if p.nbytes]
     while pending:
         sent = sock.sendmsg(pending)
@@ -244,6 +262,22 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if not got:
             raise ConnectionError("the shard closed the connection")
         view = view[got:]
+
+
+def worker_tls(side: str) -> ssl.SSLContext | None:
+    """The TLS context of the Dask worker this runs on (`side`: "listen" for a shard's server, "connect"
+    for a compute loop), when its cluster uses TLS; None outside a worker or without TLS."""
+    try:
+        from distributed import get_worker
+
+        security = get_worker().security
+    except (ImportError, ValueError):
+        return None
+    if not (getattr(security, "tls_ca_file", None) and getattr(security, "tls_worker_cert", None)):
+        return None
+    args = security.get_listen_args("worker") if side == "listen" else security.get_connection_args("worker")
+    context = args.get("ssl_context")
+    return context if isinstance(context, ssl.SSLContext) else None
 
 
 # -- errors across the wire -----------------------------------------------------------------------------
@@ -286,13 +320,15 @@ class ShardServer:
         self.handler = handler
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._tls_server: asyncio.Server | None = None
         self.address: tuple[str, int] | None = None
         # Seconds by phase, summed: `handle` (the handler, waits for other workers' pushes included) and
         # `send` (writing answers into the sockets).
         self.phases: dict[str, float] = {"handle": 0.0, "send": 0.0}
         self.frames = 0
 
-    async def start(self, host: str) -> tuple[str, int]:
+    async def start(self, host: str, tls: ssl.SSLContext | None = None) -> tuple[str, int]:
+        """Listen on `host` (a free port); with `tls`, every connection is TLS with that context."""
         listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, 0))
@@ -300,7 +336,17 @@ class ShardServer:
         listener.setblocking(False)
         self._listener = listener
         self.address = (host, int(listener.getsockname()[1]))
-        self._spawn(self._accept(listener))
+        if tls is None:
+            self._spawn(self._accept(listener))
+        else:
+            # asyncio's socket calls cannot speak TLS: a TLS connection is served through streams.
+            async def serve_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                sock = writer.get_extra_info("socket")
+                if sock is not None:
+                    _tune(sock)
+                await self._serve(_StreamIO(reader, writer))
+
+            self._tls_server = await asyncio.start_server(serve_stream, sock=listener, ssl=tls)
         return self.address
 
     def _spawn(self, coro: Any) -> None:
@@ -317,13 +363,12 @@ class ShardServer:
                 return  # closed
             conn.setblocking(False)
             _tune(conn)
-            self._spawn(self._serve(conn))
+            self._spawn(self._serve(_SocketIO(loop, conn)))
 
-    async def _serve(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    async def _serve(self, io: _SocketIO | _StreamIO) -> None:
         try:
             while True:
-                frame = await _read_frame(loop, conn)
+                frame = await _read_frame(io)
                 if frame is None:
                     return
                 began = time.perf_counter()
@@ -332,17 +377,19 @@ class ShardServer:
                 except Exception as exc:
                     answer = Frame(error_header(exc))
                 handled = time.perf_counter()
-                for part in encode(answer):
-                    await loop.sock_sendall(conn, part)
+                await io.write(encode(answer))
                 self.phases["handle"] += handled - began
                 self.phases["send"] += time.perf_counter() - handled
                 self.frames += 1
-        except (OSError, ConnectionError, ValueError):
+        except (OSError, ConnectionError, ValueError, asyncio.IncompleteReadError):
             return  # the loop went away (killed, cancelled) or sent garbage: drop the connection
         finally:
-            conn.close()
+            io.close()
 
     def close(self) -> None:
+        if self._tls_server is not None:
+            self._tls_server.close()
+            self._tls_server = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None
@@ -356,31 +403,68 @@ class ShardServer:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _read_frame(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> Frame | None:
+class _SocketIO:
+    """A plain connection, through the event loop's socket calls: reads land in the frame's buffer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
+        self.loop = loop
+        self.conn = conn
+
+    async def read_into(self, view: memoryview, eof_ok: bool = False) -> bool:
+        first = True
+        while view.nbytes:
+            got = await self.loop.sock_recv_into(self.conn, view)
+            if not got:
+                if first and eof_ok:
+                    return False
+                raise ConnectionError("the connection closed mid-frame")
+            first = False
+            view = view[got:]
+        return True
+
+    async def write(self, parts: list[memoryview]) -> None:
+        for part in parts:
+            await self.loop.sock_sendall(self.conn, part)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _StreamIO:
+    """A TLS connection, through asyncio streams (one copy more per read than `_SocketIO`)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def read_into(self, view: memoryview, eof_ok: bool = False) -> bool:
+        try:
+            data = await self.reader.readexactly(view.nbytes)
+        except asyncio.IncompleteReadError as short:
+            if eof_ok and not short.partial:
+                return False
+            raise ConnectionError("the connection closed mid-frame") from short
+        view[:] = data
+        return True
+
+    async def write(self, parts: list[memoryview]) -> None:
+        self.writer.writelines(parts)
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def _read_frame(io: _SocketIO | _StreamIO) -> Frame | None:
     head = bytearray(_LENGTH.size)
-    if not await _read_into(loop, conn, memoryview(head), eof_ok=True):
+    if not await io.read_into(memoryview(head), eof_ok=True):
         return None
     (length,) = _LENGTH.unpack(head)
     if length > MAX_HEADER_BYTES:
         raise ValueError(f"a header of {length} bytes")
     header_bytes = bytearray(length)
-    await _read_into(loop, conn, memoryview(header_bytes))
+    await io.read_into(memoryview(header_bytes))
     described = json.loads(header_bytes)["tensors"]
     body = _body_buffer(described)
-    await _read_into(loop, conn, body.data)
+    await io.read_into(body.data)
     return decode(bytes(header_bytes), body)
-
-
-async def _read_into(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, view: memoryview, eof_ok: bool = False
-) -> bool:
-    first = True
-    while view.nbytes:
-        got = await loop.sock_recv_into(conn, view)
-        if not got:
-            if first and eof_ok:
-                return False
-            raise ConnectionError("the connection closed mid-frame")
-        first = False
-        view = view[got:]
-    return True

@@ -31,7 +31,7 @@ import torch
 from torch.func import functional_call
 
 from .allocator import tune_allocator
-from .channel import Entry, Frame, ShardLink, raise_error, unread_answers_dropped
+from .channel import Entry, Frame, ShardLink, raise_error, unread_answers_dropped, worker_tls
 from .compute_async import run_async
 from .errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
 from .job import ElasticJob, StateLayout
@@ -314,7 +314,8 @@ def reconnect(links: list[ShardLink], channels: Sequence[tuple[str, int]], timeo
     if [link.address for link in links] != list(channels):
         for link in links:
             link.close()
-        links[:] = [ShardLink(channel, timeout) for channel in channels]
+        tls = worker_tls("connect")  # (the cluster's TLS, if it has any, covers the step path too)
+        links[:] = [ShardLink(channel, timeout, tls) for channel in channels]
 
 
 class MicroBatchTrainer:

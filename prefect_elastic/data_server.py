@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .allocator import tune_allocator
-from .channel import Entry, Frame, ShardServer, error_header
+from .channel import Entry, Frame, ShardServer, error_header, worker_tls
 from .dataset import DatasetInfo, load_partition, partition_bounds
 from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
@@ -192,7 +192,7 @@ class DataServer:
         """Start listening for compute loops (`channel.py`) on this worker's host; returns the address."""
         if self._server is None or self._server.address is None:
             server = ShardServer(_weak_handler(self))
-            await server.start(self._host)
+            await server.start(self._host, tls=worker_tls("listen"))
             loop = asyncio.get_running_loop()
 
             def close_later() -> None:

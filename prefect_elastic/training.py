@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 from distributed import Client, Future
+from distributed.security import Security
 
 from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
@@ -188,6 +189,7 @@ def train(
     on_event: Callable[[MembershipEvent], None] | None = None,
     faults: FaultInjector | None = None,
     stop: threading.Event | None = None,
+    security: Security | None = None,
 ) -> TrainResult:
     """Train `job` on the Dask cluster at `address` (or the `cluster` object) and return the result.
 
@@ -196,7 +198,9 @@ def train(
     workers stay alive for longer than `min_workers_timeout`, `DataServerLostError` when a static worker
     holding a data server or the coordinator dies, `TrainingStopped` when `stop` is set (after a final
     checkpoint), `CheckpointMismatchError` when `job.checkpoint` holds a checkpoint of another job or model.
-    With `job.checkpoint` set, a run resumes from the latest checkpoint there.
+    With `job.checkpoint` set, a run resumes from the latest checkpoint there. `security`: Dask's
+    `Security` for a cluster with TLS (by default the `security` of the `cluster` object, if it has one);
+    the step path's own connections then use TLS too, with the workers' certificates.
     """
     prepared = prepare(job)
     if (address is None) == (cluster is None):
@@ -217,7 +221,11 @@ def train(
         )
     if faults is not None and cluster is not None:
         faults.bind(cluster)
-    with connect_client(target, prepared.job.call_timeout) as client:
+    if security is None:
+        # A cluster object with TLS (LocalElasticCluster(security=True), any distributed cluster made with
+        # a Security) carries the client's certificates.
+        security = getattr(cluster, "security", None)
+    with connect_client(target, prepared.job.call_timeout, security) as client:
         run = TrainingRun(
             client, prepared, on_progress=on_progress, on_event=on_event, faults=faults, stop=stop,
             cluster=cluster,
@@ -231,7 +239,7 @@ def train(
                 run.release()
 
 
-def connect_client(address: str, timeout: float) -> Client:
+def connect_client(address: str, timeout: float, security: Security | None = None) -> Client:
     """A client of the scheduler at `address`; a refused connection fails at once, naming the address,
     instead of being retried for the whole timeout."""
     from distributed.comm import parse_address
@@ -252,7 +260,7 @@ def connect_client(address: str, timeout: float) -> Client:
                 f"no Dask scheduler answers at {address} ({exc}); start one (`dask scheduler`) or give "
                 "the address it listens on"
             ) from exc
-    return Client(address, set_as_default=False, timeout=timeout)
+    return Client(address, set_as_default=False, timeout=timeout, security=security)
 
 
 @dataclass(frozen=True)

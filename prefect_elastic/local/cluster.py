@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Any
 
 import distributed
+from distributed.security import Security
 
 from ..connect import is_static_worker
 from .processes import log_tail, signal_group, start_group, stop_groups
@@ -75,7 +76,9 @@ class LocalElasticCluster:
     Nothing starts until `start()` or ``with``. Workers are named ``static-0, static-1, ...`` and
     ``elastic-0, elastic-1, ...``; a name is never reused, except by a nanny restarting its own worker.
     Every process inherits this process's environment updated with ``env``, and an import path of the
-    ``PYTHONPATH`` given in ``env`` (if any) followed by this process's `sys.path`.
+    ``PYTHONPATH`` given in ``env`` (if any) followed by this process's `sys.path`. With
+    ``security=True`` every connection (the scheduler, the workers, their clients, the step path) is TLS
+    with a self-signed authority made for this cluster; `security` is then the clients' `Security`.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class LocalElasticCluster:
         worker_ttl: str | None = None,
         log_dir: str | os.PathLike[str] | None = None,
         preload: tuple[str, ...] = ("prefect_elastic.compute",),
+        security: bool | Security = False,
     ) -> None:
         if static_workers < 0 or elastic_workers < 0:
             raise ValueError(
@@ -116,6 +120,11 @@ class LocalElasticCluster:
         self.preload = tuple(preload)
         self._given_log_dir = Path(log_dir) if log_dir is not None else None
         self.log_dir: Path | None = None
+        # TLS between every process of the cluster and its clients: `True` makes a self-signed authority
+        # and one certificate for every role (Dask's `Security.temporary`); a `Security` is used as given.
+        self._security_wanted = security
+        self.security: Security | None = None
+        self._tls_args: list[str] = []
 
         self._lock = threading.RLock()
         self._scheduler_proc: subprocess.Popen[bytes] | None = None
@@ -140,6 +149,7 @@ class LocalElasticCluster:
         atexit.register(self.close)
         try:
             self._prepare_dirs()
+            self._prepare_tls()
             self._start_scheduler()
             names = [self._spawn_worker(static=True) for _ in range(self.static_workers)]
             names += [self._spawn_worker(static=False) for _ in range(self.elastic_workers)]
@@ -191,7 +201,7 @@ class LocalElasticCluster:
 
     @property
     def scheduler_address(self) -> str:
-        """The scheduler's address, ``tcp://127.0.0.1:PORT``."""
+        """The scheduler's address, ``tcp://127.0.0.1:PORT`` (``tls://`` with `security`)."""
         if self._scheduler_address is None:
             raise RuntimeError("the cluster is not started; call start() or use it as a context manager")
         return self._scheduler_address
@@ -205,6 +215,7 @@ class LocalElasticCluster:
     def client(self, **kwargs: Any) -> distributed.Client:
         """A new Client connected to this cluster; the caller closes it."""
         kwargs.setdefault("timeout", self.startup_timeout)
+        kwargs.setdefault("security", self.security)
         return distributed.Client(self.scheduler_address, **kwargs)
 
     def workers_info(self) -> dict[str, dict[str, Any]]:
@@ -460,7 +471,10 @@ class LocalElasticCluster:
             self._require_running()
             if self._client is None:
                 self._client = distributed.Client(
-                    self.scheduler_address, timeout=self.startup_timeout, set_as_default=False
+                    self.scheduler_address,
+                    timeout=self.startup_timeout,
+                    set_as_default=False,
+                    security=self.security,
                 )
             return self._client
 
@@ -478,6 +492,36 @@ class LocalElasticCluster:
             self.log_dir = Path(tempfile.mkdtemp(prefix="prefect-elastic-cluster-"))
         (self.log_dir / "scratch").mkdir(exist_ok=True)
         (self.log_dir / "parent_watchdog.py").write_text(_WATCHDOG_SOURCE)
+
+    def _prepare_tls(self) -> None:
+        """Write the certificates the processes are started with (`--tls-*` take files)."""
+        wanted = self._security_wanted
+        if wanted is False:
+            return
+        assert self.log_dir is not None
+        given: Any = Security.temporary() if wanted is True else wanted  # (its tls_* are set at run time)
+        folder = self.log_dir / "tls"
+        folder.mkdir(mode=0o700, exist_ok=True)
+
+        def as_file(value: str | None, name: str, what: str) -> str:
+            if not value:
+                raise ValueError(f"security: the Security given has no {what}; a local cluster needs one")
+            if "-----BEGIN" not in value:
+                return value  # a path already
+            path = folder / name
+            path.write_text(value)
+            path.chmod(0o600)
+            return str(path)
+
+        ca = as_file(given.tls_ca_file, "ca.pem", "tls_ca_file")
+        cert = as_file(given.tls_worker_cert or given.tls_client_cert, "cert.pem", "certificate")
+        key = as_file(given.tls_worker_key or given.tls_client_key, "key.pem", "key")
+        client_cert = as_file(given.tls_client_cert or given.tls_worker_cert, "client.pem", "client cert")
+        client_key = as_file(given.tls_client_key or given.tls_worker_key, "client.key", "client key")
+        self._tls_args = ["--tls-ca-file", ca, "--tls-cert", cert, "--tls-key", key]
+        self.security = Security(
+            tls_ca_file=ca, tls_client_cert=client_cert, tls_client_key=client_key, require_encryption=True
+        )
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -515,7 +559,8 @@ class LocalElasticCluster:
             [
                 "distributed.cli.dask_scheduler",
                 "--host",
-                "127.0.0.1",
+                "tls://127.0.0.1" if self._tls_args else "127.0.0.1",
+                *self._tls_args,
                 "--port",
                 "0",
                 "--no-dashboard",
@@ -578,6 +623,7 @@ class LocalElasticCluster:
             "--no-dashboard",
             "--local-directory",
             str(self.log_dir / "scratch"),
+            *self._tls_args,
         ]
         if self.nanny:
             args += ["--nanny", "--preload-nanny", watchdog]
