@@ -7,6 +7,7 @@
     |   +-- TrainingFailedError   the model raised, or the loss was not finite (names step and batch)
     |   +-- NotEnoughWorkersError fewer than min_workers for longer than min_workers_timeout
     |   +-- DataServerLostError   a static worker holding a data server or the coordinator died
+    |   +-- SchedulerLostError    the Dask scheduler went away; run the job again once one is back
     |   +-- CheckpointMismatchError  the checkpoint belongs to another job or model
     +-- TrainingStopped           the controller was asked to stop; not a failure
     +-- JobConfigError (also ValueError)  an impossible value, before any cluster work
@@ -77,6 +78,16 @@ class NotEnoughWorkersError(FatalError):
 
 class DataServerLostError(FatalError):
     """A data server's static worker died; its shard is gone (standby static workers come later)."""
+
+
+class SchedulerLostError(FatalError):
+    """The Dask scheduler was lost (it died, or its host did): Dask cancels every future of the job, so the
+    controller stops it at once and says where to resume from (`checkpoint`, the last one written); a new
+    run of the job resumes there once a scheduler and workers are back."""
+
+    def __init__(self, message: str, checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
 
 
 class JobConfigError(ElasticError, ValueError):

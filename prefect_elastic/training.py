@@ -36,9 +36,11 @@ from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
 from .errors import (
     DataServerLostError,
+    ElasticError,
     FatalError,
     JobConfigError,
     NotEnoughWorkersError,
+    SchedulerLostError,
     TrainingFailedError,
     TrainingStopped,
 )
@@ -82,6 +84,9 @@ WATCH_WHILE_CALLING_SECONDS = 0.1
 # A worker silent for more than this many of the scheduler's heartbeat intervals (and for more than a
 # liveness interval) is out of the membership: 0.5 s heartbeats on small clusters make it 1.25 s.
 SILENT_HEARTBEATS = 2.5
+# Liveness intervals (at least a second each) without a scheduler connection before the job stops: Dask's
+# client tries to reconnect for 30 s, and a scheduler that restarts on the same address is back sooner.
+SCHEDULER_LOST_INTERVALS = 3
 # Workers lost within this long of the first are one membership change (`survival.wait_for_losses`): the
 # scheduler removes workers killed together a few milliseconds apart.
 LOSS_GROUP_SECONDS = 0.05
@@ -90,6 +95,14 @@ MAX_LOOP_RESTARTS = 5
 # How long the controller waits on a coordinator call between two looks at whether its worker is gone: a
 # call to a worker that died waits for Dask's connect timeout, not for an answer that will never come.
 CALL_SLICE_SECONDS = 0.05
+
+
+class SchedulerGone(Exception):
+    """Inside the controller: no scheduler connection for `seconds`; becomes a `SchedulerLostError`."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no scheduler for {seconds:.1f} s")
+        self.seconds = seconds
 
 
 class CoordinatorLost(DataServerLostError):
@@ -235,6 +248,13 @@ def train(
             try:
                 run.start()
                 return run.finish(run.supervise())
+            except ElasticError:
+                raise
+            except Exception:
+                # (Starting or finishing without a scheduler: Dask cancelled the job's futures.)
+                if client.status == "running":
+                    raise
+                raise run._scheduler_lost(0.0) from None
             finally:
                 run.release()
 
@@ -387,6 +407,8 @@ class TrainingRun:
         self.coordinator_at = ""
         self.standbys: tuple[str, ...] = ()
         self.promotions: list[Promotion] = []
+        self._scheduler_gone_since: float | None = None  # since when the client has had no scheduler
+        self.committed_seen = 0  # the committed steps of the last progress read
         self.warmed: dict[str, Future] = {}  # standbys made ready to take a role (`warm_standby`)
         self._told_lost: set[int] = set()  # data servers the coordinator was told of during a long call
         # The controller's copy of the coordinator's record (ledger, history, events), taken after every
@@ -432,6 +454,60 @@ class TrainingRun:
                 return self._supervise()
             except CoordinatorLost as exc:
                 self._rebuild_coordinator(str(exc))
+            except SchedulerGone as gone:
+                raise self._scheduler_lost(gone.seconds) from None
+            except Exception:
+                # Whatever failed, with the scheduler gone that is why (the client cancels every future,
+                # the compute loops' included, the moment it loses the scheduler).
+                if self._scheduler_up():
+                    raise
+                raise self._scheduler_lost(0.0) from None
+
+    def _scheduler_up(self) -> bool:
+        """Whether the client has its scheduler. When it lost it, Dask cancelled every future of the job
+        (its compute loops, its actors' keys): nothing comes back with the scheduler, so the job stops
+        (`SchedulerGone`) within `SCHEDULER_LOST_INTERVALS` liveness intervals of the first sign."""
+        if self.client.status == "running":
+            self._scheduler_gone_since = None
+            return True
+        now = time.monotonic()
+        if self._scheduler_gone_since is None:
+            self._scheduler_gone_since = now
+            log.warning("job %s: the connection to the Dask scheduler is lost", self.job.job_id)
+        gone = now - self._scheduler_gone_since
+        if self.client.status in ("closing", "closed") or gone >= SCHEDULER_LOST_INTERVALS * max(
+            1.0, self.job.liveness_interval
+        ):
+            raise SchedulerGone(gone)
+        return False
+
+    def _scheduler_lost(self, seconds: float) -> SchedulerLostError:
+        """The error that stops a job without its scheduler, saying where to resume from: the last periodic
+        checkpoint (and, if the client is back already, a last one written now)."""
+        job, step = self.job, self.committed_seen
+        if self.client.status == "running":  # (reached again: the job's futures are gone all the same)
+            timeout = min(job.call_timeout, 10.0)
+            with contextlib.suppress(Exception):
+                step = self._call(self.coordinator.stop("the Dask scheduler was lost"), timeout=timeout)
+            with contextlib.suppress(Exception):
+                self.persistence.write(self.coordinator, self.shards, timeout)
+        # (While the client reconnects, a call to an actor waits for the reconnection, 30 s, and fails: the
+        # last periodic checkpoint is where the next run resumes.)
+        written = self.persistence.last_written
+        where = self.client.scheduler.address if self.client.scheduler is not None else "?"
+        if written:
+            then = f"the last checkpoint is {written}: once a scheduler and workers are back, run the job "
+            then += "again; it resumes there"
+        elif job.checkpoint:
+            then = "no checkpoint was written yet, so a new run starts over"
+        else:
+            then = "the job has no checkpoint, so a new run starts over (set `checkpoint` to resume instead)"
+        return SchedulerLostError(
+            f"job {job.job_id} lost the Dask scheduler at {where} (it died, or its host did"
+            + (f"; no connection for {seconds:.1f} s" if seconds >= 0.1 else "")
+            + f"); training stopped at step {step} of {self.schedule.total_steps}; {then}",
+            checkpoint=written,
+        )
 
     def finish(self, progress: Progress) -> TrainResult:
         """Write the last checkpoint and collect the result; raise what ended a failed or stopped run."""
@@ -587,6 +663,10 @@ class TrainingRun:
         group_since: float | None = None  # when joins that wait for the rest of their group were first seen
         loss_since: float | None = None  # when a loss that waits for the rest of its group was first seen
         while True:
+            if not self._scheduler_up():
+                # Nothing about membership can be learned without it: wait, briefly, for it to come back.
+                time.sleep(min(0.1, job.liveness_interval))
+                continue
             now = time.monotonic()
             triggered = self.worker_event.is_set()
             if not triggered and now >= next_look:
@@ -652,6 +732,7 @@ class TrainingRun:
                 standbys=self.standbys,
             )
             self._publish(progress)
+            self.committed_seen = progress.committed_steps
             if self.on_progress is not None:
                 self.on_progress(progress)
             if progress.state in ("done", "failed"):
@@ -1149,6 +1230,12 @@ class TrainingRun:
 
     def release(self) -> None:
         """Stop loops, drop the actors, unregister the job; safe to call after any failure."""
+        if self.client.status != "running":
+            # The scheduler is gone: it cancelled every future already, and a call to it would wait for
+            # the client's reconnection (30 s) to fail.
+            self.loops.clear()
+            self.actor_futures.clear()
+            return
         with contextlib.suppress(Exception):
             self.client.unsubscribe_topic("all")
         for loop in self.loops.values():
