@@ -5,9 +5,15 @@ snapshot, the ledger up to that snapshot, the loss history, the generation, and 
 and the model. It is written with `torch.save` and read with `torch.load(weights_only=True)` (tensors,
 numbers, strings, lists and dicts only: never plain pickle).
 
-Writes are atomic for a reader: the bytes go to a temporary name that no reader looks at, then move to the
-final name (an atomic rename on a file system, an atomic object creation on an object store). Readers only
-consider final names, newest first. Old checkpoints are pruned to `keep`.
+Writes are atomic for a reader: the bytes go to a temporary name (`.tmp-<random>.pt`) that no reader looks
+at, then move to the final name (`ckpt-<step>.pt`). On a file system the move is a rename, atomic by POSIX.
+On an object store (S3, GCS, ...) there is no rename: the move is a server-side copy to the final key and a
+delete of the temporary one; the store creates an object only when its bytes are complete (one PUT, or a
+multipart upload's completion, or a copy), so a reader of the final key gets all of the checkpoint or no
+object at all, never part of one. A writer that dies between upload and move leaves a temporary object,
+which readers ignore and the next prune removes. Readers only consider final names, newest first, and list
+the folder afresh each time (another process may have written since). Old checkpoints are pruned to `keep`.
+docs/storage.md says the same for users.
 
 Owned by the controller: it decides when to write and what to restore; shards and the coordinator only
 export and import their parts.
@@ -27,6 +33,7 @@ from typing import Any
 import fsspec
 import torch
 
+from .dataset import explain_storage_error, is_object_store
 from .errors import CheckpointMismatchError, FatalError, JobConfigError
 from .job import ElasticJob, StateLayout
 from .ledger import LedgerEntry
@@ -36,6 +43,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+_TEMPORARY = re.compile(r"^\.tmp-[0-9a-f]{32}\.pt$")
 
 
 @dataclass(frozen=True)
@@ -134,41 +142,71 @@ def check_compatible(found: Checkpoint, expected: dict[str, Any], where: str) ->
 
 
 class CheckpointStore:
-    """The checkpoints of one job in one folder (any fsspec URL)."""
+    """The checkpoints of one job in one folder (any fsspec URL; `storage_options` are the keyword
+    arguments its filesystem needs, such as an S3 endpoint: `ElasticJob.storage_for` gives them).
 
-    def __init__(self, url: str, keep: int = 3) -> None:
+    One writer per folder: the job's controller (a second controller of the same job is refused by the
+    coordinator's registry). Readers may be anywhere, at any time.
+    """
+
+    def __init__(self, url: str, keep: int = 3, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
         self.keep = keep
-        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        # s3fs's makedirs creates a missing *bucket*: a typo in the URL would make a bucket instead of
+        # failing. An object store needs no folders anyway (a key prefix is one), so none is made there.
+        self._make_folders = not is_object_store(self.fs)
 
     def check_writable(self) -> None:
         """Fails before training starts if the folder cannot be written."""
         probe = f"{self.root}/.prefect-elastic-probe-{uuid.uuid4().hex}"
         try:
-            self.fs.makedirs(self.root, exist_ok=True)
+            if self._make_folders:
+                self.fs.makedirs(self.root, exist_ok=True)
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm_file(probe)
+        except FileNotFoundError as exc:
+            if not self._make_folders:
+                bucket = self.root.split("/", 1)[0]
+                raise JobConfigError(
+                    "checkpoint",
+                    self.url,
+                    f"cannot write there: its bucket {bucket!r} does not exist ({exc}); fix the URL, or "
+                    "create the bucket (prefect-elastic never creates buckets)",
+                ) from exc
+            raise self._unwritable(exc) from exc
         except Exception as exc:
-            raise JobConfigError(
-                "checkpoint",
-                self.url,
-                f"cannot write there ({type(exc).__name__}: {exc}); give a folder URL this process and the "
-                "flow can write",
-            ) from exc
+            raise self._unwritable(exc) from exc
 
-    def names(self) -> list[str]:
+    def _unwritable(self, exc: Exception) -> JobConfigError:
+        return JobConfigError(
+            "checkpoint",
+            self.url,
+            f"cannot write there: {explain_storage_error(exc, self.storage_options)}; give a folder URL "
+            "this process and the flow can write",
+        )
+
+    def _entries(self) -> list[str]:
+        """The names in the folder as the store has them now (not as this process listed them before)."""
+        # s3fs and others cache listings per process; a checkpoint another process wrote would be missed.
+        self.fs.invalidate_cache(self.root)
         try:
             found = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
             return []
-        names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
-        return sorted(n for n in names if _NAME.match(n))
+        return [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+
+    def names(self) -> list[str]:
+        """The checkpoints in the folder, oldest first (temporaries and other files are not checkpoints)."""
+        return sorted(n for n in self._entries() if _NAME.match(n))
 
     def write(self, checkpoint: Checkpoint) -> str:
         data = checkpoint.to_bytes()
         final = f"{self.root}/ckpt-{checkpoint.committed_steps:09d}.pt"
         temporary = f"{self.root}/.tmp-{uuid.uuid4().hex}.pt"
-        self.fs.makedirs(self.root, exist_ok=True)
+        if self._make_folders:
+            self.fs.makedirs(self.root, exist_ok=True)
         self.fs.pipe_file(temporary, data)
         self.fs.mv(temporary, final)
         self.prune()
@@ -176,7 +214,12 @@ class CheckpointStore:
         return self._url_of(final)
 
     def prune(self) -> None:
-        for name in self.names()[: -self.keep]:
+        """Keep the newest `keep` checkpoints; remove older ones and temporaries that a writer which died
+        before its move left behind (the one writer of this folder is past its own move by now)."""
+        entries = self._entries()
+        checkpoints = sorted(n for n in entries if _NAME.match(n))
+        stale = [n for n in entries if _TEMPORARY.match(n)]
+        for name in [*checkpoints[: -self.keep], *stale]:
             self.fs.rm_file(f"{self.root}/{name}")
 
     def latest(self) -> tuple[Checkpoint, str] | None:
@@ -215,7 +258,11 @@ class Persistence:
         self.layout = layout
         self.initial = initial
         self.expected = fingerprint(job, layout, initial)
-        self.store = CheckpointStore(job.checkpoint, job.checkpoint_keep) if job.checkpoint else None
+        self.store = (
+            CheckpointStore(job.checkpoint, job.checkpoint_keep, job.storage_for(job.checkpoint))
+            if job.checkpoint
+            else None
+        )
         self.resumed: Checkpoint | None = None
         self.resumed_from: str | None = None
         self.last_written: str | None = None

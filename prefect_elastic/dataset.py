@@ -4,6 +4,11 @@ This module owns the on-storage format of a dataset (one `.npz` file, or a direc
 each with arrays `x` and `y` whose first axis is the sample), the cheap up-front inspection of it, the split
 of the global sample range into data-server partitions, and loading one partition. The global sample index
 runs over the shards in sorted file order, so every data server sees the same numbering.
+
+The URL may be of any fsspec filesystem (a local path, `file://`, `s3://`, `gs://`, ...). The keyword
+arguments its filesystem needs (an S3 endpoint, credentials) are given to `inspect_dataset` and travel in
+`DatasetInfo.storage_options` to every data server that loads a partition. `explain_storage_error` turns a
+failed call to a storage server into a sentence that says what to check; the checkpoints use it too.
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ from __future__ import annotations
 import os
 import posixpath
 import zipfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import fsspec
@@ -24,7 +30,9 @@ from prefect_elastic.errors import JobConfigError
 __all__ = [
     "DatasetInfo",
     "digits_dataset",
+    "explain_storage_error",
     "inspect_dataset",
+    "is_object_store",
     "load_partition",
     "partition_bounds",
     "write_npz",
@@ -45,6 +53,8 @@ class DatasetInfo:
     x_dtype: str
     y_shape: tuple[int, ...]
     y_dtype: str
+    # fsspec keyword arguments for opening `files` (e.g. an S3 endpoint): every data server needs them.
+    storage_options: dict[str, Any] = field(default_factory=dict, hash=False, repr=False)
 
     @property
     def total(self) -> int:
@@ -61,6 +71,63 @@ class _Header:
 
 def _fail(url: str, problem: str) -> JobConfigError:
     return JobConfigError(field="dataset", value=url, problem=problem)
+
+
+def explain_storage_error(exc: BaseException, storage_options: Mapping[str, Any]) -> str:
+    """A failed call to a storage server, said so that a user knows what to check.
+
+    A server that cannot be reached (wrong endpoint, server down) and credentials that are refused get
+    their own advice; anything else is shown as it came.
+    """
+    endpoint = _endpoint(storage_options)
+    at = f" at {endpoint}" if endpoint else ""
+    text = f"{type(exc).__name__}: {exc}"
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionError"}:
+        given = f"the endpoint_url {endpoint!r} in storage_options" if endpoint else "the storage server"
+        return f"the storage server{at} cannot be reached ({text}); check {given} and that it is up"
+    if names & {"NoCredentialsError", "PartialCredentialsError"} or isinstance(exc, PermissionError):
+        if "Credentials" in type(exc).__name__:
+            problem = f"this process has no credentials for the storage server{at}"
+        else:
+            problem = f"the storage server{at} refused access"
+        return (
+            f"{problem} ({text}); give credentials that may read and write there (in the environment of "
+            "every process, e.g. AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or as 'key' and 'secret' in "
+            "storage_options)"
+        )
+    return text
+
+
+def _endpoint(storage_options: Mapping[str, Any]) -> str | None:
+    """The S3-style endpoint named in fsspec options, flat or under client_kwargs (s3fs takes both)."""
+    client = storage_options.get("client_kwargs")
+    for source in (storage_options, client if isinstance(client, Mapping) else {}):
+        value = source.get("endpoint_url")
+        if value:
+            return str(value)
+    return None
+
+
+# fsspec protocols of object stores: flat keys in buckets, no directories, no rename (a move is a copy).
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "abfs", "abfss", "az", "adl", "oss"})
+
+
+def is_object_store(fs: Any) -> bool:
+    """Whether `fs` is an object store (S3, GCS, Azure, ...), whose "folders" are only key prefixes."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    return bool(protocols & _OBJECT_STORES)
+
+
+def _missing_bucket(fs: Any, path: str) -> str | None:
+    """The bucket of `path` on an object store when that bucket does not exist; None otherwise."""
+    if not is_object_store(fs) or "/" not in path.strip("/"):
+        return None  # not an object store, or the bucket itself (which `exists` already answered)
+    bucket = path.strip("/").split("/", 1)[0]
+    try:
+        return None if fs.exists(bucket) else bucket
+    except Exception:
+        return None  # no answer about the bucket: say what we know, that the path does not exist
 
 
 def _read_header(member: IO[bytes]) -> _Header:
@@ -128,8 +195,24 @@ def _read_headers(fs: Any, path: str, url: str, shown: str) -> dict[str, _Header
     return headers
 
 
-def _list_files(fs: Any, path: str, url: str) -> list[str]:
+def _list_files(fs: Any, path: str, url: str, storage_options: Mapping[str, Any]) -> list[str]:
+    try:
+        return _find_files(fs, path, url)
+    except JobConfigError:
+        raise
+    except Exception as exc:  # any storage backend's own errors: a network, credential or server failure
+        raise _fail(url, f"cannot be listed: {explain_storage_error(exc, storage_options)}") from exc
+
+
+def _find_files(fs: Any, path: str, url: str) -> list[str]:
     if not fs.exists(path):
+        bucket = _missing_bucket(fs, path)
+        if bucket is not None:
+            raise _fail(
+                url,
+                f"its bucket {bucket!r} does not exist; fix the URL, or create the bucket and put the "
+                "dataset there",
+            )
         raise _fail(
             url,
             "does not exist; give the URL of a .npz file or of a directory of .npz shards "
@@ -149,20 +232,22 @@ def _list_files(fs: Any, path: str, url: str) -> list[str]:
     return [str(entry) for entry in shards]
 
 
-def inspect_dataset(url: str) -> DatasetInfo:
+def inspect_dataset(url: str, storage_options: Mapping[str, Any] | None = None) -> DatasetInfo:
     """Check the dataset at `url` by its npy headers alone and describe it.
 
     Reading only the headers keeps this cheap for a big dataset, so it can run before any cluster work.
+    `storage_options` are the fsspec keyword arguments for `url` (`ElasticJob.storage_for` gives them).
     """
+    options = dict(storage_options or {})
     try:
-        fs, path = url_to_fs(url)
+        fs, path = url_to_fs(url, **options)
     except (ValueError, ImportError) as exc:
         raise _fail(
             url,
             f"cannot be opened with fsspec ({type(exc).__name__}: {exc}); check the protocol "
             "and that its fsspec backend (e.g. s3fs, gcsfs) is installed",
         ) from exc
-    paths = _list_files(fs, path, url)
+    paths = _list_files(fs, path, url, options)
 
     files: list[str] = []
     counts: list[int] = []
@@ -197,6 +282,7 @@ def inspect_dataset(url: str) -> DatasetInfo:
         x_dtype=first["x"].dtype.str,
         y_shape=first["y"].shape[1:],
         y_dtype=first["y"].dtype.str,
+        storage_options=options,
     )
 
 
@@ -244,7 +330,7 @@ def _read_rows(info: DatasetInfo, file_url: str, count: int, first: int, out: np
     expected = info.x_shape if key == "x" else info.y_shape
     try:
         with (
-            fsspec.open(file_url, "rb") as raw,
+            fsspec.open(file_url, "rb", **info.storage_options) as raw,
             zipfile.ZipFile(raw) as archive,
             archive.open(f"{key}.npy") as member,
         ):
@@ -282,11 +368,14 @@ def _read_rows(info: DatasetInfo, file_url: str, count: int, first: int, out: np
         ) from exc
 
 
-def write_npz(url_or_path: str, x: np.ndarray, y: np.ndarray) -> None:
-    """Write one dataset file with arrays `x` and `y` to a path or fsspec URL, creating its directory."""
-    fs, path = url_to_fs(url_or_path)
+def write_npz(
+    url_or_path: str, x: np.ndarray, y: np.ndarray, storage_options: Mapping[str, Any] | None = None
+) -> None:
+    """Write one dataset file with arrays `x` and `y` to a path or fsspec URL, creating its directory (on a
+    file system: on an object store the bucket must exist). `storage_options` go to its filesystem."""
+    fs, path = url_to_fs(url_or_path, **dict(storage_options or {}))
     parent = posixpath.dirname(path)
-    if parent:
+    if parent and not is_object_store(fs):
         fs.makedirs(parent, exist_ok=True)
     with fs.open(path, "wb") as out:
         np.savez(out, x=x, y=y)

@@ -80,7 +80,8 @@ class PrefectReporter:
         update_progress_artifact(self.progress_id, progress=100.0 * fraction)
 
     def event(self, e: MembershipEvent) -> None:
-        if e.kind in ("start", "rollback", "reassign", "waiting", "failed", "shard-lost", "promoted"):
+        table = ("start", "rollback", "reassign", "waiting", "failed", "shard-lost", "promoted", "excluded")
+        if e.kind in table:
             self.rows.append(
                 {
                     "time": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time)),
@@ -111,7 +112,9 @@ class PrefectReporter:
         for worker in e.joined:
             self._emit("worker.joined", e, worker=worker)
         for worker in e.left:
-            self._emit("worker.lost", e, worker=worker)
+            # (An exclusion names the worker whose model failed; the membership change after it, which
+            # takes its share away, reports it as lost.)
+            self._emit("worker.excluded" if e.kind == "excluded" else "worker.lost", e, worker=worker)
         if e.kind in ("snapshot", "rollback", "reassign"):
             self._emit(e.kind.value, e)
         elif e.kind == "shard-lost":
@@ -263,7 +266,8 @@ def supervise(run: TrainingRun) -> Progress:
 def export(run: TrainingRun, progress: Progress, output: str | None) -> tuple[TrainResult, str | None]:
     result = run.finish(progress)
     if output is not None:
-        with fsspec.open(output, "wb") as f:
+        # (The job's storage_options for that URL's protocol: an s3:// output needs its endpoint too.)
+        with fsspec.open(output, "wb", **run.job.storage_for(output)) as f:
             torch.save(result.state_dict, f)
     return result, output
 
@@ -292,6 +296,7 @@ def elastic_training(
     adapt_kwargs: dict[str, Any] | None = None,
     output: str | None = None,
     cluster: Any = None,
+    static_workers: int | None = None,
 ) -> dict[str, Any] | State:
     """Train an `ElasticJob` (or the job in a YAML file) on a Dask cluster.
 
@@ -299,6 +304,11 @@ def elastic_training(
     and `adapt_kwargs`, or nothing for a local cluster of 2 static and 2 elastic worker processes.
     `cluster`: a Dask cluster object made by the caller (in-process runs only; it is not closed here).
     `output`: an fsspec URL where the final `state_dict` is written with `torch.save`.
+    `static_workers`: static workers to add to the `cluster_class` cluster (a dask-jobqueue cluster such
+    as `dask_jobqueue.SLURMCluster`, or any `SpecCluster`): jobs that carry the static resource, kept out
+    of adaptive scaling; `adapt_kwargs`' minimum and maximum then count elastic workers only. Jobs that
+    end (lifetime, walltime, scancel) are replaced. Without a cluster: the local cluster's static workers.
+    See docs/slurm.md.
     """
     prepared = validate_job(job)
     reporter = PrefectReporter(prepared.job, flow_run.id)
@@ -311,11 +321,13 @@ def elastic_training(
         adapt_kwargs,
         cluster=cluster,
         static_resource=prepared.job.static_resource,
+        static_workers=static_workers,
     ) as where:
         _log_connection(where)
         with (
             CancelWatch(flow_run.id) as watch,
-            Client(where.address, set_as_default=False) as client,
+            # (A cluster with TLS, such as LocalElasticCluster(security=True), carries its Security.)
+            Client(where.address, set_as_default=False, security=_security_of(where)) as client,
             client.as_current(),
         ):
             # The reporter updates the UI at most once a second: the idle poll serves it.
@@ -354,6 +366,10 @@ def elastic_training(
         "batches_dropped": result.batches_dropped,
         "events": json.loads(json.dumps([e.__dict__ for e in result.membership_events()], default=str)),
     }
+
+
+def _security_of(where: Connection) -> Any:
+    return getattr(where.cluster, "security", None)
 
 
 def _log_connection(where: Connection) -> None:

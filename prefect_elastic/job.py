@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Self, cast
 
+import fsspec
 import numpy as np
 import pydantic
 import torch
@@ -125,6 +126,11 @@ class ElasticJob(BaseModel):
     checkpoint: str | None = None  # fsspec URL of a folder for persistent checkpoints; None: none
     checkpoint_every: int = 10  # snapshots between two checkpoints (one is always written at the end)
     checkpoint_keep: int = 3  # checkpoints kept; older ones are pruned
+    # fsspec options by protocol for `dataset` and `checkpoint`, in the shape of fsspec's own configuration:
+    # {"s3": {"endpoint_url": "http://minio:9000"}}. They travel with the job to every process that opens
+    # the storage (the controller, the data servers on static workers). Secrets are better left to the
+    # environment of those processes (docs/storage.md): the job is logged and shown as flow parameters.
+    storage_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # Copy every data server's snapshots to the next data server's memory, so a standby static worker can
     # take a lost data server's role (seed 001). Off: less memory on static workers, and a lost data
     # server ends the job (unless nothing was trained since the start).
@@ -244,6 +250,29 @@ class ElasticJob(BaseModel):
                 "must be the fsspec URL of a .npz file or of a directory of .npz shards, "
                 "e.g. file:///data/train.npz or s3://bucket/train/"
             )
+        return value
+
+    @field_validator("storage_options", mode="before")
+    @classmethod
+    def _storage_by_protocol(cls, value: Any) -> Any:
+        # Before pydantic's own check, whose "Input should be a valid dictionary" would not say that the
+        # options go under a protocol, which is the usual mistake.
+        example = "e.g. {'s3': {'endpoint_url': 'http://127.0.0.1:9000'}}"
+        if not isinstance(value, dict):
+            raise ValueError(f"must map each protocol to its fsspec options, {example}")
+        known = set(fsspec.available_protocols())
+        for protocol, options in value.items():
+            if not isinstance(options, dict):
+                raise ValueError(
+                    f"maps {protocol!r} to {options!r:.60}, not to a mapping of options; the options go "
+                    f"under the protocol of the URLs they are for, {example}"
+                )
+            if protocol not in known:
+                raise ValueError(
+                    f"{protocol!r} is not a protocol fsspec knows (the part of a URL before '://', such as "
+                    f"'s3', 'gs', 'file'); the options go under the protocol of the URLs they are for, "
+                    f"{example}"
+                )
         return value
 
     @field_validator("model", mode="after")
@@ -367,6 +396,14 @@ class ElasticJob(BaseModel):
             )
         return module
 
+    def storage_for(self, url: str) -> dict[str, Any]:
+        """The fsspec keyword arguments for opening `url`: `storage_options` of its protocol, or all of
+        them, keyed by protocol, for a chained URL (`simplecache::s3://...`, which fsspec splits itself)."""
+        if "::" in url:
+            return {protocol: dict(options) for protocol, options in self.storage_options.items()}
+        protocol, _ = fsspec.core.split_protocol(url)
+        return dict(self.storage_options.get(protocol or "file", {}))
+
     def fingerprint_fields(self) -> dict[str, Any]:
         """The fields that decide the trained parameters: a checkpoint only resumes a job that agrees on
         all of them. (Workers, timeouts, the policy and the job id do not change the result.)"""
@@ -411,7 +448,7 @@ class ElasticJob(BaseModel):
         loss takes the dataset's targets (from the npy header of `y`)."""
         self.make_model()
         self.loss_fn()
-        info = inspect_dataset(self.dataset)
+        info = inspect_dataset(self.dataset, self.storage_for(self.dataset))
         _check_targets(self.loss, info)
         smallest = min(
             stop - start

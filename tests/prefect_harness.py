@@ -1,4 +1,30 @@
-"""The Prefect server fixture: one real `prefect server start` (SQLite, UI on) for the test session."""
+"""The Prefect server fixtures: real `prefect server start` processes for the test session.
+
+- `prefect_server`: one server on SQLite (UI on), shared by every Prefect test.
+- `prefect_server_db`: the same tests' server on each database Prefect supports, `sqlite` (the shared
+  server above) and `postgres` (a second server on a throwaway PostgreSQL, `LocalPostgres`).
+
+Which tests take `prefect_server_db`, and why only those: a Prefect server on PostgreSQL is a second
+server process (most of a core while it is up) plus migrations on a fresh database, and every test run on
+it is one more training run, so doubling all the Prefect tests would cost minutes for little. What the
+database changes is the server's own SQL: flow-run and task-run state orchestration, artifacts, events
+(the event persister's bulk inserts), work pools, deployments and the scheduler's bulk DML (the part that
+broke with SQLAlchemy 2.1). Two tests cover all of that, so they run on both databases:
+
+- `test_flow.py::test_flow_run_with_a_worker_killed_and_one_added`: a whole flow run that trains a job
+  through a membership change, then reads its task runs, artifacts (progress, membership table, summary)
+  and events (joined, lost, rollback, each related to the flow run) back over the REST API;
+- `test_deploy.py::test_deploy_creates_scheduled_deployment`: a work pool, `prefect deploy`, the
+  deployment and its cron schedule read back, and flow runs the server's scheduler created.
+
+The other Prefect tests (cancellation, resume after a SIGKILL, retries, the UI, connect) exercise the
+flow's and the engine's behaviour, which no database choice changes; they stay on SQLite.
+
+`prefect_server_db` is function-scoped (the modules that use it import it): the PostgreSQL server and its
+Prefect server are up only during the one test of each module that asks for them, instead of taking CPU
+from every test after it, for the price of one start (about 15 s) per such test. A module that wants
+more tests on PostgreSQL should make its own module-scoped fixture rather than pay that per test.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +32,37 @@ from collections.abc import Iterator
 
 import pytest
 
+from prefect_elastic.local.postgres import LocalPostgres
 from prefect_elastic.local.prefect_server import PrefectServer, free_port
 
-__all__ = ["PrefectServer", "free_port", "prefect_server"]
+__all__ = ["PrefectServer", "free_port", "prefect_server", "prefect_server_db"]
 
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     with PrefectServer(tmp_path_factory.mktemp("prefect-home")) as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def prefect_server_db(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    prefect_server: PrefectServer,
+) -> Iterator[PrefectServer]:
+    """A Prefect server on SQLite (the shared `prefect_server`) or on a fresh PostgreSQL.
+
+    It names `prefect_server` as an argument even for PostgreSQL so that conftest's ordering (Prefect
+    tests last) sees these tests as Prefect tests; that server is up for the session anyway. The
+    PostgreSQL one has no UI: no test looks at it there.
+    """
+    if request.param == "sqlite":
+        yield prefect_server
+        return
+    with (
+        LocalPostgres() as postgres,
+        PrefectServer(
+            tmp_path_factory.mktemp("prefect-home-postgres"), ui=False, database_url=postgres.url
+        ) as server,
+    ):
         yield server

@@ -89,6 +89,21 @@ def test_checkpoints_on_an_object_store_like_filesystem(digits_url: str) -> None
     assert found is not None and found[0].committed_steps == 6 and found[1].startswith("memory://")
 
 
+def test_a_dead_writers_temporary_is_ignored_then_pruned(digits_url: str, tmp_path: Path) -> None:
+    """A writer killed between its upload and its move leaves `.tmp-<hex>.pt` (here: half a checkpoint):
+    readers never look at it, and the next write's prune removes it (tests/test_s3.py does this on S3)."""
+    j = checkpointed_job(digits_url, tmp_path)
+    store = CheckpointStore(str(j.checkpoint), keep=2)
+    store.write(sample(j, 2))
+    whole = sample(j, 8).to_bytes()
+    (tmp_path / "ckpt" / f".tmp-{'ab' * 16}.pt").write_bytes(whole[: len(whole) // 2])
+    assert store.names() == ["ckpt-000000002.pt"]
+    found = store.latest()
+    assert found is not None and found[0].committed_steps == 2
+    store.write(sample(j, 3))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-000000002.pt", "ckpt-000000003.pt"]
+
+
 def test_a_pickle_is_never_loaded(digits_url: str, tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     folder.mkdir()

@@ -128,3 +128,42 @@ def test_keep_static_workers_offers_only_elastic_workers_for_scale_down() -> Non
     static, elastic, zero = WorkerState({"static": 1}), WorkerState({}), WorkerState({"static": 0})
     plugin = KeepStaticWorkers()
     assert plugin.valid_workers_downscaling(None, [static, elastic, zero]) == [elastic, zero]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True])
+def test_static_workers_must_be_a_whole_number(bad: object) -> None:
+    with pytest.raises(JobConfigError, match=r"static_workers=.*whole number"), connect(static_workers=bad):  # type: ignore[arg-type]
+        pass
+
+
+def test_static_workers_need_a_cluster_class() -> None:
+    with (
+        pytest.raises(JobConfigError, match=r"static_workers=2: a running scheduler"),
+        connect("tcp://127.0.0.1:9", static_workers=2),
+    ):
+        pass
+    with (
+        pytest.raises(JobConfigError, match=r"static_workers=1: a cluster object"),
+        connect(cluster=object(), static_workers=1),
+    ):
+        pass
+
+
+def test_static_worker_template_carries_the_resource_and_no_lifetime() -> None:
+    from prefect_elastic.connect import StaticWorkers
+
+    class JobQueueLike:
+        job_cls = type("SLURMJob", (), {"default_config_name": staticmethod(lambda: "slurm")})
+        worker_spec: dict[str, Any] = {}
+        new_spec = {
+            "cls": object,
+            "options": {
+                "worker_extra_args": ["--lifetime", "55m", "--lifetime-stagger=4m", "--resources", "GPU=1"]
+            },
+        }
+
+    static = StaticWorkers(JobQueueLike(), "static")
+    assert static.template["options"]["worker_extra_args"] == ["--resources", "GPU=1 static=1"]
+    assert static.template["options"]["job_name"] == "dask-worker-static"
+    with pytest.raises(JobConfigError, match=r"static_workers=.*SpecCluster"):
+        StaticWorkers(object())

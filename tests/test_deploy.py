@@ -1,6 +1,7 @@
 """`flows/prefect.yaml` deploys against a real `prefect server start`: the work pool is created and
 `prefect deploy` runs as a user would (subprocesses, cwd = repository root); the deployment, its
-parameters and its cron schedule are read back over the REST API, and the server schedules flow runs."""
+parameters and its cron schedule are read back over the REST API, and the server schedules flow runs. The
+deployment test runs on SQLite and on PostgreSQL (`prefect_server_db`, see tests/prefect_harness.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ import pytest
 
 from prefect_elastic import ElasticJob
 
+from . import prefect_harness
 from .prefect_harness import PrefectServer
+
+# The Prefect server on SQLite and on PostgreSQL (tests/prefect_harness.py says for which tests, and why).
+prefect_server_db = prefect_harness.prefect_server_db
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,14 +47,15 @@ def test_example_job_is_valid() -> None:
     assert job.dataset == "file:///tmp/prefect-elastic/digits"
 
 
-def test_deploy_creates_scheduled_deployment(prefect_server: PrefectServer) -> None:
-    created = prefect(prefect_server, "work-pool", "create", POOL, "--type", "process", "--overwrite")
+def test_deploy_creates_scheduled_deployment(prefect_server_db: PrefectServer) -> None:
+    server = prefect_server_db
+    created = prefect(server, "work-pool", "create", POOL, "--type", "process", "--overwrite")
     assert created.returncode == 0, created.stdout + created.stderr
 
-    deployed = prefect(prefect_server, "deploy", "--all", "--prefect-file", "flows/prefect.yaml")
+    deployed = prefect(server, "deploy", "--all", "--prefect-file", "flows/prefect.yaml")
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
 
-    with httpx.Client(base_url=prefect_server.api_url, timeout=30, trust_env=False) as api:
+    with httpx.Client(base_url=server.api_url, timeout=30, trust_env=False) as api:
         response = api.get(f"/deployments/name/{FLOW}/{DEPLOYMENT}")
         assert response.status_code == 200, response.text
         deployment = response.json()

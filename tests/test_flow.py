@@ -1,6 +1,7 @@
-"""The Prefect flow against a real `prefect server start` (SQLite): phases as tasks, artifacts and events
-read back over the REST API, cancellation with a final checkpoint. The flow runs in its own process, as
-it would under a deployment."""
+"""The Prefect flow against a real `prefect server start`: phases as tasks, artifacts and events read back
+over the REST API, cancellation with a final checkpoint. The flow runs in its own process, as it would
+under a deployment. The first test runs on SQLite and on PostgreSQL (`prefect_server_db`; why that one:
+tests/prefect_harness.py), the others on SQLite."""
 
 from __future__ import annotations
 
@@ -23,9 +24,13 @@ from prefect_elastic import ElasticJob
 from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.local.cluster import LocalElasticCluster
 
+from . import prefect_harness
 from .conftest import References, assert_same_state, held_training, make_job, top_up
 from .models import FAIL_ONCE, GATE
 from .prefect_harness import PrefectServer
+
+# The Prefect server on SQLite and on PostgreSQL (tests/prefect_harness.py says for which tests, and why).
+prefect_server_db = prefect_harness.prefect_server_db
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -138,12 +143,12 @@ def checkpointed_job(digits_url: str, model: str, tmp_path: Path) -> tuple[Elast
 
 
 def test_flow_run_with_a_worker_killed_and_one_added(
-    prefect_server: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
+    prefect_server_db: PrefectServer, cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
 ) -> None:
     top_up(cluster, 2)
     GATE.touch()  # training waits at its first step until the membership changes below are recorded
     try:
-        run = FlowRun(prefect_server, flow_job(digits_url), cluster.scheduler_address, tmp_path)
+        run = FlowRun(prefect_server_db, flow_job(digits_url), cluster.scheduler_address, tmp_path)
         first = wait_for(
             "both workers to join",
             lambda: len(workers_in(run.events(), "prefect-elastic.worker.joined")) >= 2,
@@ -249,7 +254,11 @@ def test_flow_run_retried_by_prefect_resumes_from_the_checkpoint(
     digits_url: str,
     tmp_path: Path,
 ) -> None:
-    top_up(cluster, 2)
+    # One compute worker: its model's failure excludes the only member, so the job fails and Prefect
+    # retries the run (with two, the other worker would train the batch and the run would go on).
+    top_up(cluster, 1)
+    for name in cluster.worker_names(static=False)[1:]:
+        cluster.retire_worker(name)
     job, store = checkpointed_job(digits_url, "tests.models:held_mlp", tmp_path)
     FAIL_ONCE.unlink(missing_ok=True)
     try:

@@ -2,11 +2,15 @@
 their jobs before they take them to a real cluster.
 
 - `cluster.LocalElasticCluster`: a Dask scheduler with static and elastic worker processes on 127.0.0.1,
-  which can add, kill (SIGKILL, SIGSTOP, with or without the nanny restarting) and retire workers;
+  which can add, kill (SIGKILL, SIGSTOP, with or without the nanny restarting) and retire workers, with
+  TLS between all of them if asked (`security=True`);
 - `faults.FaultSchedule`: such actions at given steps of a training run (`train(..., faults=...)`);
 - `push_faults.KillBetweenPushes`: a worker plugin that SIGKILLs a worker after its push to one shard and
   before its push to the next (the one fault no outside signal can place);
-- `prefect_server.PrefectServer`: a local `prefect server start` (SQLite, its own PREFECT_HOME);
+- `prefect_server.PrefectServer`: a local `prefect server start` (SQLite or PostgreSQL, its own
+  PREFECT_HOME); `postgres.LocalPostgres`: a throwaway PostgreSQL server for it;
+- `slurm.LocalSlurm`: a real SLURM controller with two nodes on 127.0.0.1, for the SLURM tests;
+- `slow`: a straggler (a worker slowed by a factor) and slowed shards, for async mode's tests;
 - `demo`: the README's demo (`prefect-elastic demo`);
 - `processes`: starting and stopping the process groups the others run.
 

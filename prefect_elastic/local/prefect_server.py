@@ -1,4 +1,5 @@
-"""A local Prefect API server: `prefect server start` on 127.0.0.1, SQLite, its own PREFECT_HOME.
+"""A local Prefect API server: `prefect server start` on 127.0.0.1, SQLite or PostgreSQL, its own
+PREFECT_HOME.
 
 Used by the demo when no Prefect API is configured, and by the tests (which must run against a real server).
 
@@ -10,6 +11,10 @@ the whole process group (SIGTERM, then SIGKILL) so no uvicorn or service process
 Client processes get the server through `server.env()` (merge it into a subprocess environment); code in
 the test process itself uses `with server.settings(): ...` (Prefect reads its settings once at import, so
 changing `os.environ` afterwards does not reach it).
+
+The database is SQLite in PREFECT_HOME unless `database_url` names another one: a
+`postgresql+asyncpg://user:password@host:port/database` URL (`postgres.LocalPostgres().url` gives one
+for a throwaway local server). Prefect creates its tables there when the server starts.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ _COMMON_ENV = {
     "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
 }
 
+# The SQLAlchemy drivers Prefect's server runs on (it needs an async one).
+_DATABASE_SCHEMES = ("sqlite+aiosqlite://", "postgresql+asyncpg://")
+
 # Server-only settings: write received events to the database quickly (default flush interval is 5 s),
 # so tests that read events back over the REST API wait less.
 _SERVER_ENV = {
@@ -69,8 +77,29 @@ def _clean_environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
 
 
+def check_database_url(url: str) -> str:
+    """`url` if Prefect's server can use it, else a ValueError that names it and says what to give."""
+    if not url.startswith(_DATABASE_SCHEMES):
+        raise ValueError(
+            f"database_url {_shown(url)!r} is not a database Prefect's server can use; give "
+            "postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DATABASE (PostgreSQL through asyncpg) or "
+            "sqlite+aiosqlite:///PATH (SQLite), or leave it out for SQLite in PREFECT_HOME"
+        )
+    return url
+
+
+def _shown(url: str) -> str:
+    """`url` with its password, if any, replaced by ***: for messages and logs."""
+    scheme, sep, rest = url.partition("://")
+    credentials, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in credentials:
+        return url
+    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}"
+
+
 class PrefectServer:
-    """`prefect server start` on 127.0.0.1:<port> with SQLite in `home`; use as a context manager."""
+    """`prefect server start` on 127.0.0.1:<port> with SQLite in `home`, or the database at
+    `database_url`; use as a context manager."""
 
     def __init__(
         self,
@@ -80,7 +109,9 @@ class PrefectServer:
         ui: bool = True,
         startup_timeout: float = 120.0,
         extra_env: dict[str, str] | None = None,
+        database_url: str | None = None,
     ) -> None:
+        self._database_url = check_database_url(database_url) if database_url is not None else None
         self._own_home = home is None
         self.home = Path(home) if home is not None else Path(tempfile.mkdtemp(prefix="prefect-home-"))
         self.port = port if port is not None else free_port()
@@ -105,7 +136,14 @@ class PrefectServer:
 
     @property
     def database_url(self) -> str:
+        if self._database_url is not None:
+            return self._database_url
         return f"sqlite+aiosqlite:///{self.home / 'prefect.db'}"
+
+    @property
+    def database(self) -> str:
+        """Which database the server runs on, without its password: for test ids and messages."""
+        return _shown(self.database_url)
 
     def env(self) -> dict[str, str]:
         """The PREFECT_* variables a client process needs (merge into `os.environ` copies)."""
@@ -210,8 +248,8 @@ class PrefectServer:
                 code = self._proc.poll()
                 if code is not None:
                     raise RuntimeError(
-                        f"prefect server exited with code {code} before answering {self.api_url}/health\n"
-                        + self.log_tail()
+                        f"prefect server (database {self.database}) exited with code {code} before answering "
+                        f"{self.api_url}/health\n" + self.log_tail()
                     )
                 try:
                     response = http.get(f"{self.api_url}/health")
@@ -222,8 +260,8 @@ class PrefectServer:
                     last_error = repr(exc)
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"prefect server did not answer {self.api_url}/health within "
-                        f"{self.startup_timeout:.0f} s (last: {last_error})\n" + self.log_tail()
+                        f"prefect server (database {self.database}) did not answer {self.api_url}/health "
+                        f"within {self.startup_timeout:.0f} s (last: {last_error})\n" + self.log_tail()
                     )
                 time.sleep(0.2)
 
