@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs the linters, the type checker and the whole test suite (real Dask
-# processes, a real Prefect server, headless Chromium; about 6 minutes on 2 cores).
+# processes, a real Prefect server on SQLite and on PostgreSQL, headless Chromium, a real SLURM cluster, a
+# real S3 server; under 20 minutes on 2 cores). The docker-compose test (marker `compose`) builds an image and
+# runs from .ci/run after this; `bash scripts/test.sh -m compose` runs it alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install-browser.sh  # headless Chromium for the Prefect UI test
+# The services the tests start themselves: SLURM (a controller and two nodes on 127.0.0.1) and PostgreSQL
+# (a Prefect server on it), from Debian's packages.
+bash scripts/install-slurm.sh
+bash scripts/apt-install.sh postgresql-15
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
