@@ -366,6 +366,36 @@ def check_static_workers(static_workers: Any, address: str | None, cluster: Any)
     return static_workers
 
 
+# How a worker that left gracefully is told apart from one that was lost: the stimulus of its removal.
+# `Scheduler.retire_workers` (a client's retire, adaptive scale-down) and `Worker.close_gracefully` (a
+# lifetime that ended) name theirs so.
+GRACEFUL_STIMULI = ("retire-workers", "worker-close-gracefully")
+GRACEFUL_MEMORY_SECONDS = 600.0
+
+
+class GracefulLeaves(SchedulerPlugin):
+    """Scheduler plugin: remembers for a while the workers that left gracefully (retired), as opposed to
+    lost (killed, crashed, cut off), so that the controller hands their share back without a rollback."""
+
+    name = "prefect-elastic-graceful-leaves"
+
+    def __init__(self) -> None:
+        self.left: dict[str, float] = {}
+
+    def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str = "", **kwargs: Any) -> None:
+        now = time.time()
+        for old in [w for w, at in self.left.items() if now - at > GRACEFUL_MEMORY_SECONDS]:
+            del self.left[old]
+        if stimulus_id.startswith(GRACEFUL_STIMULI):
+            self.left[worker] = now
+
+
+def graceful_leaves(scheduler: Any) -> set[str]:
+    """On the scheduler: the workers `GracefulLeaves` saw leave gracefully lately."""
+    plugin = scheduler.plugins.get(GracefulLeaves.name)
+    return set(plugin.left) if isinstance(plugin, GracefulLeaves) else set()
+
+
 @dataclass
 class Connection:
     """Where the job runs: the scheduler address, and the cluster object when this process made it."""

@@ -40,7 +40,7 @@ from .messages import (
     ShardStatus,
 )
 from .schedule import Schedule
-from .survival import Action, Decision, Policy, survival_check
+from .survival import Action, Decision, Policy, spare_graceful_leaves, survival_check
 
 log = logging.getLogger(__name__)
 
@@ -280,20 +280,27 @@ class Coordinator:
     # -- survival detection ----------------------------------------------------------------------
 
     async def survival_check(
-        self, live_workers: Iterable[str], trigger: str = "interval", renew: bool = False
+        self,
+        live_workers: Iterable[str],
+        trigger: str = "interval",
+        renew: bool = False,
+        graceful: Iterable[str] | None = None,
     ) -> list[MembershipEvent]:
         """Decide and carry out survival detection; returns the events recorded since the last call.
 
         Training stops only when the membership changed (or `renew`: a member's compute loop was
         restarted and must start from a fence): the shards are fenced into a new generation, brought to
         one version, and the new members get their roles. Otherwise a snapshot is asked for, which the
-        shards take between two steps without stopping.
+        shards take between two steps without stopping. Workers in `graceful` left gracefully (retired): a
+        change made only of them is not rolled back (`survival.spare_graceful_leaves`).
         """
-        await self._survive(frozenset(live_workers), trigger, renew)
+        await self._survive(frozenset(live_workers), trigger, renew, frozenset(graceful or ()))
         events, self._unreported = self._unreported, []
         return events
 
-    async def _survive(self, live: frozenset[str], trigger: str, renew: bool = False) -> None:
+    async def _survive(
+        self, live: frozenset[str], trigger: str, renew: bool = False, graceful: frozenset[str] = frozenset()
+    ) -> None:
         began = time.time()
         lock, _ = self._primitives()
         lost: ShardUnreachable | None = None
@@ -302,7 +309,7 @@ class Coordinator:
                 # While a data server is lost nothing is decided: the promotion of a standby comes first,
                 # and the check after it sees whatever changed meanwhile.
                 if not self._state.finished and not self._state.lost:
-                    await self._check(live, trigger, renew, began)
+                    await self._check(live, trigger, renew, began, graceful)
         except ShardUnreachable as exc:
             lost = exc
         except Exception as exc:
@@ -456,7 +463,14 @@ class Coordinator:
                 self._gone.setdefault(other.index, asyncio.Event()).set()
                 self._take(state.lose_shard(other.index, generation, str(other), time.time()))
 
-    async def _check(self, live: frozenset[str], trigger: str, renew: bool, began: float) -> None:
+    async def _check(
+        self,
+        live: frozenset[str],
+        trigger: str,
+        renew: bool,
+        began: float,
+        graceful: frozenset[str] = frozenset(),
+    ) -> None:
         state = self._state
         live = frozenset(w for w in live if w not in state.excluded)  # (their model failed: not members)
         since = state.since()
@@ -465,7 +479,7 @@ class Coordinator:
             self._take(state.absorb(status))
         if state.finished:
             return
-        decision = survival_check(state.survival_state(), live, time.time())
+        decision = spare_graceful_leaves(survival_check(state.survival_state(), live, time.time()), graceful)
         if renew and decision.action in (Action.SNAPSHOT, Action.NOTHING) and decision.resume:
             # Same members, but a member's compute loop starts over: a loop that died may have pushed to
             # one shard and not to another, so it gets a clean start in a new generation.

@@ -10,11 +10,14 @@ sequence of events can be unit-tested.
   (`reassign`). When there were no members before (the job starts, or it waited with none), nothing was in
   flight: the workers are admitted (`start`) and nothing is undone.
 - Fewer live workers than `min_workers`: no work is handed out; after `min_workers_timeout` the job fails.
+- A change made only of graceful leaves (workers retired: a lifetime or walltime that ended, an adaptive
+  scale-down, `retire_workers`) hands their share back without a rollback, whatever the policy
+  (`spare_graceful_leaves`): nothing they did was lost.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
 
@@ -132,3 +135,18 @@ def wait_for_losses(
     the wait each would make a generation of its own (and under `rollback`, a rollback each). Nothing is
     lost by the wait: the step in flight cannot commit without the lost members' share anyway."""
     return bool(set(known) - set(live)) and waited < window
+
+
+def spare_graceful_leaves(decision: Decision, graceful: frozenset[str]) -> Decision:
+    """A rollback whose only change is workers that left gracefully becomes a reassign: their last step
+    is whole or not made, so only the step in flight is trained again. A join in the same change keeps the
+    policy's rollback."""
+    if decision.action is not Action.ROLLBACK or decision.joined or not decision.left:
+        return decision
+    if not decision.left <= graceful:
+        return decision
+    return replace(
+        decision,
+        action=Action.REASSIGN,
+        reason=f"{decision.reason}; they left gracefully, so nothing is rolled back",
+    )

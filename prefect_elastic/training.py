@@ -30,7 +30,7 @@ from distributed.security import Security
 from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
 from .compute_async import MIN_LEASE
-from .connect import is_static_worker
+from .connect import GracefulLeaves, is_static_worker
 from .coordinator import Coordinator
 from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
@@ -310,6 +310,7 @@ class WorkersView:
     listed: set[str]  # elastic workers the scheduler lists (a frozen one stays listed)
     static: tuple[str, ...] = ()  # static workers that run, in the order roles are placed on them
     pending: int = 0  # workers the cluster object started that the scheduler does not list yet
+    graceful: frozenset[str] = frozenset()  # workers that left gracefully lately (retired, not lost)
 
 
 def standbys(static: tuple[str, ...] | list[str], placement: list[str]) -> tuple[str, ...]:
@@ -319,16 +320,19 @@ def standbys(static: tuple[str, ...] | list[str], placement: list[str]) -> tuple
     return tuple(w for w in static if w not in placement)
 
 
-def _scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) -> list[dict[str, Any]]:
+def _scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) -> dict[str, Any]:
     """Runs on the scheduler: each worker's address, name, resources, status, and how long it has been
     silent (seconds since its last heartbeat, by the scheduler's clock) against the longest silence
-    allowed at the heartbeat interval the scheduler asks of workers now."""
+    allowed at the heartbeat interval the scheduler asks of workers now; and the workers that left
+    gracefully lately (`GracefulLeaves`)."""
     from distributed.scheduler import heartbeat_interval
     from distributed.utils import time as now
 
+    from prefect_elastic.connect import graceful_leaves
+
     limit = silent_heartbeats * heartbeat_interval(len(dask_scheduler.workers))
     t = now()
-    return [
+    rows = [
         {
             "address": ws.address,
             "name": ws.name,
@@ -339,6 +343,11 @@ def _scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) ->
         }
         for ws in dask_scheduler.workers.values()
     ]
+    return {"workers": rows, "graceful": sorted(graceful_leaves(dask_scheduler))}
+
+
+def _has_plugin(dask_scheduler: Any, name: str) -> bool:
+    return name in dask_scheduler.plugins
 
 
 def _async_snapshot_every(job: ElasticJob) -> int:
@@ -564,6 +573,9 @@ class TrainingRun:
         # Roles register under the job id (seed 003): a second live controller of the same job would
         # train the same batches twice, so it is refused; a key left by a controller that died is taken
         # over. Check and set run in one function on the scheduler, so two controllers cannot both pass.
+        # Tells a retired worker from a lost one (a graceful leave is not rolled back); kept if registered.
+        if not self.client.run_on_scheduler(_has_plugin, name=GracefulLeaves.name):
+            self.client.register_plugin(GracefulLeaves(), name=GracefulLeaves.name)
         holder = claim_job(self.client, self.job.job_id, self.run_id)
         if holder is not None:
             raise FatalError(
@@ -575,8 +587,8 @@ class TrainingRun:
     def _static_workers(self) -> list[str]:
         # Read on the scheduler, not from `Client.scheduler_info()`: the client's periodic refresh of that
         # cache (which carries no workers) can land between its fetch and its return.
-        rows = self.client.run_on_scheduler(_scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
-        static = [r for r in rows if is_static_worker(r, self.job.static_resource)]
+        view = self.client.run_on_scheduler(_scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        static = [r for r in view["workers"] if is_static_worker(r, self.job.static_resource)]
         if not static:
             raise FatalError(
                 f"no static workers on the cluster: start some with "
@@ -706,7 +718,7 @@ class TrainingRun:
                 # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
                 events: list[MembershipEvent] = self._call(
                     self.coordinator.survival_check(
-                        view.live, "worker event" if triggered else "interval", renew
+                        view.live, "worker event" if triggered else "interval", renew, sorted(view.graceful)
                     ),
                     timeout=3 * job.call_timeout,
                 )
@@ -1138,7 +1150,8 @@ class TrainingRun:
         whether one is still starting, and every one the scheduler still lists (a frozen worker stays
         listed until its worker-ttl, minutes later)."""
         silent_after = max(self.job.liveness_interval, 0.0)
-        rows = self.client.run_on_scheduler(_scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        view = self.client.run_on_scheduler(_scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        rows = view["workers"]
         elastic = [r for r in rows if not is_static_worker(r, self.job.static_resource)]
         live = sorted(
             r["address"]
@@ -1161,6 +1174,7 @@ class TrainingRun:
             pending=pending,
             listed={r["address"] for r in elastic},
             static=tuple(r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))),
+            graceful=frozenset(view["graceful"]),
         )
 
     def _loops_to_restart(self, live: list[str]) -> bool:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from prefect_elastic.survival import Action, Decision, SurvivalState, survival_check
+from prefect_elastic.survival import Action, Decision, SurvivalState, spare_graceful_leaves, survival_check
 
 
 def state(**overrides: object) -> SurvivalState:
@@ -145,3 +145,19 @@ def test_losses_wait_a_moment_for_the_rest_of_their_group() -> None:
     assert not wait_for_losses({"a"}, {"a", "b"}, waited=0.0, window=0.05), "joins are not losses"
     assert wait_for_losses({"a", "b"}, {"a", "c"}, waited=0.0, window=0.05), "a loss beside a join"
     assert not wait_for_losses({"a"}, {"a"}, waited=0.0, window=0.05), "no change"
+
+
+def test_a_change_made_only_of_graceful_leaves_is_not_rolled_back() -> None:
+    rollback = survival_check(state(), {"a"}, now=100.0)
+    assert rollback.action is Action.ROLLBACK and rollback.left == frozenset({"b"})
+    spared = spare_graceful_leaves(rollback, frozenset({"b"}))
+    assert spared.action is Action.REASSIGN and "gracefully" in spared.reason
+    assert (spared.generation, spared.workers) == (rollback.generation, rollback.workers)
+    # A loss among the leaves, or a join in the same change, keeps the policy's rollback.
+    both = survival_check(state(workers=frozenset({"a", "b", "c"})), {"a"}, now=100.0)
+    assert spare_graceful_leaves(both, frozenset({"b"})).action is Action.ROLLBACK
+    swap = survival_check(state(), {"a", "c"}, now=100.0)
+    assert spare_graceful_leaves(swap, frozenset({"b"})).action is Action.ROLLBACK
+    # Under reassign there is nothing to spare.
+    reassign = survival_check(state(policy="reassign"), {"a"}, now=100.0)
+    assert spare_graceful_leaves(reassign, frozenset({"b"})) == reassign
