@@ -82,6 +82,7 @@ def test_longest_gap_counts_the_gap_the_freeze_falls_in() -> None:
 
 
 @pytest.mark.cluster
+@pytest.mark.heavy  # (about 5 minutes: .ci/run runs it after the main suite)
 @pytest.mark.timeout(900)
 def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     raw = tmp_path / "results.json"

@@ -40,7 +40,8 @@ from .conftest import References, assert_ledger_exactly_once, assert_same_state,
 from .models import GATE, HOLD
 from .prefect_harness import PrefectServer
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+# (A SLURM controller and two nodes, then real jobs: .ci/run runs these after the main suite.)
+pytestmark = [pytest.mark.cluster, pytest.mark.heavy, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "slurm"
