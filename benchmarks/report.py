@@ -142,6 +142,29 @@ def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def tls_rows(r: Results) -> list[tuple[str, str, str, str]]:
+    """What TLS on every connection costs (issue 13: reported)."""
+    rows: list[tuple[str, str, str, str]] = []
+    for workload, cost in (r.get("tls") or {}).items():
+        if not cost:
+            continue
+        pairs = cost["pairs"]
+        rows.append(
+            (
+                f"cost of TLS on every connection (Dask's and the step path's), steady state ({workload}, 1 "
+                "worker): 1 - throughput with / without",
+                f"{100 * cost['cost']:.1f}% (median of {len(cost['ratios'])} pairs; samples/s with "
+                + ", ".join(f"{p['tls']:.0f}" for p in pairs)
+                + ", without "
+                + ", ".join(f"{p['plain']:.0f}" for p in pairs)
+                + ")",
+                "reported",
+                "reported",
+            )
+        )
+    return rows
+
+
 ASYNC_STRAGGLER_RATIO = 0.6  # issue 11: time to a target loss, async over sync, one worker of 4 3x slower
 ASYNC_STEADY_MLP = 0.85  # issue 11: async mode's steady throughput over plain PyTorch, mlp, 1 worker
 
@@ -301,6 +324,7 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
         )
     rows += standby_rows(r)
     rows += async_rows(r)
+    rows += tls_rows(r)
     if rec and rec["scale_up_s"]:
         bound = rec["liveness_interval"] + 0.5
         worst = rec["scale_up_s"]["max"]

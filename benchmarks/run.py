@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import dask
 import torch
 
-from . import async_mode, calls, elastic, report, standby
+from . import async_mode, calls, elastic, report, standby, tls
 from .plain import plain_process
 from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 
@@ -84,6 +84,9 @@ class Sizes:
     straggler_repeats: int = 1
     async_steady_epochs: int = 10
     async_steady_repeats: int = 3
+    # TLS on every connection against none (steady, 1 worker), alternating pairs.
+    tls_epochs: dict[str, int] = field(default_factory=lambda: {"cnn-20": 3, "mlp": 6})
+    tls_repeats: int = 3
 
 
 SMOKE = Sizes(
@@ -118,6 +121,8 @@ SMOKE = Sizes(
     straggler_workers=2,
     async_steady_epochs=1,
     async_steady_repeats=1,
+    tls_epochs={"cnn-20": 1, "mlp": 1},
+    tls_repeats=1,
 )
 
 
@@ -375,6 +380,14 @@ def async_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
     }  # fmt: skip
 
 
+def tls_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
+    """What TLS on every connection costs in steady state, on a light model and a communication-bound one."""
+    results["tls"] = {
+        w: attempt(results, f"tls {w}", tls.tls_cost, w, data, sizes.tls_epochs[w], sizes.tls_repeats)
+        for w in ("cnn-20", "mlp")
+    }
+
+
 def torchrun_figures(results: dict[str, Any], data: str, workdir: Path, sizes: Sizes) -> None:
     from . import torchrun_bench
 
@@ -400,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite --docs from --raw; run nothing")
     parser.add_argument(
         "--only",
-        choices=["standby", "async"],
+        choices=["standby", "async", "tls"],
         help="run this group of scenarios alone, and merge its results into --raw (the rest stay as stored)",
     )
     args = parser.parse_args(argv)
@@ -442,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         pool.close()
     standby_figures(results, data, big, sizes)
     async_figures(results, data, sizes)
+    tls_figures(results, data, sizes)
     if not args.no_torchrun:
         torchrun_figures(results, data, workdir, sizes)
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -467,6 +481,8 @@ def run_only(args: argparse.Namespace) -> int:
     results.pop("errors", None)
     if args.only == "async":
         async_figures(results, data, sizes)
+    elif args.only == "tls":
+        tls_figures(results, data, sizes)
     else:
         standby_figures(results, data, big, sizes)
     results.setdefault("partial_runs", []).append(
@@ -475,7 +491,7 @@ def run_only(args: argparse.Namespace) -> int:
     raw.write_text(json.dumps(results, indent=1, default=str))
     report.write(results, docs, docs.parent / "img")
     for row in report.figures(results):
-        if any(word in row[0] for word in ("static worker", "replica", "shard", "async")):
+        if any(word in row[0] for word in ("static worker", "replica", "shard", "async", "TLS")):
             print(" | ".join(row))
     return 1 if results.get("errors") else 0
 

@@ -139,6 +139,11 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert any("a standby promoted" in row[0] for row in figures(r))
     cost = r["standby"]["replica_cost"]
     assert len(cost["ratios"]) == 1 and cost["pairs"][0]["snapshots_with"] > 0, cost
+    # TLS on every connection against none, on both workloads, one pair each in a smoke run.
+    for w in ("cnn-20", "mlp"):
+        tls = r["tls"][w]
+        assert len(tls["ratios"]) == 1 and tls["pairs"][0]["tls"] > 0 and tls["pairs"][0]["plain"] > 0, tls
+    assert any("cost of TLS" in row[0] for row in figures(r))
     # The table has a row per figure, put between the marks; the text around them is kept.
     text = docs.read_text()
     assert "intro kept" in text and "analysis kept" in text and "old table" not in text
