@@ -36,7 +36,7 @@ from typing import Any
 import dask.config
 from distributed import Client
 from distributed.deploy import Adaptive
-from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 
 from .errors import FatalError, JobConfigError
 
@@ -374,20 +374,57 @@ GRACEFUL_MEMORY_SECONDS = 600.0
 
 
 class GracefulLeaves(SchedulerPlugin):
-    """Scheduler plugin: remembers for a while the workers that left gracefully (retired), as opposed to
-    lost (killed, crashed, cut off), so that the controller hands their share back without a rollback."""
+    """Scheduler plugin: remembers for a while the workers that left gracefully, as opposed to lost
+    (killed, crashed, cut off, frozen), so that the controller hands their share back without a rollback.
+    Graceful: retired (`retire_workers`, adaptive scale-down, a lifetime that ended), or closed by its own
+    process (SIGTERM: a SLURM `scancel` or pre-emption, `docker stop`), which tells the scheduler it is
+    "closing" before it goes; a killed worker never does."""
 
     name = "prefect-elastic-graceful-leaves"
 
     def __init__(self) -> None:
         self.left: dict[str, float] = {}
+        self._closing: dict[str, float] = {}  # workers that said they are closing, not removed yet
+
+    def log_event(self, topic: Any, msg: Any) -> None:
+        if not isinstance(msg, dict) or msg.get("action") != "worker-status-change":
+            return
+        if msg.get("status") in ("closing", "closing_gracefully"):
+            for worker in [topic] if isinstance(topic, str) else list(topic):
+                self._closing[str(worker)] = time.time()
 
     def remove_worker(self, scheduler: Any, worker: str, *, stimulus_id: str = "", **kwargs: Any) -> None:
         now = time.time()
-        for old in [w for w, at in self.left.items() if now - at > GRACEFUL_MEMORY_SECONDS]:
-            del self.left[old]
-        if stimulus_id.startswith(GRACEFUL_STIMULI):
+        for table in (self.left, self._closing):
+            for old in [w for w, at in table.items() if now - at > GRACEFUL_MEMORY_SECONDS]:
+                del table[old]
+        said_closing = self._closing.pop(worker, None) is not None
+        if said_closing or stimulus_id.startswith(GRACEFUL_STIMULI):
             self.left[worker] = now
+
+
+class CloseOnSigterm(WorkerPlugin):
+    """Worker plugin: SIGTERM (a SLURM `scancel` or pre-emption, `docker stop`, a node draining) makes the
+    worker close gracefully instead of its process dying at once. SLURM and docker signal every process of
+    the job, and a worker process under a nanny has no handler of its own: it would be gone before it told
+    the scheduler, and its leave would look like a crash (rolled back under `rollback`)."""
+
+    name = "prefect-elastic-close-on-sigterm"
+
+    def __init__(self) -> None:
+        self._closing: set[asyncio.Future[Any]] = set()
+
+    def setup(self, worker: Any) -> None:
+        import signal
+
+        def close() -> None:
+            task = asyncio.ensure_future(worker.close_gracefully(reason="SIGTERM"))
+            self._closing.add(task)  # (held until done: the loop keeps only a weak reference)
+            task.add_done_callback(self._closing.discard)
+
+        # Not a worker process's main thread (an in-process cluster): its signals are not its own.
+        with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, close)
 
 
 def graceful_leaves(scheduler: Any) -> set[str]:

@@ -30,7 +30,7 @@ from distributed.security import Security
 from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
 from .compute_async import MIN_LEASE
-from .connect import GracefulLeaves, is_static_worker
+from .connect import CloseOnSigterm, GracefulLeaves, is_static_worker
 from .coordinator import Coordinator
 from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
@@ -576,6 +576,7 @@ class TrainingRun:
         # Tells a retired worker from a lost one (a graceful leave is not rolled back); kept if registered.
         if not self.client.run_on_scheduler(_has_plugin, name=GracefulLeaves.name):
             self.client.register_plugin(GracefulLeaves(), name=GracefulLeaves.name)
+            self.client.register_plugin(CloseOnSigterm(), name=CloseOnSigterm.name)
         holder = claim_job(self.client, self.job.job_id, self.run_id)
         if holder is not None:
             raise FatalError(

@@ -130,6 +130,30 @@ def test_graceful_retire(
     assert leave.kind == EventKind.REASSIGN and leave.steps_lost == 0, leave
 
 
+def test_a_sigterm_is_a_graceful_leave_and_is_not_rolled_back(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """SIGTERM (a SLURM `scancel` or pre-emption, `docker stop`) to a compute worker's processes: Dask
+    closes it, and it tells the scheduler so before it goes; unlike a SIGKILL, that is a graceful leave,
+    and even under rollback its share is handed back with nothing rolled back."""
+    top_up(cluster, 2)
+    job = make_job(digits_url, "rollback", job_id="sigterm")
+    victim = sorted(cluster.elastic_addresses())[0]
+    sent: list[int] = []
+
+    def terminate_at_step_8(p: Progress) -> None:
+        if not sent and p.committed_steps >= 8:
+            sent.append(p.committed_steps)
+            cluster.kill_worker(victim, sig=signal.SIGTERM)
+
+    result = train(job, cluster=cluster, on_progress=terminate_at_step_8)
+    check_run(result, reference(job), "rollback")
+    [leave] = [e for e in result.membership_events() if victim in e.left]
+    assert leave.kind == EventKind.REASSIGN and "gracefully" in leave.reason, leave
+    if result.counters["inconsistent_fences"] == 0:  # (its process may end between two pushes)
+        assert leave.steps_lost == 0
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_worker_joins_mid_run(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
