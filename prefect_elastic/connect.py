@@ -109,6 +109,45 @@ def _with_resource(args: list[str], resource: str) -> list[str]:
     return [*out, "--resources", f"{resource}=1"]
 
 
+def walltime_seconds(walltime: str) -> float | None:
+    """SLURM's time formats ("minutes", "minutes:seconds", "hours:minutes:seconds", "days-hours",
+    "days-hours:minutes", "days-hours:minutes:seconds") in seconds; None for anything else."""
+    days, _, rest = walltime.strip().rpartition("-") if "-" in walltime else ("0", "", walltime.strip())
+    try:
+        parts = [int(p) for p in rest.split(":")]
+        whole_days = int(days or 0)
+    except ValueError:
+        return None
+    if not parts or any(p < 0 for p in parts) or len(parts) > 3:
+        return None
+    if "-" in walltime:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    else:  # minutes[:seconds]
+        hours, minutes, seconds = 0, parts[0], (parts[1] if len(parts) == 2 else 0)
+    return float(((whole_days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def with_lifetime_before_walltime(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A dask-jobqueue cluster's arguments with a worker lifetime that ends before the job's walltime, if
+    none is given: a worker whose lifetime ends leaves gracefully (its share handed back, nothing rolled
+    back) and is replaced, where SLURM would kill it at its walltime. The lifetime is the walltime less a
+    tenth (at most 5 minutes), less its stagger (at most 2 minutes), which spreads the workers' ends."""
+    args = list(kwargs.get("worker_extra_args") or [])
+    walltime = kwargs.get("walltime")
+    if not isinstance(walltime, str) or any(a.split("=")[0] == "--lifetime" for a in args):
+        return kwargs
+    total = walltime_seconds(walltime)
+    if total is None or total < 120:
+        return kwargs  # (too short to leave a margin that matters)
+    margin = min(0.1 * total, 300.0)
+    stagger = min(0.05 * total, 120.0)
+    lifetime = total - margin - stagger
+    args += ["--lifetime", f"{int(lifetime)}s", "--lifetime-stagger", f"{int(stagger)}s"]
+    return {**kwargs, "worker_extra_args": args}
+
+
 def _worker_class(cls: Any) -> Any:
     # A SpecCluster spec may name its class by import path (`"distributed.Nanny"`).
     return resolve_cluster_class(cls) if isinstance(cls, str) else cls
@@ -489,7 +528,8 @@ def connect(
     elif address is not None:
         connection = Connection(address)
     elif cluster_class is not None:
-        cluster = resolve_cluster_class(cluster_class)(**(cluster_kwargs or {}))
+        kwargs = with_lifetime_before_walltime(dict(cluster_kwargs or {}))
+        cluster = resolve_cluster_class(cluster_class)(**kwargs)
         connection = Connection(cluster.scheduler_address, cluster, made_here=True)
     else:
         from .local.cluster import LocalElasticCluster

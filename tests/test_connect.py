@@ -167,3 +167,33 @@ def test_static_worker_template_carries_the_resource_and_no_lifetime() -> None:
     assert static.template["options"]["job_name"] == "dask-worker-static"
     with pytest.raises(JobConfigError, match=r"static_workers=.*SpecCluster"):
         StaticWorkers(object())
+
+
+def test_slurm_walltimes_read_in_every_format_slurm_takes() -> None:
+    from prefect_elastic.connect import walltime_seconds
+
+    assert walltime_seconds("30") == 1800
+    assert walltime_seconds("30:15") == 1815
+    assert walltime_seconds("04:00:00") == 4 * 3600
+    assert walltime_seconds("1-12") == 36 * 3600
+    assert walltime_seconds("1-00:30") == 24 * 3600 + 1800
+    assert walltime_seconds("2-01:02:03") == 2 * 86400 + 3723
+    assert walltime_seconds("soon") is None and walltime_seconds("1:2:3:4") is None
+
+
+def test_elastic_workers_get_a_lifetime_that_ends_before_the_walltime() -> None:
+    from prefect_elastic.connect import with_lifetime_before_walltime
+
+    given = {"walltime": "04:00:00", "cores": 1, "worker_extra_args": ["--resources", "GPU=1"]}
+    got = with_lifetime_before_walltime(given)
+    args = got["worker_extra_args"]
+    assert args[:2] == ["--resources", "GPU=1"] and given["worker_extra_args"] == ["--resources", "GPU=1"]
+    lifetime = int(args[args.index("--lifetime") + 1].rstrip("s"))
+    stagger = int(args[args.index("--lifetime-stagger") + 1].rstrip("s"))
+    assert lifetime + stagger < 4 * 3600, "even the latest staggered end comes before the walltime"
+    assert lifetime + stagger == 4 * 3600 - 300, "5 minutes of margin for a 4-hour job"
+    # A lifetime the user gave is kept; no walltime, or one too short to leave a margin: nothing added.
+    own = {"walltime": "04:00:00", "worker_extra_args": ["--lifetime", "1h"]}
+    assert with_lifetime_before_walltime(own) == own
+    assert with_lifetime_before_walltime({"cores": 1}) == {"cores": 1}
+    assert with_lifetime_before_walltime({"walltime": "00:01:00"}) == {"walltime": "00:01:00"}
