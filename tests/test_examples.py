@@ -60,11 +60,13 @@ def test_own_model_and_data_from_a_job_yaml(prefect_server: PrefectServer, tmp_p
     x = torch.from_numpy(np.concatenate([s["x"] for s in shards]))
     y = torch.from_numpy(np.concatenate([s["y"] for s in shards]))
     model = sine_mlp()
+    model.load_state_dict(torch.load(output, weights_only=True))
     with torch.no_grad():
-        untrained = torch.nn.functional.mse_loss(model(x), y).item()
-        model.load_state_dict(torch.load(output, weights_only=True))
         fitted = torch.nn.functional.mse_loss(model(x), y).item()
-    assert fitted < untrained / 2, (fitted, untrained)
+    # Better than the best constant (the mean of y) by half: the model learned the sine's shape. (Not
+    # against an untrained model: a random one can already be close to the constant.)
+    constant = y.var(unbiased=False).item()
+    assert fitted < constant / 2, (fitted, constant)
 
 
 def test_automation_runs_a_flow_for_a_lost_worker(
