@@ -221,14 +221,14 @@ def test_elastic_worker_whose_lifetime_ends_mid_run_is_replaced(
     lost = {w for e in result.membership_events() for w in e.left}
     assert initial <= lost, "the worker whose lifetime ended left the membership"
     assert any(e.worker not in initial for e in result.ledger), "and its replacement's gradients were applied"
-    if result.counters["inconsistent_fences"] == 0:
-        assert result.steps_lost == 0, "a graceful leave redoes no committed step, even under rollback"
-    # Its last leave, at its lifetime's end, was graceful: no rollback. (On a loaded machine a member may
-    # also miss heartbeats earlier, leave and come back: that leave is a loss, rolled back.)
+    # Its last leave, at its lifetime's end, was graceful: no rollback, no committed step redone. (A
+    # member may also miss heartbeats earlier, leave and come back: that leave is a loss, rolled back.)
     leaves = [e for e in result.membership_events() if initial & set(e.left)]
     assert leaves and leaves[-1].kind == "reassign" and "gracefully" in leaves[-1].reason, [
         (e.kind, e.left, e.joined, e.reason) for e in result.membership_events()
     ]
+    if "shards were at versions" not in leaves[-1].reason:  # (its process may end between two pushes)
+        assert leaves[-1].steps_lost == 0, "a graceful leave redoes no committed step, even under rollback"
 
 
 def check_against_reference(result: TrainResult, expected: TrainResult) -> None:
