@@ -17,7 +17,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,18 @@ class References:
 @pytest.fixture(scope="session")
 def reference(reference_cluster: LocalElasticCluster) -> References:
     return References(reference_cluster)
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 90.0, poll: float = 0.3) -> Any:
+    """`probe()` once it is truthy, polled every `poll` seconds; fails after `timeout` seconds naming what."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = probe()
+        if found:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
 
 
 def top_up(cluster: LocalElasticCluster, elastic: int) -> None:

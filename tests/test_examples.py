@@ -16,10 +16,10 @@ import yaml
 
 from prefect_elastic.local.cluster import LocalElasticCluster
 
-from .conftest import top_up
+from .conftest import top_up, wait_for
 from .models import GATE
 from .prefect_harness import PrefectServer
-from .test_flow import FlowRun, flow_job, wait_for, workers_in
+from .test_flow import FlowRun, flow_job, workers_in
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

@@ -10,9 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.local.cluster import LocalElasticCluster
 
 from . import prefect_harness
-from .conftest import References, assert_same_state, held_training, make_job, top_up
+from .conftest import References, assert_same_state, held_training, make_job, top_up, wait_for
 from .models import FAIL_ONCE, GATE
 from .prefect_harness import PrefectServer
 
@@ -44,17 +42,6 @@ RUN_FLOW = textwrap.dedent(
     print("STATE", state.type.value, flush=True)
     """
 )
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.3)
 
 
 class FlowRun:

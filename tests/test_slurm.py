@@ -20,8 +20,7 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,14 @@ from prefect_elastic.local.slurm import LocalSlurm
 from prefect_elastic.messages import Progress
 from prefect_elastic.registry import read_progress
 
-from .conftest import References, assert_ledger_exactly_once, assert_same_state, held_training, make_job
+from .conftest import (
+    References,
+    assert_ledger_exactly_once,
+    assert_same_state,
+    held_training,
+    make_job,
+    wait_for,
+)
 from .models import GATE, HOLD
 from .prefect_harness import PrefectServer
 
@@ -68,17 +74,6 @@ def slurm_kwargs(tmp_path: Path, port: int = 0, worker_args: tuple[str, ...] = (
         "job_script_prologue": [f"export PYTHONPATH={ROOT}", f"cd {ROOT}"],
         "worker_extra_args": ["--host", "127.0.0.1", *worker_args],
     }
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 120.0, poll: float = 0.3) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
 
 
 def jobs_named(slurm: LocalSlurm) -> dict[str, str]:

@@ -25,14 +25,13 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import distributed
 from distributed.security import Security
 
 from ..connect import is_static_worker
-from .processes import log_tail, signal_group, start_group, stop_groups
+from .processes import Service, log_tail, signal_group, start_group, stop_groups
 
 __all__ = ["LocalElasticCluster"]
 
@@ -70,7 +69,7 @@ def _status_name(dask_worker: Any) -> str:
     return str(dask_worker.status.name)
 
 
-class LocalElasticCluster:
+class LocalElasticCluster(Service):
     """A Dask scheduler with N static and M elastic worker processes on 127.0.0.1.
 
     Nothing starts until `start()` or ``with``. Workers are named ``static-0, static-1, ...`` and
@@ -182,15 +181,8 @@ class LocalElasticCluster:
             # Spilled data and scratch files can be large; the logs stay for post-mortems.
             shutil.rmtree(self.log_dir / "scratch", ignore_errors=True)
 
-    def __enter__(self) -> LocalElasticCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def cleanup(self) -> None:
+        """`close`, as every local service ends (``with`` calls it)."""
         self.close()
 
     def __repr__(self) -> str:

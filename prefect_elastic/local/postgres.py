@@ -28,7 +28,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from types import TracebackType
 
 from . import processes
 from .prefect_server import free_port
@@ -78,7 +77,7 @@ def _major_version(path: str) -> float:
         return -1.0
 
 
-class LocalPostgres:
+class LocalPostgres(processes.Service):
     """`postgres` on 127.0.0.1:<port> with a fresh cluster in a temporary folder; a context manager.
 
     `url` is the SQLAlchemy URL of database `database` owned by `user` (password `password`), for asyncpg.
@@ -213,17 +212,6 @@ class LocalPostgres:
         if folder is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(folder)
-
-    def __enter__(self) -> LocalPostgres:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
 
 
 def _clean_environ() -> dict[str, str]:

@@ -29,7 +29,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 
 import httpx
 
@@ -97,7 +96,7 @@ def _shown(url: str) -> str:
     return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}"
 
 
-class PrefectServer:
+class PrefectServer(processes.Service):
     """`prefect server start` on 127.0.0.1:<port> with SQLite in `home`, or the database at
     `database_url`; use as a context manager."""
 
@@ -275,14 +274,3 @@ class PrefectServer:
         self.stop()
         if self._own_home:
             shutil.rmtree(self.home, ignore_errors=True)
-
-    def __enter__(self) -> PrefectServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()

@@ -19,6 +19,8 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 __all__ = ["log_tail", "signal_group", "start_group", "stop_groups"]
 
@@ -94,3 +96,25 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return f"<log {path} unreadable: {exc}>"
     tail = "\n".join(text.splitlines()[-lines:])
     return f"--- last {lines} lines of {path} ---\n{tail}"
+
+
+class Service:
+    """A process this harness runs for a test or a demo (a Prefect server, PostgreSQL, SLURM): `start()`
+    returns it running, `cleanup()` stops it and removes what it left; ``with`` does both."""
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()

@@ -26,7 +26,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 
 from . import processes
 from .prefect_server import free_port
@@ -55,7 +54,7 @@ def _find(name: str) -> str:
     return found
 
 
-class LocalSlurm:
+class LocalSlurm(processes.Service):
     """SLURM with `nodes` nodes (`n1`, `n2`, ...) of `cpus` CPUs each, all on 127.0.0.1; a context manager.
 
     `kill_wait` is SLURM's `KillWait`: the seconds between the SIGTERM of a cancelled (or pre-empted, or
@@ -294,14 +293,3 @@ class LocalSlurm:
         if folder is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(folder)
-
-    def __enter__(self) -> LocalSlurm:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.cleanup()
