@@ -609,10 +609,16 @@ def write(r: Results, docs: Path, img: Path) -> None:
     if r.get("fixed_cost"):
         plot_fixed_cost(r, img / "bench-fixed-cost.png")
         plots["where a step's time goes, 1 worker"] = f"{img.name}/bench-fixed-cost.png"
-    block = f"{START}\n{markdown(r, plots)}\n{END}"
-    text = docs.read_text() if docs.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
-    if START not in text or END not in text:
-        raise ValueError(f"{docs} lacks the marks {START!r} and {END!r}; put them where the results go")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    docs.write_text(head + block + tail)
+    if not docs.exists():
+        docs.write_text(f"# Benchmarks\n\n{START}\n{END}\n")
+    replace_between(docs, START, END, markdown(r, plots))
+
+
+def replace_between(docs: Path, start: str, end: str, block: str) -> None:
+    """Put `block` between the marks `start` and `end` of `docs`, keeping the text around them."""
+    text = docs.read_text()
+    if start not in text or end not in text:
+        raise ValueError(f"{docs} lacks the marks {start!r} and {end!r}; put them where the figures go")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    docs.write_text(f"{head}{start}\n{block}\n{end}{tail}")

@@ -28,6 +28,7 @@ import contextlib
 import copy
 import importlib
 import logging
+import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +37,8 @@ from typing import Any
 import dask.config
 from distributed import Client
 from distributed.deploy import Adaptive
-from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed.diagnostics.plugin import NannyPlugin, SchedulerPlugin, WorkerPlugin
+from distributed.security import Security
 
 from .errors import FatalError, JobConfigError
 
@@ -442,28 +444,95 @@ class GracefulLeaves(SchedulerPlugin):
             self.left[worker] = now
 
 
+# A static worker that got SIGTERM while it holds roles asks to be retired, so that the job's controller
+# hands its roles over first; if nothing has retired it this long after (no job is running to do it), it
+# closes by itself. Below `docker stop`'s 10 s and SLURM's default KillWait of 30 s: a hand-over takes well
+# under a second (docs/benchmarks.md).
+SIGTERM_HAND_OVER_SECONDS = 8.0
+
+
 class CloseOnSigterm(WorkerPlugin):
     """Worker plugin: SIGTERM (a SLURM `scancel` or pre-emption, `docker stop`, a node draining) makes the
-    worker close gracefully instead of its process dying at once. SLURM and docker signal every process of
+    worker leave gracefully instead of its process dying at once. SLURM and docker signal every process of
     the job, and a worker process under a nanny has no handler of its own: it would be gone before it told
-    the scheduler, and its leave would look like a crash (rolled back under `rollback`)."""
+    the scheduler, and its leave would look like a crash (rolled back under `rollback`).
+
+    A compute worker closes gracefully at once. A static worker that holds actors (a job's data server or
+    coordinator) asks the scheduler to retire it instead; the scheduler refuses while it holds them, and
+    the job's controller, seeing the refusal, hands its roles to a standby from where they stand and then
+    retires it (`TrainingRun._hand_over`): no committed step is lost."""
 
     name = "prefect-elastic-close-on-sigterm"
 
     def __init__(self) -> None:
         self._closing: set[asyncio.Future[Any]] = set()
+        self._signalled = False
 
     def setup(self, worker: Any) -> None:
         import signal
 
-        def close() -> None:
-            task = asyncio.ensure_future(worker.close_gracefully(reason="SIGTERM"))
+        def on_sigterm() -> None:
+            if self._signalled:  # (the group's signal and the nanny's forward of it)
+                return
+            self._signalled = True
+            task = asyncio.ensure_future(self._leave(worker))
             self._closing.add(task)  # (held until done: the loop keeps only a weak reference)
             task.add_done_callback(self._closing.discard)
 
         # Not a worker process's main thread (an in-process cluster): its signals are not its own.
         with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
-            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, close)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+
+    @staticmethod
+    async def _leave(worker: Any) -> None:
+        if worker.state.actors:
+            log.warning(
+                "SIGTERM: %s holds %d actors; asking to be retired", worker.address, len(worker.state.actors)
+            )
+            with contextlib.suppress(Exception):
+                await worker.scheduler.retire_workers(
+                    workers=[worker.address],
+                    close_workers=True,
+                    stimulus_id=f"retire-workers-sigterm-{time.time()}",
+                )
+            await asyncio.sleep(
+                SIGTERM_HAND_OVER_SECONDS
+            )  # retired meanwhile: this task ends with the worker
+        await worker.close_gracefully(reason="SIGTERM")
+
+
+class NannyKeepsWorkerOnSigterm(NannyPlugin):
+    """Nanny plugin: SIGTERM no longer makes the nanny close its worker process at once (the `dask worker`
+    command's own handler does), which would leave a static worker no time to hand its roles over. The
+    signal goes on to the worker process, whose `CloseOnSigterm` makes it leave gracefully; the nanny then
+    closes with it. If the worker process is still there well after the hand-over time, the nanny closes
+    it as the command would have."""
+
+    name = "prefect-elastic-nanny-keeps-worker-on-sigterm"
+
+    def __init__(self) -> None:
+        self._closing: set[asyncio.Future[Any]] = set()
+
+    def setup(self, nanny: Any) -> None:
+        import signal
+
+        def on_sigterm() -> None:
+            pid = nanny.pid
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)  # (a signal sent to the nanny alone reaches it too)
+            loop = asyncio.get_running_loop()
+            loop.call_later(SIGTERM_HAND_OVER_SECONDS + 5.0, self._close_late, nanny)
+
+        # Installed after the command's own handler (plugins are set up once the nanny runs), it replaces it.
+        with contextlib.suppress(RuntimeError, ValueError, NotImplementedError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_sigterm)
+
+    def _close_late(self, nanny: Any) -> None:
+        if nanny.status.name not in ("closing", "closed"):
+            task = asyncio.ensure_future(nanny.close(reason="SIGTERM"))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
 
 def graceful_leaves(scheduler: Any) -> set[str]:
@@ -498,6 +567,30 @@ def resolve_cluster_class(spec: str | type) -> type:
         ) from exc
 
 
+TLS_FILES = {"ca_file": "tls_ca_file", "cert": "tls_client_cert", "key": "tls_client_key"}
+
+
+def tls_security(tls: Mapping[str, str] | None) -> Security | None:
+    """Dask's `Security` for a cluster with TLS, from the paths of a flow parameter (a deployment cannot
+    pass a `Security` object): `{"ca_file": ..., "cert": ..., "key": ...}`, the authority that signed the
+    cluster's certificates and this client's certificate and key (`key` may be left out when the
+    certificate file holds it too). `None` gives `None`: Dask's `distributed.comm.tls` config applies."""
+    if tls is None:
+        return None
+    if not isinstance(tls, Mapping):
+        raise JobConfigError("tls", tls, 'give a mapping like {"ca_file": ..., "cert": ..., "key": ...}')
+    unknown = sorted(set(tls) - set(TLS_FILES))
+    if unknown:
+        raise JobConfigError("tls", dict(tls), f"unknown keys {unknown}; the keys are {sorted(TLS_FILES)}")
+    missing = [k for k in ("ca_file", "cert") if not tls.get(k)]
+    if missing:
+        raise JobConfigError("tls", dict(tls), f"{' and '.join(missing)} missing: a TLS client needs both")
+    for key, path in tls.items():
+        if not os.path.isfile(path):
+            raise JobConfigError(f"tls.{key}", path, "no such file here (where the flow runs)")
+    return Security(**{TLS_FILES[k]: v for k, v in tls.items()}, require_encryption=True)
+
+
 @contextlib.contextmanager
 def connect(
     address: str | None = None,
@@ -511,12 +604,15 @@ def connect(
     local_elastic_workers: int = 2,
     static_workers: int | None = None,
     static_start_timeout: float = 600.0,
+    security: Security | None = None,
 ) -> Iterator[Connection]:
     """Yield a `Connection`; a cluster made here is closed on exit (a `cluster` object given is not).
 
     `static_workers`: static workers to add to the `cluster_class` made here (see the module's docstring),
     or the number of static worker processes of the local cluster started when nothing is given. Added
     ones must register within `static_start_timeout` seconds (their jobs may queue), or `FatalError`.
+    `security`: Dask's `Security` for a cluster with TLS reached by `address` (a cluster object with TLS
+    carries its own).
     """
     choices = {"address": address, "cluster_class": cluster_class, "cluster": cluster}
     given = [name for name, value in choices.items() if value is not None]
@@ -541,7 +637,8 @@ def connect(
         ).start()
         connection = Connection(cluster.scheduler_address, cluster, made_here=True)
     try:
-        security = getattr(connection.cluster, "security", None)  # (a cluster with TLS carries its own)
+        # (A cluster object with TLS carries its own `Security`.)
+        security = security or getattr(connection.cluster, "security", None)
         with Client(connection.address, set_as_default=False, security=security) as client:
             client.register_plugin(KeepStaticWorkers(static_resource), name=KeepStaticWorkers.name)
         if cluster_class is not None and hasattr(cluster, "worker_spec"):

@@ -321,12 +321,18 @@ class Coordinator:
 
     # -- a data server lost, and a standby promoted (seed 001) -----------------------------------
 
-    async def shards_lost(self, indices: list[int], reason: str) -> int:
+    async def shards_lost(self, indices: list[int], reason: str, keys: list[str] | None = None) -> int:
         """The data servers `indices` are gone with their static workers (the controller saw them leave,
         or a call to one failed): fence every other shard into a new generation, so compute loops stop,
         and hand out no role until a standby took each one's place. Returns the version a replacement
-        must take (the last snapshot every shard holds, whose copy is on a lost shard's peer)."""
+        must take (the last snapshot every shard holds, whose copy is on a lost shard's peer).
+
+        `keys`: the actor keys of the data servers seen lost, one per index. A report about one that a
+        standby has replaced since is ignored: the controller tells of a loss without waiting for the
+        answer, so the report can arrive after the promotion it caused."""
         began = time.time()
+        if keys is not None:
+            indices = [i for i, key in zip(indices, keys, strict=True) if _key_of(self._shards[i]) == key]
         lock, _ = self._primitives()
         state = self._state
         # Calls to them in flight (holding the lock) give up now instead of at their timeout; all of them
@@ -674,3 +680,8 @@ class Coordinator:
     async def snapshot_record(self) -> Resume:
         """The coordinator's part of the last snapshot, for a persistent checkpoint."""
         return self._state.snapshot_record()
+
+
+def _key_of(shard: Any) -> str | None:
+    """The actor key of a data server's handle (a Dask `Actor`); None for one that has none."""
+    return getattr(shard, "key", None)

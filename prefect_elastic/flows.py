@@ -34,7 +34,7 @@ from prefect.events import emit_event
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
-from .connect import Connection, connect
+from .connect import Connection, connect, tls_security
 from .errors import TrainingStopped
 from .job import ElasticJob
 from .messages import MembershipEvent, Progress
@@ -297,6 +297,7 @@ def elastic_training(
     output: str | None = None,
     cluster: Any = None,
     static_workers: int | None = None,
+    tls: dict[str, str] | None = None,
 ) -> dict[str, Any] | State:
     """Train an `ElasticJob` (or the job in a YAML file) on a Dask cluster.
 
@@ -309,8 +310,12 @@ def elastic_training(
     of adaptive scaling; `adapt_kwargs`' minimum and maximum then count elastic workers only. Jobs that
     end (lifetime, walltime, scancel) are replaced. Without a cluster: the local cluster's static workers.
     See docs/slurm.md.
+    `tls`: for a cluster with TLS reached by `address`, the files of this client's side:
+    `{"ca_file": ..., "cert": ..., "key": ...}` (`connect.tls_security`); a `cluster` object with TLS
+    carries its own, and without either Dask's `distributed.comm.tls` config applies.
     """
     prepared = validate_job(job)
+    security = tls_security(tls)
     reporter = PrefectReporter(prepared.job, flow_run.id)
     start_step = restore(prepared)
     reporter.start(start_step, prepared.schedule.total_steps)
@@ -322,12 +327,13 @@ def elastic_training(
         cluster=cluster,
         static_resource=prepared.job.static_resource,
         static_workers=static_workers,
+        security=security,
     ) as where:
         _log_connection(where)
         with (
             CancelWatch(flow_run.id) as watch,
             # (A cluster with TLS, such as LocalElasticCluster(security=True), carries its Security.)
-            Client(where.address, set_as_default=False, security=_security_of(where)) as client,
+            Client(where.address, set_as_default=False, security=security or _security_of(where)) as client,
             client.as_current(),
         ):
             # The reporter updates the UI at most once a second: the idle poll serves it.

@@ -30,7 +30,7 @@ from distributed.security import Security
 from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
 from .compute_async import MIN_LEASE
-from .connect import CloseOnSigterm, GracefulLeaves, is_static_worker
+from .connect import CloseOnSigterm, GracefulLeaves, NannyKeepsWorkerOnSigterm, is_static_worker
 from .coordinator import Coordinator
 from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
@@ -577,6 +577,7 @@ class TrainingRun:
         if not self.client.run_on_scheduler(_has_plugin, name=GracefulLeaves.name):
             self.client.register_plugin(GracefulLeaves(), name=GracefulLeaves.name)
             self.client.register_plugin(CloseOnSigterm(), name=CloseOnSigterm.name)
+            self.client.register_plugin(NannyKeepsWorkerOnSigterm(), name=NannyKeepsWorkerOnSigterm.name)
         holder = claim_job(self.client, self.job.job_id, self.run_id)
         if holder is not None:
             raise FatalError(
@@ -822,7 +823,8 @@ class TrainingRun:
         job, coordinator, shards = self.job, self.coordinator, self.shards
         seen, clock = time.time(), time.monotonic()
         left = ", ".join(sorted({self.placement[i] for i in lost}))
-        targets = dict.fromkeys(lost, self._call(coordinator.shards_lost(lost, f"static worker {left} left")))
+        told = coordinator.shards_lost(lost, f"static worker {left} left", [shards[i].key for i in lost])
+        targets = dict.fromkeys(lost, self._call(told))
         if job.mode == "async":
             # Each shard snapshots at its own version in async mode: each standby starts from its own.
             targets = {i: self._call(coordinator.snapshot_version(i)) for i in lost}
@@ -1058,7 +1060,8 @@ class TrainingRun:
         for i, where in enumerate(self.placement):
             if where not in static and i not in self._told_lost:
                 self._told_lost.add(i)
-                self.coordinator.shards_lost([i], f"static worker {where} left")
+                # Not waited for: the answer may come after the promotion, which the key fences out.
+                self.coordinator.shards_lost([i], f"static worker {where} left", [self.shards[i].key])
 
     def _copy_journal(self) -> None:
         """Bring the controller's copy of the coordinator's record up to date (`Journal`)."""
@@ -1167,6 +1170,17 @@ class TrainingRun:
             if is_static_worker(r, self.job.static_resource)
             and r["status"] in ("running", "paused", "closing_gracefully")
         ]
+        # A static worker that stopped sending heartbeats (its network cut, or frozen) is gone too, as a
+        # silent compute worker is: the scheduler lists it until Dask's TCP timeout or worker-ttl (12 s to
+        # minutes), and every call to its data server waits meanwhile. It is never a standby; its roles
+        # move only while a standby that is heard from can take them: with none, declaring it lost would
+        # turn a pause into a job that fails after `min_workers_timeout`, so they stay and the controller
+        # waits for it (or for Dask to remove it).
+        heard = [r for r in static if r["silent"] <= max(silent_after, r["silent_limit"])]
+        if not standbys([r["address"] for r in heard], self.placement):
+            roles = {*self.placement, self.coordinator_at}
+            heard += [r for r in static if r not in heard and r["address"] in roles]
+        static = heard
         requested = getattr(self.cluster, "requested", None)
         pending = len(set(map(str, requested)) - {str(r["name"]) for r in rows}) if requested else 0
         return WorkersView(

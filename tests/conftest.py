@@ -28,6 +28,7 @@ import torch
 from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.dataset import digits_dataset
+from prefect_elastic.local.chaos import SoakFigures
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import Progress
@@ -60,6 +61,17 @@ def held_training() -> Iterator[None]:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_SIGNALS, ignore_errors=True)
+
+
+# The figures of each chaos soak run of this session (tests/test_chaos.py), printed at the end of the output.
+SOAK_FIGURES: list[SoakFigures] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if SOAK_FIGURES:
+        terminalreporter.section("chaos soak")
+        for figures in SOAK_FIGURES:
+            terminalreporter.write_line(figures.summary())
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -153,6 +153,19 @@ def gated_slow_mlp() -> nn.Module:
     return _GatedSlowMlp(*mlp())
 
 
+class _EnvPacedMlp(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _wait_at_gate()
+        # Paced only where the cluster sets the variable (the chaos soak's workers), so that a one-worker
+        # reference run of the same job is fast; a sleep changes no bit of the result.
+        time.sleep(float(os.environ.get("ELASTIC_TESTS_PACE_S", "0")))
+        return super().forward(x)
+
+
+def env_paced_mlp() -> nn.Module:
+    return _EnvPacedMlp(*_mlp_layers())
+
+
 # While this file exists, the next forward pass removes it and raises: a failure that a retry outlives.
 FAIL_ONCE = _signal_file("ELASTIC_TESTS_FAIL_ONCE")
 

@@ -34,11 +34,12 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 RUN_FLOW = textwrap.dedent(
     """
+    import json
     import sys
     from prefect_elastic.flows import elastic_training
-    job, address, name, output, retries = sys.argv[1:6]
+    job, address, name, output, retries, tls = sys.argv[1:7]
     named = elastic_training.with_options(flow_run_name=name, retries=int(retries), retry_delay_seconds=0)
-    state = named(job, address=address, output=output, return_state=True)
+    state = named(job, address=address, output=output, tls=json.loads(tls), return_state=True)
     print("STATE", state.type.value, flush=True)
     """
 )
@@ -48,7 +49,13 @@ class FlowRun:
     """A flow run of `elastic_training` in a subprocess, and what the Prefect API says about it."""
 
     def __init__(
-        self, server: PrefectServer, job: ElasticJob, address: str, tmp_path: Path, retries: int = 0
+        self,
+        server: PrefectServer,
+        job: ElasticJob,
+        address: str,
+        tmp_path: Path,
+        retries: int = 0,
+        tls: dict[str, str] | None = None,
     ) -> None:
         self.api = httpx.Client(base_url=server.api_url, timeout=30)
         self.name = f"test-{uuid.uuid4().hex[:8]}"
@@ -60,7 +67,10 @@ class FlowRun:
         self.output = tmp_path / "model.pt"
         env = {**server.subprocess_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.proc = subprocess.Popen(
-            [sys.executable, str(script), str(spec), address, self.name, str(self.output), str(retries)],
+            [
+                sys.executable, str(script), str(spec), address, self.name, str(self.output), str(retries),
+                json.dumps(tls),
+            ],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
         )  # fmt: skip
         self.id: str = wait_for("the flow run to be created", self._find)

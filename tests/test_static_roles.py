@@ -5,24 +5,31 @@ can take over, the job fails with a `DataServerLostError` that says what to do."
 
 from __future__ import annotations
 
+import asyncio
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from prefect_elastic import train
+from prefect_elastic.coordinator import Coordinator
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
+from prefect_elastic.training import prepare
 
 from .conftest import (
     HoldUntilJoined,
     References,
     assert_ledger_exactly_once,
     assert_same_parameters,
+    in_process_servers,
     make_job,
     top_up,
+    wait_for,
 )
 from .models import GATE
 
@@ -342,6 +349,45 @@ def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_re
     assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
 
 
+@pytest.mark.parametrize("role", ["data-server", "coordinator"])
+def test_a_static_worker_sigtermed_hands_its_roles_over_with_no_step_redone(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str, role: str
+) -> None:
+    """SIGTERM to a static worker's whole process group (nanny and worker, as SLURM's `scancel`, a
+    pre-emption notice or `docker stop` send it): the worker asks to be retired instead of closing, the
+    nanny leaves it the time, and the controller hands its roles over from where they stand before it goes:
+    no committed step redone, even under `rollback`; then the worker and its nanny exit."""
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 3)
+    job = make_job(digits_url, "rollback", job_id=f"sigterm-{role}", model="tests.models:gated_mlp")
+    placement = Placement()
+    signalled: list[str] = []
+    names: list[str] = []
+
+    def sigterm_at_step_12(p: Progress) -> None:
+        placement(p)
+        if signalled or p.committed_steps < 12:
+            return
+        signalled.append(p.coordinator_at if role == "coordinator" else p.data_servers[1])
+        names.append(str(static_cluster.workers_info()[signalled[0]]["name"]))
+        static_cluster.kill_worker(signalled[0], sig=signal.SIGTERM)
+
+    result = train(job, cluster=static_cluster, on_progress=sigterm_at_step_12)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    (worker,) = signalled
+    static_cluster.wait_until_gone([worker], timeout=30)
+    last = placement.seen[-1]
+    assert worker not in last.data_servers and last.coordinator_at != worker
+    assert sum(e.steps_lost for e in result.events) == 0, "no committed step was redone"
+    handed = [e for e in result.events if e.kind == EventKind.SHARD_LOST]
+    assert handed and all("retiring" in e.reason for e in handed), [e.reason for e in handed]
+    assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
+    nanny = static_cluster.pid_of(names[0])
+    assert nanny is not None
+    wait_for("its nanny (and so the worker) to exit", lambda: exited(nanny), timeout=30)
+
+
 def test_the_coordinator_lost_with_no_static_worker_left_fails_naming_it(digits_url: str) -> None:
     with LocalElasticCluster(static_workers=1, elastic_workers=1) as cluster:
         job = make_job(digits_url, "reassign", job_id="no-coordinator", min_workers_timeout=1.0)
@@ -395,3 +441,35 @@ def test_random_kills_of_static_and_elastic_workers(
     compute = {w for e in result.membership_events() for w in e.workers + e.left + e.joined}
     static = {r.target for r in faults.log if r.kind in ("kill", "add-static")} - compute
     assert len(compute | static) >= 6, "at least six processes took part"
+
+
+def test_a_loss_reported_after_the_standby_took_the_role_is_ignored(digits_url: str) -> None:
+    """The controller tells the coordinator of a lost data server without waiting for the answer, so the
+    report can arrive after the promotion it led to: keyed by the lost data server's actor, it no longer
+    matches the one in place and changes nothing. (Seen in the chaos soak: the late report made the
+    coordinator think the standby's worker lost too, and the job failed for want of another standby.)"""
+    servers, _ = in_process_servers(digits_url)
+    job = make_job(digits_url, "rollback")
+    prepared = prepare(job)
+    coordinator = Coordinator(job.job_id, prepared.schedule, 2, "rollback", 1, 60.0, 5.0)
+    for server, key in zip(servers, ("data-server-0-a", "data-server-1-b"), strict=True):
+        server.key = key  # type: ignore[attr-defined]  (what a Dask actor handle carries)
+    coordinator._shards = list(servers)
+
+    async def report(key: str) -> None:
+        await coordinator.shards_lost([1], "static worker tcp://old:1 left", [key])
+
+    generation = coordinator._state.generation
+    asyncio.run(report("data-server-1-a"))  # the one replaced
+    assert coordinator._state.generation == generation and not coordinator._state.lost
+    assert not coordinator._gone.get(1, asyncio.Event()).is_set(), "calls to the new one go on"
+    asyncio.run(report("data-server-1-b"))  # the one in place
+    assert coordinator._state.generation == generation + 1 and coordinator._state.lost == {1}
+    assert [e.kind for e in coordinator._unreported] == [EventKind.SHARD_LOST]
+
+
+def exited(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

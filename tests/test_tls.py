@@ -8,16 +8,22 @@ import asyncio
 import socket
 import ssl
 from collections.abc import Iterator
+from pathlib import Path
 
 import distributed
 import pytest
+import torch
 from distributed.security import Security
 
 from prefect_elastic import train
 from prefect_elastic.channel import Entry, Frame, ShardLink, ShardServer
+from prefect_elastic.connect import tls_security
+from prefect_elastic.errors import JobConfigError
 from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job
+from .prefect_harness import PrefectServer
+from .test_flow import FlowRun
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -144,3 +150,31 @@ def test_a_plain_socket_to_a_tls_listener_gets_no_frame() -> None:
 
     got = asyncio.run(scenario())
     assert b"ok" not in got, got
+
+
+def test_the_tls_flow_parameter_names_bad_files_and_keys(tmp_path: Path) -> None:
+    assert tls_security(None) is None, "no parameter: Dask's own TLS config applies"
+    with pytest.raises(JobConfigError, match=r"unknown keys \['ca'\]"):
+        tls_security({"ca": "x"})
+    with pytest.raises(JobConfigError, match="cert missing"):
+        tls_security({"ca_file": "x"})
+    with pytest.raises(JobConfigError, match=r"tls.ca_file='/nowhere/ca.pem': no such file"):
+        tls_security({"ca_file": "/nowhere/ca.pem", "cert": "/nowhere/cert.pem"})
+
+
+def test_a_flow_run_by_address_reaches_a_tls_cluster_with_the_tls_parameter(
+    prefect_server: PrefectServer, tls_cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
+) -> None:
+    """A deployment reaches a running cluster by its address; with TLS, the `tls` parameter names this
+    client's files. Without it the flow run fails (the scheduler wants a certificate)."""
+    security = tls_cluster.security
+    assert security is not None
+    tls = {"ca_file": security.tls_ca_file, "cert": security.tls_client_cert, "key": security.tls_client_key}
+    job = make_job(digits_url, "reassign", job_id="flow-over-tls", epochs=1)
+    run = FlowRun(prefect_server, job, tls_cluster.scheduler_address, tmp_path / "with", tls=tls)
+    out = run.finish()
+    assert "STATE COMPLETED" in out, out[-3000:]
+    assert torch.load(run.output, weights_only=True), "the model was written"
+    refused = FlowRun(prefect_server, job, tls_cluster.scheduler_address, tmp_path / "without")
+    out = refused.finish()
+    assert "STATE FAILED" in out and "TLS" in out, out[-3000:]

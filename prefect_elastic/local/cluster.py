@@ -6,6 +6,11 @@
 for good (the nanny and its worker process together) or only its worker process so that the nanny restarts
 it. Every wait is bounded and fails with a `RuntimeError` that carries the tail of the process's log.
 
+For partition tests, ``host=`` puts the scheduler and the workers on another address of this machine (the
+bridge of a `netns.HostNetwork`), and `add_worker(netns=...)` starts a worker inside a network namespace,
+whose link the test can cut. ``supervise=True`` starts a worker again when its process exits, as systemd
+or SLURM would (a Dask worker cut off from its scheduler exits, and does not come back by itself).
+
 The live membership always comes from the scheduler, never from this object's bookkeeping: what the tests
 check is what the rest of the system sees.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,7 +31,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import distributed
 from distributed.security import Security
@@ -33,7 +39,12 @@ from distributed.security import Security
 from ..connect import is_static_worker
 from .processes import Service, log_tail, signal_group, start_group, stop_groups
 
+if TYPE_CHECKING:
+    from .netns import NetworkNamespace
+
 __all__ = ["LocalElasticCluster"]
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _RPC_TIMEOUT_S = 30.0
@@ -70,10 +81,11 @@ def _status_name(dask_worker: Any) -> str:
 
 
 class LocalElasticCluster(Service):
-    """A Dask scheduler with N static and M elastic worker processes on 127.0.0.1.
+    """A Dask scheduler with N static and M elastic worker processes on ``host`` (127.0.0.1).
 
     Nothing starts until `start()` or ``with``. Workers are named ``static-0, static-1, ...`` and
-    ``elastic-0, elastic-1, ...``; a name is never reused, except by a nanny restarting its own worker.
+    ``elastic-0, elastic-1, ...``; a name is never reused, except by a nanny restarting its own worker,
+    or by a supervisor starting a whole worker again (``add_worker(supervise=True)``).
     Every process inherits this process's environment updated with ``env``, and an import path of the
     ``PYTHONPATH`` given in ``env`` (if any) followed by this process's `sys.path`. With
     ``security=True`` every connection (the scheduler, the workers, their clients, the step path) is TLS
@@ -95,6 +107,9 @@ class LocalElasticCluster(Service):
         log_dir: str | os.PathLike[str] | None = None,
         preload: tuple[str, ...] = ("prefect_elastic.compute",),
         security: bool | Security = False,
+        host: str = "127.0.0.1",
+        max_restarts: int = 3,
+        restart_delay: float = 1.0,
     ) -> None:
         if static_workers < 0 or elastic_workers < 0:
             raise ValueError(
@@ -105,6 +120,10 @@ class LocalElasticCluster(Service):
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
         if startup_timeout <= 0:
             raise ValueError(f"startup_timeout must be > 0, got {startup_timeout}")
+        if max_restarts < 0 or restart_delay < 0:
+            raise ValueError(
+                f"max_restarts and restart_delay must be >= 0, got {max_restarts}, {restart_delay}"
+            )
         self.static_workers = static_workers
         self.elastic_workers = elastic_workers
         self.threads_per_worker = threads_per_worker
@@ -114,6 +133,13 @@ class LocalElasticCluster(Service):
         self.env = dict(env or {})
         self.startup_timeout = startup_timeout
         self.worker_ttl = worker_ttl
+        # Where the scheduler and every worker outside a network namespace listen (a `HostNetwork`'s
+        # address makes them reachable from its namespaces; 127.0.0.1 is not).
+        self.host = host
+        # A supervised worker (`add_worker(supervise=True)`) that exits is started again, under the same
+        # name, `restart_delay` seconds later, at most `max_restarts` times.
+        self.max_restarts = max_restarts
+        self.restart_delay = restart_delay
         # Imported by each worker process before it registers, so that a worker that joins is ready to
         # train at once instead of spending its first seconds importing torch.
         self.preload = tuple(preload)
@@ -131,6 +157,11 @@ class LocalElasticCluster(Service):
         self._workers: dict[str, subprocess.Popen[bytes]] = {}
         self._counters = {"static": 0, "elastic": 0}
         self._worker_pids: dict[str, int] = {}
+        self._specs: dict[str, tuple[bool, NetworkNamespace | None]] = {}  # name -> (static, netns)
+        self._supervised: set[str] = set()
+        self._restarts: dict[str, list[float]] = {}  # name -> when its supervisor started it again
+        self._supervisor: threading.Thread | None = None
+        self._stopping = threading.Event()
         self._client: distributed.Client | None = None
         self._started = False
         self._closed = False
@@ -165,6 +196,7 @@ class LocalElasticCluster(Service):
             if self._closed:
                 return
             self._closed = True
+            self._stopping.set()
             client, self._client = self._client, None
             workers = list(self._workers.values())
             scheduler = self._scheduler_proc
@@ -177,6 +209,10 @@ class LocalElasticCluster(Service):
         stop_groups(workers, _TERM_GRACE_S)
         if scheduler is not None:
             stop_groups([scheduler], _TERM_GRACE_S)
+        supervisor = self._supervisor
+        if supervisor is not None:
+            # It starts nothing once `_closed` is set (checked under the lock it spawns under).
+            supervisor.join(timeout=_TERM_GRACE_S)
         if self.log_dir is not None:
             # Spilled data and scratch files can be large; the logs stay for post-mortems.
             shutil.rmtree(self.log_dir / "scratch", ignore_errors=True)
@@ -193,7 +229,7 @@ class LocalElasticCluster(Service):
 
     @property
     def scheduler_address(self) -> str:
-        """The scheduler's address, ``tcp://127.0.0.1:PORT`` (``tls://`` with `security`)."""
+        """The scheduler's address, ``tcp://HOST:PORT`` (``tls://`` with `security`)."""
         if self._scheduler_address is None:
             raise RuntimeError("the cluster is not started; call start() or use it as a context manager")
         return self._scheduler_address
@@ -305,6 +341,17 @@ class LocalElasticCluster(Service):
                 )
             time.sleep(_POLL_S)
 
+    def netns_of(self, name_or_address: str) -> NetworkNamespace | None:
+        """The network namespace the worker was started in (`add_worker(netns=...)`); None if it was not,
+        or if no worker of that name or live address is known."""
+        try:
+            name = self._resolve_name(name_or_address)
+        except ValueError:
+            return None
+        with self._lock:
+            spec = self._specs.get(name)
+        return None if spec is None else spec[1]
+
     def pid_of(self, name: str) -> int | None:
         """The pid of the spawned process of that worker: the nanny's, or the worker's without a nanny."""
         with self._lock:
@@ -322,10 +369,25 @@ class LocalElasticCluster(Service):
         with self.client() as client:
             register(client, Straggler(name_or_address, factor))
 
-    def add_worker(self, static: bool = False, wait: bool = True, timeout: float | None = None) -> str:
-        """Start one more worker process and return its name; if ``wait``, return once it registered."""
+    def add_worker(
+        self,
+        static: bool = False,
+        wait: bool = True,
+        timeout: float | None = None,
+        *,
+        netns: NetworkNamespace | None = None,
+        supervise: bool = False,
+    ) -> str:
+        """Start one more worker process and return its name; if ``wait``, return once it registered.
+
+        ``netns``: in that network namespace, listening on its address (the cluster's ``host`` must be
+        reachable from it: a `HostNetwork`'s address). ``supervise``: whenever its process group exits
+        (not retired, the cluster not closing) start it again under the same name, after `restart_delay`
+        seconds, at most `max_restarts` times (`restarts`)."""
         self._require_running()
-        name = self._spawn_worker(static=static)
+        name = self._spawn_worker(static=static, netns=netns)
+        if supervise:
+            self._supervise(name)
         if wait:
             self.wait_for_workers([name], timeout=timeout)
         return name
@@ -337,6 +399,7 @@ class LocalElasticCluster(Service):
         ``restart=True`` (needs ``nanny=True``): to the worker process only, so that its nanny starts it
         again under the same name and a new address. Neither waits for the scheduler to notice; use
         `wait_until_gone` / `wait_for_workers` (a SIGSTOPped worker is noticed only after the worker TTL).
+        A supervised worker (``add_worker(supervise=True)``) is started again by its supervisor.
         """
         self._require_running()
         if restart:
@@ -371,6 +434,8 @@ class LocalElasticCluster(Service):
         timeout = self.startup_timeout if timeout is None else timeout
         addr, info = self._resolve_live(name_or_address)
         name = str(info["name"])
+        with self._lock:
+            self._supervised.discard(name)  # a retired worker is meant to stay gone
         client = self._get_client()
         retired = client.sync(
             self._scheduler_rpc(client).retire_workers,
@@ -535,10 +600,14 @@ class LocalElasticCluster(Service):
         env[_PARENT_ENV] = str(os.getpid())
         return env
 
-    def _popen(self, args: list[str], log_name: str) -> subprocess.Popen[bytes]:
+    def _popen(
+        self, args: list[str], log_name: str, netns: NetworkNamespace | None = None
+    ) -> subprocess.Popen[bytes]:
         assert self.log_dir is not None
+        # `ip netns exec` execs the command in place: the group leader is still the Python process.
+        prefix = netns.exec_prefix() if netns is not None else []
         return start_group(
-            [sys.executable, "-m", *args],
+            [*prefix, sys.executable, "-m", *args],
             log=self.log_dir / f"{log_name}.log",
             env=self._child_env(),
             cwd=os.getcwd(),
@@ -551,7 +620,7 @@ class LocalElasticCluster(Service):
             [
                 "distributed.cli.dask_scheduler",
                 "--host",
-                "tls://127.0.0.1" if self._tls_args else "127.0.0.1",
+                f"tls://{self.host}" if self._tls_args else self.host,
                 *self._tls_args,
                 "--port",
                 "0",
@@ -594,18 +663,22 @@ class LocalElasticCluster(Service):
         address = data.get("address") if isinstance(data, dict) else None
         return str(address) if address else None
 
-    def _spawn_worker(self, static: bool) -> str:
+    def _spawn_worker(
+        self, static: bool, netns: NetworkNamespace | None = None, name: str | None = None
+    ) -> str:
         assert self.log_dir is not None
         kind = "static" if static else "elastic"
-        with self._lock:
-            name = f"{kind}-{self._counters[kind]}"
-            self._counters[kind] += 1
+        if name is None:
+            with self._lock:
+                name = f"{kind}-{self._counters[kind]}"
+                self._counters[kind] += 1
+        host = netns.address if netns is not None else self.host
         watchdog = str(self.log_dir / "parent_watchdog.py")
         args = [
             "distributed.cli.dask_worker",
             self.scheduler_address,
             "--host",
-            "127.0.0.1",
+            host,
             "--name",
             name,
             "--nthreads",
@@ -625,10 +698,63 @@ class LocalElasticCluster(Service):
             args += ["--preload", module]
         if static:
             args += ["--resources", f"{self.static_resource}=1"]
-        proc = self._popen(args, name)
+        proc = self._popen(args, name, netns)
         with self._lock:
             self._workers[name] = proc
+            self._specs[name] = (static, netns)
         return name
+
+    # ------------------------------------------------------------------ supervision
+
+    def restarts(self, name: str) -> list[float]:
+        """When (`time.time()`) the supervisor of worker `name` started it again, oldest first."""
+        with self._lock:
+            return list(self._restarts.get(name, []))
+
+    def _supervise(self, name: str) -> None:
+        with self._lock:
+            self._supervised.add(name)
+            self._restarts.setdefault(name, [])
+            if self._supervisor is None:
+                self._supervisor = threading.Thread(
+                    target=self._supervise_loop, name="local-cluster-supervisor", daemon=True
+                )
+                self._supervisor.start()
+
+    def _supervise_loop(self) -> None:
+        exited: dict[str, float] = {}  # name -> when its exit was seen
+        while not self._stopping.wait(_POLL_S * 2):
+            with self._lock:
+                watched = [(n, self._workers[n]) for n in sorted(self._supervised)]
+            for name, proc in watched:
+                if proc.poll() is None:
+                    exited.pop(name, None)
+                    continue
+                now = time.monotonic()
+                seen = exited.setdefault(name, now)
+                if now - seen < self.restart_delay:
+                    continue
+                exited.pop(name, None)
+                with self._lock:
+                    if self._closed or name not in self._supervised:
+                        continue
+                    if len(self._restarts[name]) >= self.max_restarts:
+                        self._supervised.discard(name)
+                        log.warning(
+                            "worker %s exited with code %s; not started again (max_restarts=%d reached)",
+                            name, proc.returncode, self.max_restarts,
+                        )  # fmt: skip
+                        continue
+                    static, netns = self._specs[name]
+                    self._restarts[name].append(time.time())
+                    # Whatever its group left behind (a worker process that outlived its nanny) goes first.
+                    signal_group(proc, signal.SIGKILL)
+                    log.warning("worker %s exited with code %s; its supervisor starts it again",
+                                name, proc.returncode)  # fmt: skip
+                    try:
+                        self._spawn_worker(static=static, netns=netns, name=name)
+                    except Exception:
+                        log.exception("the supervisor could not start worker %s again", name)
 
     def _resolve_live(self, name_or_address: str) -> tuple[str, dict[str, Any]]:
         for addr, info in self.workers_info().items():

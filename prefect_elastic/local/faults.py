@@ -13,6 +13,7 @@ chosen by the schedule's seeded random generator, so a schedule replays the same
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import signal
@@ -27,7 +28,7 @@ from .cluster import LocalElasticCluster
 
 log = logging.getLogger(__name__)
 
-FaultKind = Literal["kill", "restart", "retire", "add", "add-static", "freeze", "slow"]
+FaultKind = Literal["kill", "restart", "retire", "add", "add-static", "freeze", "pause", "slow", "partition"]
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Fault:
     # (`Progress.data_servers`, `Progress.coordinator_at`) when the fault is due.
     role: str | None = None
     factor: float = 1.0  # "slow": how many times slower the worker computes
+    seconds: float = 0.0  # "pause": how long the worker stays stopped before its SIGCONT
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class FaultRecord:
     kind: FaultKind
     target: str
     time: float
+    sig: int = 0  # of a kill or a restart
+    role: str | None = None  # the static role whose worker was acted on, if any
 
 
 @dataclass
@@ -62,6 +66,7 @@ class FaultSchedule:
         self._rng = random.Random(self.seed)
         self._background: list[threading.Thread] = []
         self._freezing: tuple[Fault, str] | None = None
+        self._paused: set[str] = set()
 
     # -- building --------------------------------------------------------------------------------
 
@@ -92,6 +97,16 @@ class FaultSchedule:
         for record in self.log:
             if record.kind == "freeze":
                 self.cluster.kill_worker(record.target)
+
+    def pause_worker(self, at_step: int, seconds: float, worker: str | None = None) -> FaultSchedule:
+        """SIGSTOP a compute worker (nanny and worker), then SIGCONT it `seconds` later (in the
+        background): a hung device or a stuck read that ends by itself. Stopped for more than two liveness
+        intervals, it leaves the membership; woken, its messages are of an old generation and it joins
+        again."""
+        if not 0.0 < seconds <= 600.0:
+            raise ValueError(f"seconds={seconds!r}: give how long the pause lasts, > 0 and <= 600")
+        self.faults.append(Fault(at_step, "pause", 1, worker, signal.SIGSTOP, seconds=seconds))
+        return self
 
     def retire_worker(self, at_step: int, worker: str | None = None) -> FaultSchedule:
         """Retire a compute worker gracefully (`Client.retire_workers`)."""
@@ -131,6 +146,20 @@ class FaultSchedule:
         if not factor >= 1.0:
             raise ValueError(f"factor={factor!r}: a straggler is slower, so give a factor of 1 or more")
         self.faults.append(Fault(at_step, "slow", 1, worker, factor=factor))
+        return self
+
+    def partition_worker(
+        self, at_step: int, worker: str | None = None, heal_after: float = 20.0
+    ) -> FaultSchedule:
+        """Cut the network of a worker started in a network namespace (`LocalElasticCluster.add_worker(
+        netns=...)`; `netns.NetworkNamespace.cut`: every packet in and out dropped), and heal it
+        `heal_after` seconds later (in the background). `worker` (a name or an address; a static worker
+        too) or, if None, a compute worker in the membership that runs in a namespace. Cut off for long
+        enough, Dask's worker exits; a supervised one (``supervise=True``) is started again, and joins
+        once the link heals."""
+        if not 0.0 < heal_after <= 600.0:
+            raise ValueError(f"heal_after={heal_after!r}: give how long the cut lasts, > 0 and <= 600")
+        self.faults.append(Fault(at_step, "partition", 1, worker, seconds=heal_after))
         return self
 
     def add_static_worker(self, at_step: int, count: int = 1) -> FaultSchedule:
@@ -222,7 +251,7 @@ class FaultSchedule:
         return done
 
     def wait(self, timeout: float = 60.0) -> None:
-        """Wait for background actions (graceful retires) to finish."""
+        """Wait for background actions (graceful retires, the ends of pauses) to finish."""
         for t in self._background:
             t.join(timeout)
 
@@ -241,17 +270,41 @@ class FaultSchedule:
             cluster.kill_worker(picked, sig=signal.SIGSTOP)
             self._freezing = (fault, picked)
             return  # recorded once a fresh progress shows it froze while holding batches
+        elif fault.kind == "partition":
+            in_netns = [] if fault.worker else [w for w in sorted(progress.workers) if cluster.netns_of(w)]
+            if fault.worker is None and not in_netns:
+                self.faults.append(fault)  # no member in a namespace yet (one may be joining): next poll
+                return
+            target = fault.worker or self._rng.choice(in_netns)
+            ns = cluster.netns_of(target)
+            if ns is None:
+                raise ValueError(f"partition: worker {target!r} was not started in a network namespace")
+            ns.cut()
+            heal = threading.Timer(fault.seconds, ns.heal)
+            heal.daemon = True
+            heal.start()
+            self._background.append(heal)
         else:
             picked = fault.worker or (
                 self._holder(progress, fault.role) if fault.role else self._pick(progress)
             )
             if picked is None:
-                log.warning(
-                    "fault %s at step %d: no live compute worker to act on", fault.kind, fault.at_step
-                )
+                if fault.worker is None and fault.role is None:
+                    # Every compute worker is gone or already hit (joins still starting): at the next
+                    # poll, a worker that registered meanwhile is the target.
+                    self.faults.append(fault)
+                    return
+                log.warning("fault %s at step %d: no worker to act on", fault.kind, fault.at_step)
                 return
             target = picked
-            if fault.kind == "slow":
+            if fault.kind == "pause":
+                self._paused.add(target)
+                cluster.kill_worker(target, sig=signal.SIGSTOP)
+                wake = threading.Timer(fault.seconds, self._wake, args=(target,))
+                wake.daemon = True
+                wake.start()
+                self._background.append(wake)
+            elif fault.kind == "slow":
                 cluster.slow_worker(target, fault.factor)
             elif fault.kind == "kill":
                 cluster.kill_worker(target, sig=fault.sig)
@@ -263,9 +316,22 @@ class FaultSchedule:
                 thread = threading.Thread(target=retire, args=(target,), daemon=True)
                 thread.start()
                 self._background.append(thread)
-        record = FaultRecord(progress.committed_steps, fault.kind, target, time.time())
+        record = FaultRecord(
+            progress.committed_steps,
+            fault.kind,
+            target,
+            time.time(),
+            int(fault.sig) if fault.kind in ("kill", "restart") else 0,
+            fault.role,
+        )
         self.log.append(record)
         log.info("fault: %s %s at step %d", fault.kind, target, progress.committed_steps)
+
+    def _wake(self, worker: str) -> None:
+        assert self.cluster is not None
+        with contextlib.suppress(ValueError, RuntimeError):  # killed meanwhile, or the cluster closed
+            self.cluster.kill_worker(worker, sig=signal.SIGCONT)
+        self._paused.discard(worker)  # awake: a target again
 
     def _retire_static(self, worker: str) -> None:
         assert self.cluster is not None
@@ -304,7 +370,7 @@ class FaultSchedule:
     def _pick(self, progress: Progress, holding_only: bool = False) -> str | None:
         # Prefer compute workers that hold micro-batches (a fault mid-step), then other members; never
         # one this schedule already hit (a killed worker stays in the scheduler's list for a few ms).
-        hit = {r.target for r in self.log if r.kind != "add"}
+        hit = {r.target for r in self.log if r.kind not in ("add", "pause")} | self._paused
         live = [w for w in (self.cluster.elastic_addresses() if self.cluster else []) if w not in hit]
         members = [w for w in sorted(progress.workers) if w in live]
         holders = [w for w in members if self._holds(progress, w)]

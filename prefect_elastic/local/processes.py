@@ -17,14 +17,22 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+import psutil
+
 __all__ = ["log_tail", "signal_group", "start_group", "stop_groups"]
 
 _REAP_S = 5.0  # how long to wait for a leader to be reaped after its SIGKILL
+# Every process of a group started here inherits this variable, with a value of that group's own.
+_GROUP_ENV = "PREFECT_ELASTIC_PROCESS_GROUP"
+# A leader's Popen: its group's marker (not keyed by pid, which the kernel reuses).
+_MARKERS: weakref.WeakKeyDictionary[subprocess.Popen[bytes], str] = weakref.WeakKeyDictionary()
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -48,26 +56,51 @@ def start_group(
     ``die_with_parent`` (Linux only) makes the kernel SIGTERM the leader when the *thread* that started it
     ends, so start such groups from the main thread or they go with the thread.
     """
+    marker = uuid.uuid4().hex
     with open(log, "ab") as out:
         # The child keeps its own copy of the descriptor; ours can be closed at once.
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             command,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=dict(env),
+            env={**env, _GROUP_ENV: marker},
             cwd=cwd,
             start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
         )
+    _MARKERS[proc] = marker
+    return proc
 
 
 def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Send `sig` to the process group that `proc` leads; a group that is gone already is no error."""
-    # The group outlives its leader while a child is alive (a nanny's worker, uvicorn's services), so
-    # signal the group even when the leader has already exited.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
+    if proc.poll() is None:
+        # The leader lives (or is an unreaped zombie): the group's id is still its pid, and ours.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+        return
+    # The group outlives its leader while a child is alive (a nanny's worker, uvicorn's services), so its
+    # members are signalled even when the leader has exited. But once every member is gone the kernel may
+    # give the number to a new process, which can lead a group of its own (another cluster's worker: this
+    # machine's pid_max is 32768, and a test session starts thousands of processes). So only the members
+    # that carry this group's marker in their environment are signalled, one by one.
+    marker = _MARKERS.get(proc)
+    for member in _members(proc.pid):
+        try:
+            if marker is not None and member.environ().get(_GROUP_ENV) == marker:
+                member.send_signal(sig)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+
+
+def _members(pgid: int) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess, psutil.AccessDenied):
+            if os.getpgid(process.pid) == pgid:
+                found.append(process)
+    return found
 
 
 def stop_groups(procs: Iterable[subprocess.Popen[bytes]], grace: float = 5.0) -> None:

@@ -1,0 +1,77 @@
+"""The longer chaos soak: the soak tests of tests/test_chaos.py with more rounds of faults, their figures
+written into docs/faults.md (between the soak marks).
+
+    python -m benchmarks.soak               # 10 rounds: 100 faults in each of the three runs
+    python -m benchmarks.soak --rounds 20
+
+It runs pytest (the soak asserts the invariants as it does in CI) with `ELASTIC_SOAK_ROUNDS` and
+`ELASTIC_SOAK_FIGURES` set, and fails if any run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .report import replace_between
+
+ROOT = Path(__file__).resolve().parent.parent
+START = "<!-- soak:start (written by python -m benchmarks.soak; edit outside these marks) -->"
+END = "<!-- soak:end -->"
+
+
+def table(runs: list[dict[str, Any]], rounds: int, when: str) -> str:
+    lines = [
+        f"Made by `python -m benchmarks.soak --rounds {rounds}` on {when} (2 cores, no GPU): each run one "
+        "training job, every invariant asserted at its end.",
+        "",
+        "| run | faults survived | worker processes | steps | membership changes | promotions | "
+        "steps undone | time without a commit | longest stall | run time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for f in runs:
+        kinds = ", ".join(f"{k} {n}" for k, n in sorted(f["by_kind"].items()))
+        lines.append(
+            f"| {f['mode']}, {f['policy']} | {f['faults']} ({kinds}) | {f['processes']} | {f['steps']} | "
+            f"{f['membership_changes']} | {f['promotions']} | {f['steps_lost']} | "
+            f"{f['stalled_seconds']:.1f} s in {len(f['stalls'])} stalls | {f['longest_stall']:.2f} s | "
+            f"{f['elapsed']:.0f} s |"
+        )
+    lines += ["", "The longest stalls, with the faults and then what survival detection did within each:", ""]
+    for f in runs:
+        lines += [f"- {f['mode']}, {f['policy']}: " + "; ".join(f["worst"])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=10, help="rounds of faults per run (10 faults each)")
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "faults.md")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
+    with tempfile.TemporaryDirectory(prefix="prefect-elastic-soak-") as folder:
+        out = Path(folder) / "figures.jsonl"
+        env = {**os.environ, "ELASTIC_SOAK_ROUNDS": str(args.rounds), "ELASTIC_SOAK_FIGURES": str(out)}
+        command = [sys.executable, "-m", "pytest", "-q", "-m", "heavy", "-k", "soak", "tests/test_chaos.py"]
+        print("running", " ".join(command), f"with {args.rounds} rounds", flush=True)
+        code = subprocess.call(command, cwd=ROOT, env=env)
+        runs = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    if code != 0:
+        print(f"the soak failed (pytest exit code {code}); docs not written", file=sys.stderr)
+        return code
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    replace_between(args.docs, START, END, table(runs, args.rounds, when))
+    print(f"wrote the figures of {len(runs)} runs into {args.docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""The chaos soak (issue 13): one training run over at least six worker processes takes at least 50 faults
+of every kind the harness can inject: SIGKILL, SIGTERM, SIGSTOP and SIGCONT, nanny restarts, graceful
+retires, joins, groups of joins, and static workers' SIGKILLs with standbys taking over. Sync mode under
+both policies ends bitwise equal to the one-worker, no-fault run with every batch id committed once; async
+mode commits every batch id once and reaches the loss of a sync run. No process is left behind.
+
+The soak runs are `heavy` (.ci/run runs them in every CI run, after the main suite); the plan and the
+figures are checked here without a cluster. The figures of each run are printed at the end of the test
+output (`pytest_terminal_summary` in conftest.py); `python -m benchmarks.soak` runs a longer soak and writes
+its figures into docs/faults.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+
+import psutil
+import pytest
+
+from prefect_elastic import train
+from prefect_elastic.local.chaos import (
+    GROUP,
+    ROUND,
+    SoakFigures,
+    chaos_schedule,
+    fault_label,
+    plan_rounds,
+    soak_figures,
+)
+from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.local.faults import FaultRecord, FaultSchedule
+from prefect_elastic.messages import EventKind, Progress
+
+from .conftest import SOAK_FIGURES, References, assert_ledger_exactly_once, assert_same_parameters, make_job
+from .models import GATE
+from .test_async import check_async
+
+# 10 faults a round (a group of joins and a static kill with its new standby count 2 each); scripts/soak.sh
+# runs more rounds and writes the figures into docs/faults.md.
+ROUNDS = int(os.environ.get("ELASTIC_SOAK_ROUNDS", "5"))
+EVERY = {"sync": 25, "async": 100}  # committed steps between faults (async commits one micro-batch a step)
+PACE_S = "0.01"  # each forward pass on the soak's workers (not the reference's)
+
+
+# -- the plan, without a cluster --------------------------------------------------------------------------
+
+
+def test_every_round_has_each_fault_kind_and_keeps_the_workers_within_bounds() -> None:
+    plan = plan_rounds(seed=3, rounds=ROUNDS, start_alive=4)
+    assert len(plan) == ROUNDS * len(ROUND)
+    for r in range(ROUNDS):
+        assert sorted(plan[r * len(ROUND) : (r + 1) * len(ROUND)]) == sorted(ROUND)
+    alive = 4
+    for action in plan:
+        alive += {"kill": -1, "sigterm": -1, "retire": -1, "add": 1, "group": GROUP}.get(action, 0)
+        assert 2 <= alive <= 6, plan
+    assert plan != plan_rounds(seed=4, rounds=ROUNDS, start_alive=4), "the seed shuffles the rounds"
+    with pytest.raises(ValueError, match="start_alive=1 must lie within"):
+        plan_rounds(seed=3, rounds=1, start_alive=1)
+
+
+def test_the_schedule_has_at_least_50_faults_and_alternates_the_static_roles_in_sync_mode() -> None:
+    sync = chaos_schedule(seed=3, rounds=ROUNDS, every=10, mode="sync")
+    processes = sum(f.count for f in sync.faults)
+    assert processes >= 50, processes
+    steps = [f.at_step for f in sync.faults]
+    assert steps == sorted(steps) and steps[0] == 5
+    roles = [f.role for f in sync.faults if f.role]
+    assert roles[:2] == ["data-server-1", "coordinator"] and len(roles) == ROUNDS
+    pauses = [f.seconds for f in sync.faults if f.kind == "pause"]
+    assert len(pauses) == ROUNDS and all(0.4 <= s <= 2.5 for s in pauses)
+    asynchronous = chaos_schedule(seed=3, rounds=ROUNDS, every=10, mode="async")
+    roles = [f.role for f in asynchronous.faults if f.role]
+    assert set(roles) == {"data-server-1"}, "the coordinator's loss is not survived in async mode yet"
+
+
+def test_the_figures_count_stalls_and_tell_faults_apart() -> None:
+    records = [
+        FaultRecord(1, "kill", "a", 0.0, int(signal.SIGKILL)),
+        FaultRecord(2, "kill", "b", 0.0, int(signal.SIGTERM)),
+        FaultRecord(3, "kill", "c", 0.0, int(signal.SIGKILL), "coordinator"),
+        FaultRecord(4, "restart", "d", 0.0, int(signal.SIGKILL)),
+    ]
+    assert [fault_label(r) for r in records] == ["kill", "sigterm", "kill coordinator", "restart"]
+
+
+# -- the soak ---------------------------------------------------------------------------------------------
+
+
+class HoldForFaults:
+    """Training waits (at the gate of `tests.models:env_paced_mlp`) `margin` steps before its end while
+    faults of the schedule have not run yet (one due waits for a target: a worker to join), so that every
+    planned fault hits a running job however slowly the machine starts processes."""
+
+    def __init__(self, faults: FaultSchedule, margin: int, longest: float = 120.0) -> None:
+        self.faults = faults
+        self.margin = margin
+        self.deadline: float | None = None
+        self.longest = longest  # then training goes on, and the test says which faults did not run
+
+    def __call__(self, progress: Progress) -> None:
+        near_end = progress.committed_steps >= progress.total_steps - self.margin
+        if near_end and self.faults.faults and progress.state == "running":
+            self.deadline = self.deadline or time.monotonic() + self.longest
+            if time.monotonic() < self.deadline:
+                GATE.touch()
+                return
+        GATE.unlink(missing_ok=True)
+
+
+def soak_processes(marker: str) -> list[psutil.Process]:
+    """Every live process started for the soak's cluster: they all carry `marker` in their environment."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("ELASTIC_TESTS_SOAK") == marker:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.mark.heavy
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("mode", "policy"), [("sync", "rollback"), ("sync", "reassign"), ("async", "reassign")]
+)
+def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: str) -> None:
+    marker = uuid.uuid4().hex
+    # Steps of 4 micro-batches; async mode's faults are `EVERY` batch ids (a quarter of a step) apart.
+    steps_wanted = 5 + ROUNDS * len(ROUND) * EVERY["sync"] + 60
+    epochs = -(-steps_wanted * 64 // 1797)  # steps of 4 micro-batches of 16 over the 1797 digits
+    job = make_job(
+        digits_url,
+        policy,
+        model="tests.models:env_paced_mlp",
+        epochs=epochs,
+        mode=mode,
+        job_id=f"soak-{mode}-{policy}",
+    )
+    faults = chaos_schedule(seed=7, rounds=ROUNDS, every=EVERY[mode], mode=mode)
+    planned = sum(f.count for f in faults.faults)
+    env = {"ELASTIC_TESTS_PACE_S": PACE_S, "ELASTIC_TESTS_SOAK": marker}
+    with LocalElasticCluster(static_workers=3, elastic_workers=4, env=env) as cluster:
+        try:
+            result = train(job, cluster=cluster, faults=faults, on_progress=HoldForFaults(faults, 30))
+        finally:
+            GATE.unlink(missing_ok=True)
+            faults.wait(30)
+        running = soak_processes(marker)
+    left_behind = soak_processes(marker)
+    figures = soak_figures(result, faults)
+    SOAK_FIGURES.append(figures)
+    print(figures.summary())
+    if os.environ.get("ELASTIC_SOAK_FIGURES"):  # scripts/soak.sh collects them for docs/faults.md
+        with open(os.environ["ELASTIC_SOAK_FIGURES"], "a") as out:
+            out.write(json.dumps(dataclasses.asdict(figures)) + "\n")
+
+    if mode == "sync":
+        assert_same_parameters(result, reference(job.model_copy(update={"mode": "sync"})))
+        assert_ledger_exactly_once(result)
+    else:
+        # As `check_async`, except that promotions in async mode retract what the promoted shard's snapshot
+        # lacks from the ledger (those ids are trained again): every step undone is one of those.
+        promoted = sum(e.steps_lost for e in result.events if e.kind == EventKind.PROMOTED)
+        assert result.steps_lost == promoted and result.counters["rollbacks"] == 0
+        check_async(result, reference(job.model_copy(update={"mode": "sync"})), retracted=promoted)
+    ran = Counter(map(fault_label, faults.log))
+    assert len(faults.log) == planned >= 50, f"every planned fault ran: {ran}"
+    assert figures.processes >= 6, "at least six worker processes took part"
+    kinds = set(figures.by_kind)
+    assert {"kill", "sigterm", "pause", "restart", "retire", "add", "add-static"} <= kinds, kinds
+    assert figures.promotions >= ROUNDS, "every static kill was taken over by a standby"
+    assert len(running) >= 2 * (3 + 4), "the check below sees the cluster's processes while they run"
+    assert not left_behind, f"processes left behind: {[(p.pid, p.name()) for p in left_behind]}"
+    assert isinstance(figures, SoakFigures) and figures.membership_changes >= ROUNDS
+    assert os.getpid() not in {p.pid for p in running}
