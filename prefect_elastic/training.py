@@ -1180,6 +1180,11 @@ class TrainingRun:
         if not standbys([r["address"] for r in heard], self.placement):
             roles = {*self.placement, self.coordinator_at}
             heard += [r for r in static if r not in heard and r["address"] in roles]
+        elif self.job.mode == "async":
+            # Nor is the coordinator's worker given up for silence in async mode, where its loss ends the
+            # job (docs/design/async.md): a worker only starved of CPU for a moment (seen in the chaos
+            # soak on 2 cores) would otherwise end it. Dask's removal still counts.
+            heard += [r for r in static if r not in heard and r["address"] == self.coordinator_at]
         static = heard
         requested = getattr(self.cluster, "requested", None)
         pending = len(set(map(str, requested)) - {str(r["name"]) for r in rows}) if requested else 0

@@ -10,7 +10,7 @@ bash scripts/install-browser.sh  # headless Chromium for the Prefect UI test
 # The services the tests start themselves: SLURM (a controller and two nodes on 127.0.0.1) and PostgreSQL
 # (a Prefect server on it), from Debian's packages.
 bash scripts/install-slurm.sh
-bash scripts/apt-install.sh postgresql-15
+bash scripts/apt-install.sh postgresql-15 iptables iproute2  # iptables and ip: the network-partition tests
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy

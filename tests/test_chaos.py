@@ -35,14 +35,15 @@ from prefect_elastic.local.chaos import (
 )
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultRecord, FaultSchedule
+from prefect_elastic.local.netns import HostNetwork
 from prefect_elastic.messages import EventKind, Progress
 
 from .conftest import SOAK_FIGURES, References, assert_ledger_exactly_once, assert_same_parameters, make_job
 from .models import GATE
 from .test_async import check_async
 
-# 10 faults a round (a group of joins and a static kill with its new standby count 2 each); scripts/soak.sh
-# runs more rounds and writes the figures into docs/faults.md.
+# 11 faults a round (a group of joins and a static kill with its new standby count 2 each);
+# `python -m benchmarks.soak` runs more rounds and writes the figures into docs/faults.md.
 ROUNDS = int(os.environ.get("ELASTIC_SOAK_ROUNDS", "5"))
 EVERY = {"sync": 25, "async": 100}  # committed steps between faults (async commits one micro-batch a step)
 PACE_S = "0.01"  # each forward pass on the soak's workers (not the reference's)
@@ -75,6 +76,13 @@ def test_the_schedule_has_at_least_50_faults_and_alternates_the_static_roles_in_
     assert roles[:2] == ["data-server-1", "coordinator"] and len(roles) == ROUNDS
     pauses = [f.seconds for f in sync.faults if f.kind == "pause"]
     assert len(pauses) == ROUNDS and all(0.4 <= s <= 2.5 for s in pauses)
+    cuts = [f.seconds for f in sync.faults if f.kind == "partition"]
+    assert len(cuts) == ROUNDS and all(2.0 <= s <= 5.0 for s in cuts)
+    without = chaos_schedule(seed=3, rounds=ROUNDS, every=10, partitions=False)
+    assert (
+        not [f for f in without.faults if f.kind == "partition"]
+        and len(without.faults) == len(sync.faults) - ROUNDS
+    )
     asynchronous = chaos_schedule(seed=3, rounds=ROUNDS, every=10, mode="async")
     roles = [f.role for f in asynchronous.faults if f.role]
     assert set(roles) == {"data-server-1"}, "the coordinator's loss is not survived in async mode yet"
@@ -148,7 +156,14 @@ def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: s
     faults = chaos_schedule(seed=7, rounds=ROUNDS, every=EVERY[mode], mode=mode)
     planned = sum(f.count for f in faults.faults)
     env = {"ELASTIC_TESTS_PACE_S": PACE_S, "ELASTIC_TESTS_SOAK": marker}
-    with LocalElasticCluster(static_workers=3, elastic_workers=4, env=env) as cluster:
+    with (
+        HostNetwork() as net,
+        LocalElasticCluster(static_workers=3, elastic_workers=2, env=env, host=net.address) as cluster,
+    ):
+        # Two of the four compute workers run in network namespaces (the partitions' targets), under a
+        # supervisor that starts them again if they exit, as systemd or SLURM would.
+        names = [cluster.add_worker(netns=net.namespace(), supervise=True, wait=False) for _ in range(2)]
+        cluster.wait_for_workers(names)
         try:
             result = train(job, cluster=cluster, faults=faults, on_progress=HoldForFaults(faults, 30))
         finally:
@@ -176,9 +191,9 @@ def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: s
     assert len(faults.log) == planned >= 50, f"every planned fault ran: {ran}"
     assert figures.processes >= 6, "at least six worker processes took part"
     kinds = set(figures.by_kind)
-    assert {"kill", "sigterm", "pause", "restart", "retire", "add", "add-static"} <= kinds, kinds
+    assert {"kill", "sigterm", "pause", "restart", "retire", "add", "add-static", "partition"} <= kinds, kinds
     assert figures.promotions >= ROUNDS, "every static kill was taken over by a standby"
-    assert len(running) >= 2 * (3 + 4), "the check below sees the cluster's processes while they run"
+    assert len(running) >= 2 * (3 + 2), "the check below sees the cluster's processes while they run"
     assert not left_behind, f"processes left behind: {[(p.pid, p.name()) for p in left_behind]}"
     assert isinstance(figures, SoakFigures) and figures.membership_changes >= ROUNDS
     assert os.getpid() not in {p.pid for p in running}

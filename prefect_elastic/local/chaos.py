@@ -8,8 +8,10 @@
 
 A round is one fault of each kind (`ROUND`), in an order the seed shuffles: a SIGKILL, a SIGTERM (a
 graceful leave), a pause (SIGSTOP, then SIGCONT seconds later), a nanny restart, a graceful retire, a
-join, a group of joins, and a static worker's SIGKILL with a new static worker started at the same step
-(the next standby). In sync mode the static kills alternate between data server 1 and the coordinator;
+join, a group of joins, a static worker's SIGKILL with a new static worker started at the same step
+(the next standby), and a network partition of a compute worker that runs in a network namespace (its
+link cut, healed seconds later; `partitions=False` leaves it out, for a cluster without namespaces).
+In sync mode the static kills alternate between data server 1 and the coordinator;
 in async mode they hit data server 1 only (the coordinator's loss is not survived in async mode yet,
 docs/design/async.md). The order keeps the compute workers the schedule counts alive within bounds, so
 that a kill always finds a target and the cluster does not outgrow the machine.
@@ -32,18 +34,26 @@ from ..messages import EventKind
 from ..training import TrainResult
 from .faults import FaultRecord, FaultSchedule
 
-Action = Literal["kill", "sigterm", "pause", "restart", "retire", "add", "group", "static"]
+Action = Literal["kill", "sigterm", "pause", "restart", "retire", "add", "group", "static", "partition"]
 
-ROUND: tuple[Action, ...] = ("kill", "sigterm", "pause", "restart", "retire", "add", "group", "static")
+ROUND: tuple[Action, ...] = (
+    "kill", "sigterm", "pause", "restart", "retire", "add", "group", "static", "partition",
+)  # fmt: skip
 # How each action changes the count of live compute workers.
 _ALIVE_CHANGE: dict[Action, int] = {"kill": -1, "sigterm": -1, "retire": -1, "add": 1, "group": 2}
 GROUP = 2  # workers started together in a group of joins
 
 
 def plan_rounds(
-    seed: int, rounds: int, *, start_alive: int, min_alive: int = 2, max_alive: int = 6
+    seed: int,
+    rounds: int,
+    *,
+    start_alive: int,
+    min_alive: int = 2,
+    max_alive: int = 6,
+    kinds: tuple[Action, ...] = ROUND,
 ) -> list[Action]:
-    """`rounds` rounds of `ROUND`, each shuffled by the seed until the live compute workers, counted from
+    """`rounds` rounds of `kinds`, each shuffled by the seed until the live compute workers, counted from
     `start_alive`, stay within [min_alive, max_alive] before and after every action."""
     if not min_alive <= start_alive <= max_alive:
         raise ValueError(
@@ -56,7 +66,7 @@ def plan_rounds(
     alive = start_alive
     for _ in range(rounds):
         for _attempt in range(1000):
-            order = list(ROUND)
+            order = list(kinds)
             rng.shuffle(order)
             counts = _running_counts(alive, order)
             if min(counts) >= min_alive and max(counts) <= max_alive:
@@ -84,16 +94,21 @@ def chaos_schedule(
     first_step: int = 5,
     start_alive: int = 4,
     pause_seconds: tuple[float, float] = (0.4, 2.5),
+    partitions: bool = True,
+    cut_seconds: tuple[float, float] = (2.0, 5.0),
 ) -> FaultSchedule:
     """A `FaultSchedule` of `rounds` rounds (`plan_rounds`), one action every `every` committed steps
     from `first_step` on. A pause lasts a seeded time within `pause_seconds`: shorter than two liveness
-    intervals, the worker is a straggler for a moment; longer, it leaves the membership and joins again."""
+    intervals, the worker is a straggler for a moment; longer, it leaves the membership and joins again. A
+    partition lasts a seeded time within `cut_seconds` (shorter than Dask's TCP timeout, so the same
+    process joins again once healed)."""
     if every < 1 or rounds < 1:
         raise ValueError(f"rounds={rounds} and every={every} must be at least 1")
     rng = random.Random(seed + 1)
     schedule = FaultSchedule(seed=seed)
     static_kills = 0
-    for i, action in enumerate(plan_rounds(seed, rounds, start_alive=start_alive)):
+    kinds = ROUND if partitions else tuple(k for k in ROUND if k != "partition")
+    for i, action in enumerate(plan_rounds(seed, rounds, start_alive=start_alive, kinds=kinds)):
         at = first_step + i * every
         if action == "kill":
             schedule.kill_worker(at)
@@ -109,6 +124,8 @@ def chaos_schedule(
             schedule.add_worker(at)
         elif action == "group":
             schedule.add_worker(at, count=GROUP)
+        elif action == "partition":
+            schedule.partition_worker(at, heal_after=round(rng.uniform(*cut_seconds), 2))
         else:
             if mode == "sync" and static_kills % 2 == 1:
                 schedule.kill_coordinator(at)
