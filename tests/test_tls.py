@@ -162,6 +162,7 @@ def test_the_tls_flow_parameter_names_bad_files_and_keys(tmp_path: Path) -> None
         tls_security({"ca_file": "/nowhere/ca.pem", "cert": "/nowhere/cert.pem"})
 
 
+@pytest.mark.heavy  # two flow runs against the Prefect server: in .ci/run's second stage, for time
 def test_a_flow_run_by_address_reaches_a_tls_cluster_with_the_tls_parameter(
     prefect_server: PrefectServer, tls_cluster: LocalElasticCluster, digits_url: str, tmp_path: Path
 ) -> None:

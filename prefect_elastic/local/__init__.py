@@ -11,6 +11,8 @@ their jobs before they take them to a real cluster.
   PREFECT_HOME); `postgres.LocalPostgres`: a throwaway PostgreSQL server for it;
 - `slurm.LocalSlurm`: a real SLURM controller with two nodes on 127.0.0.1, for the SLURM tests;
 - `slow`: a straggler (a worker slowed by a factor) and slowed shards, for async mode's tests;
+- `netns`: network namespaces on a bridge, whose links a test cuts and heals (network partitions);
+- `chaos`: the chaos soak's schedule (every fault kind, in rounds) and its figures;
 - `demo`: the README's demo (`prefect-elastic demo`);
 - `processes`: starting and stopping the process groups the others run.
 

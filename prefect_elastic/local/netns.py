@@ -135,7 +135,22 @@ def _used_networks() -> list[ipaddress.IPv4Network]:
     return used
 
 
-class HostNetwork:
+class _Closed:
+    """``with`` closes it (`close()`), whatever happened inside."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class HostNetwork(_Closed):
     """A bridge in the root network namespace on a ``/24`` of ``10.77.0.0/16`` that this machine does
     not use yet, with the host's address ``.1`` (`address`), and the namespaces joined to it."""
 
@@ -198,19 +213,11 @@ class HostNetwork:
             ns.close()
         _run("ip", "link", "del", self.bridge, check=False)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         return f"<HostNetwork {self.bridge} {self.network}, {len(self.namespaces)} namespaces>"
 
 
-class NetworkNamespace:
+class NetworkNamespace(_Closed):
     """One network namespace joined to a `HostNetwork` by a veth pair; made by `HostNetwork.namespace`.
 
     `exec_prefix` runs a command inside it; `cut` and `heal` partition it from every other process."""
@@ -293,14 +300,6 @@ class NetworkNamespace:
         # Deleting the namespace deletes its end of the pair, and with it the host end; if the link was
         # never moved in, delete it here.
         _run("ip", "link", "del", self.host_link, check=False)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("cut" if self.is_cut else "connected")
