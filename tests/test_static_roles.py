@@ -349,6 +349,7 @@ def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_re
     assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
 
 
+@pytest.mark.heavy  # (about a minute for both: in .ci/run's second stage, to keep the main suite short)
 @pytest.mark.parametrize("role", ["data-server", "coordinator"])
 def test_a_static_worker_sigtermed_hands_its_roles_over_with_no_step_redone(
     static_cluster: LocalElasticCluster, reference: References, digits_url: str, role: str
