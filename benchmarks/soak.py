@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="rounds of faults per run (10 faults each)")
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "faults.md")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: give at least 1")
+    if args.rounds < 5:
+        parser.error(f"--rounds {args.rounds}: the soak asserts at least 50 faults a run, so give 5 or more")
     with tempfile.TemporaryDirectory(prefix="prefect-elastic-soak-") as folder:
         out = Path(folder) / "figures.jsonl"
         env = {**os.environ, "ELASTIC_SOAK_ROUNDS": str(args.rounds), "ELASTIC_SOAK_FIGURES": str(out)}
