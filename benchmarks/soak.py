@@ -41,7 +41,7 @@ def table(runs: list[dict[str, Any]], rounds: int, when: str) -> str:
         lines.append(
             f"| {f['mode']}, {f['policy']} | {f['faults']} ({kinds}) | {f['processes']} | {f['steps']} | "
             f"{f['membership_changes']} | {f['promotions']} | {f['steps_lost']} | "
-            f"{f['stalled_seconds']:.1f} s in {len(f['stalls'])} stalls | {f['longest_stall']:.2f} s | "
+            f"{sum(f['stalls']):.1f} s in {len(f['stalls'])} stalls | {f['longest_stall']:.2f} s | "
             f"{f['elapsed']:.0f} s |"
         )
     lines += ["", "The longest stalls, with the faults and then what survival detection did within each:", ""]

@@ -27,7 +27,6 @@ from prefect_elastic import train
 from prefect_elastic.local.chaos import (
     GROUP,
     ROUND,
-    SoakFigures,
     chaos_schedule,
     fault_label,
     plan_rounds,
@@ -195,5 +194,4 @@ def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: s
     assert figures.promotions >= ROUNDS, "every static kill was taken over by a standby"
     assert len(running) >= 2 * (3 + 2), "the check below sees the cluster's processes while they run"
     assert not left_behind, f"processes left behind: {[(p.pid, p.name()) for p in left_behind]}"
-    assert isinstance(figures, SoakFigures) and figures.membership_changes >= ROUNDS
-    assert os.getpid() not in {p.pid for p in running}
+    assert figures.membership_changes >= ROUNDS

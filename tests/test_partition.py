@@ -16,10 +16,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 
-from prefect_elastic import train
+from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.local import netns
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -140,6 +141,38 @@ def partition_cluster(net: HostNetwork, static_workers: int, elastic_workers: in
     )
 
 
+class CutRun(NamedTuple):
+    """A training run in which the compute worker `name`, in the namespace `ns`, was cut off."""
+
+    result: TrainResult
+    faults: FaultSchedule
+    hold: HoldUntilBack
+    ns: NetworkNamespace
+    name: str
+    restarts: list[float]  # when its supervisor started it again
+    listed: list[str]  # the workers the scheduler listed at the end
+
+
+def run_cut(network: HostNetwork, job: ElasticJob, heal_after: float, by_schedule: bool) -> CutRun:
+    """Train `job` on a cluster of 2 static workers, one compute worker outside a namespace and one (under
+    a supervisor) inside one, whose link the fault schedule cuts at step 6 and heals `heal_after` seconds
+    later (`by_schedule`: waited for), or `HoldUntilBack` once the supervisor started it again."""
+    with partition_cluster(network, static_workers=2, elastic_workers=1) as cluster:
+        ns = network.namespace()
+        name = cluster.add_worker(netns=ns, supervise=True)
+        faults = FaultSchedule().partition_worker(at_step=6, heal_after=heal_after)
+        hold = HoldUntilBack(cluster, faults, name, go_on=5)
+        try:
+            result = train(job, cluster=cluster, faults=faults, on_progress=hold)
+        finally:
+            GATE.unlink(missing_ok=True)
+            if not by_schedule:
+                ns.heal()
+        if by_schedule:
+            faults.wait(timeout=heal_after + 5)
+        return CutRun(result, faults, hold, ns, name, cluster.restarts(name), cluster.worker_names())
+
+
 class HoldUntilBack:
     """An `on_progress` callback for a job of `tests.models:gated_mlp`. Once the fault schedule cut the
     network of the worker named `name` and it left the membership, lets training go on without it for
@@ -187,17 +220,7 @@ def test_a_cut_compute_worker_leaves_within_two_liveness_intervals_and_joins_aga
         digits_url, policy, job_id=f"partition-{policy}", model="tests.models:gated_mlp",
         liveness_interval=LIVENESS_S,
     )  # fmt: skip
-    with partition_cluster(network, static_workers=2, elastic_workers=1) as cluster:
-        ns = network.namespace()
-        name = cluster.add_worker(netns=ns, supervise=True)
-        faults = FaultSchedule().partition_worker(at_step=6, heal_after=MAX_CUT_S)
-        hold = HoldUntilBack(cluster, faults, name, go_on=5)
-        try:
-            result = train(job, cluster=cluster, faults=faults, on_progress=hold)
-        finally:
-            GATE.unlink(missing_ok=True)
-            ns.heal()
-        restarts = cluster.restarts(name)
+    result, faults, hold, ns, _, restarts, _ = run_cut(network, job, MAX_CUT_S, by_schedule=False)
 
     assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
@@ -237,18 +260,7 @@ def test_a_short_cut_of_a_compute_worker_and_it_is_a_member_again_once_healed(
         digits_url, "reassign", job_id="partition-short", model="tests.models:gated_mlp",
         liveness_interval=LIVENESS_S,
     )  # fmt: skip
-    with partition_cluster(network, static_workers=2, elastic_workers=1) as cluster:
-        ns = network.namespace()
-        name = cluster.add_worker(netns=ns, supervise=True)
-        faults = FaultSchedule().partition_worker(at_step=6, heal_after=SHORT_CUT_S)
-        hold = HoldUntilBack(cluster, faults, name, go_on=5)
-        try:
-            result = train(job, cluster=cluster, faults=faults, on_progress=hold)
-        finally:
-            GATE.unlink(missing_ok=True)
-        faults.wait(timeout=SHORT_CUT_S + 5)
-        restarts = cluster.restarts(name)
-        listed = cluster.worker_names()
+    result, faults, hold, ns, name, restarts, listed = run_cut(network, job, SHORT_CUT_S, by_schedule=True)
 
     assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)

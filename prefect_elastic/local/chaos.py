@@ -25,7 +25,6 @@ from __future__ import annotations
 import itertools
 import random
 import signal
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
@@ -149,12 +148,18 @@ class SoakFigures:
     membership_changes: int  # rollbacks and reassigns
     promotions: int  # lost static roles taken over by a standby (data servers and the coordinator)
     steps_lost: int  # committed steps undone by rollbacks
-    stalled_seconds: float  # time in gaps between commits longer than the liveness interval
     longest_stall: float  # the longest gap between two commits, seconds
     elapsed: float
-    stalls: list[float] = field(default_factory=list)
+    stalls: list[float] = field(
+        default_factory=list
+    )  # gaps between commits longer than the liveness interval
     # The longest stalls, each with the faults and the events of survival detection within it.
     worst: list[str] = field(default_factory=list)
+
+    @property
+    def stalled_seconds(self) -> float:
+        """The time the committed steps stood still: the stalls together."""
+        return sum(self.stalls)
 
     def summary(self) -> str:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.by_kind.items()))
@@ -222,15 +227,8 @@ def soak_figures(result: TrainResult, faults: FaultSchedule) -> SoakFigures:
         membership_changes=len(changes),
         promotions=len(promoted),
         steps_lost=result.steps_lost,
-        stalled_seconds=sum(stalls),
         longest_stall=max(gaps, default=0.0),
         elapsed=result.elapsed,
         stalls=stalls,
         worst=worst_stalls(result, faults.log),
     )
-
-
-def median_gap(result: TrainResult) -> float:
-    """The median time between two commits: a step, where nothing went wrong."""
-    gaps = commit_gaps(result.commit_times)
-    return statistics.median(gaps) if gaps else 0.0
