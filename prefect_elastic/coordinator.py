@@ -70,6 +70,10 @@ class ShardUnreachable(Exception):
         super().__init__(message)
         self.index = index
 
+    def __reduce__(self) -> tuple[type[ShardUnreachable], tuple[int, str]]:
+        # Raised out of an actor call, it is pickled to the caller: by default with its message alone.
+        return (type(self), (self.index, str(self)))
+
 
 class Coordinator:
     def __init__(
@@ -372,33 +376,37 @@ class Coordinator:
         began = time.time()
         lock, _ = self._primitives()
         state = self._state
-        if state.mode == "async":
+        try:
             async with lock:
                 if not state.finished:
-                    # Every shard fenced and snapshotted where it stands (its copy on the peer): the
-                    # standby takes exactly what the retiring shard had applied, so nothing is redone.
-                    await self._pause_for_snapshot(began)
-                    for index in indices:
-                        self._take(state.lose_shard(index, state.generation, reason, time.time()))
-            await self._notify()
-            return state.ledger.snapshot_step
-        async with lock:
-            if not state.finished:
-                if not state.suspended and state.members:  # (standing shards take no step to wait for)
-                    await self._hold_at_one_version()
-                decision = replace(
-                    survival_check(state.survival_state(), frozenset(state.members), began),
-                    action=Action.REASSIGN,
-                    generation=state.generation + 1,
-                    reason=reason,
-                )
-                await self._change_membership(decision, "hand-over", began)
-                state.suspended = True
-                await self._snapshot_committed(began)
-                for index in indices:
-                    self._take(state.lose_shard(index, state.generation, reason, time.time()))
+                    await self._hand_over(indices, reason, began)
+        except ShardUnreachable as lost:
+            # A worker died in the middle (the retiring one itself, killed before it was done): a loss like
+            # any other, so its data servers go to standbys from the last snapshot every shard confirmed.
+            await self.shards_lost([lost.index], f"{reason}, and was lost during the hand-over: {lost}")
         await self._notify()
         return state.ledger.snapshot_step
+
+    async def _hand_over(self, indices: list[int], reason: str, began: float) -> None:
+        state = self._state
+        if state.mode == "async":
+            # Every shard fenced and snapshotted where it stands (its copy on the peer): the standby takes
+            # exactly what the retiring shard had applied, so nothing is redone.
+            await self._pause_for_snapshot(began)
+        else:
+            if not state.suspended and state.members:  # (standing shards take no step to wait for)
+                await self._hold_at_one_version()
+            decision = replace(
+                survival_check(state.survival_state(), frozenset(state.members), began),
+                action=Action.REASSIGN,
+                generation=state.generation + 1,
+                reason=reason,
+            )
+            await self._change_membership(decision, "hand-over", began)
+            state.suspended = True
+            await self._snapshot_committed(began)
+        for index in indices:
+            self._take(state.lose_shard(index, state.generation, reason, time.time()))
 
     async def _hold_at_one_version(self, tries: int = 2) -> None:
         """Let the steps in flight finish, then stop every shard at the same step boundary (`hold_at`), so

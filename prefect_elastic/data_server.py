@@ -306,7 +306,7 @@ class DataServer:
             self._apply_lock = asyncio.Lock()
         async with self._apply_lock:
             self._check(generation, "apply")  # a fence may have come while this one waited its turn
-            delay = _shard_delay()
+            delay = _plugin_seconds(SHARD_DELAY)
             if delay:
                 await asyncio.sleep(delay)  # a slowed shard (test hook, see local/slow.py)
                 self._check(generation, "apply")
@@ -509,6 +509,9 @@ class DataServer:
         finds them all at that version and nothing is undone (a hand-over). Returns the version reached;
         the next fence lifts the hold."""
         self._check(generation, "hold")
+        delay = _plugin_seconds(HAND_OVER_DELAY)
+        if delay:
+            await asyncio.sleep(delay)  # a slowed hand-over (test hook, see local/slow.py)
         self._hold = version
         if self.version < version:
             with contextlib.suppress(RecoverableError, StaleGenerationError):
@@ -772,15 +775,17 @@ def _replica_of(snap: _Snapshot) -> dict[str, Any]:
 
 
 SHARD_DELAY = "prefect-elastic-shard-delay"
+HAND_OVER_DELAY = "prefect-elastic-hand-over-delay"
 
 
-def _shard_delay() -> float:
-    """Seconds a shard waits before each async apply where its worker has a plugin named `SHARD_DELAY`
-    with a `seconds` attribute (the slowed-shard test hook, `prefect_elastic.local.slow`); 0 elsewhere."""
+def _plugin_seconds(name: str) -> float:
+    """The test hooks' delays (`prefect_elastic.local.slow`): the `seconds` of the worker plugin named
+    `name` where this worker has one (`SHARD_DELAY`: before each async apply; `HAND_OVER_DELAY`: in a
+    hand-over's `hold_at`); 0 elsewhere."""
     try:
         from distributed import get_worker
 
-        plugin = get_worker().plugins.get(SHARD_DELAY)
+        plugin = get_worker().plugins.get(name)
     except Exception:
         return 0.0  # made outside a worker (unit tests)
     return float(getattr(plugin, "seconds", 0.0)) if plugin is not None else 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 from prefect_elastic import train
 from prefect_elastic.coordinator import Coordinator
 from prefect_elastic.errors import DataServerLostError
+from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
@@ -347,6 +349,61 @@ def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_re
     assert handed and all("retiring" in e.reason for e in handed)
     assert result.counters["promotions"] == len(handed) == 1
     assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
+
+
+@pytest.mark.parametrize(
+    "role",
+    # (The coordinator's case in .ci/run's second stage, to keep the main suite short.)
+    ["data-server", pytest.param("coordinator", marks=pytest.mark.heavy)],
+)
+def test_a_static_worker_killed_in_the_middle_of_its_hand_over_is_a_loss_the_job_survives(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str, role: str
+) -> None:
+    """A static worker asked to retire is SIGKILLed while it hands its roles over (a SLURM job's grace
+    period that ends, a second signal): the hand-over gives up as soon as the worker is gone, its data
+    server goes to the standby from its peer's replica of the last snapshot, as for any loss, and the
+    coordinator (if it lived there) is rebuilt on another static worker. The result is bitwise the no-fault
+    run's. (A hook holds the hand-over for longer than the job's call timeout, so waiting for the call
+    instead of watching the worker ends the job.)"""
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 3)
+    job = make_job(digits_url, "reassign", job_id=f"retire-killed-{role}", call_timeout=20.0)
+    placement = Placement()
+    asked: list[str] = []
+    killer: list[threading.Timer] = []
+
+    def retire_then_kill(p: Progress) -> None:
+        placement(p)
+        if asked or p.committed_steps < 12:
+            return
+        asked.append(p.coordinator_at if role == "coordinator" else p.data_servers[1])
+        with static_cluster.client() as client:
+            slow.register(client, slow.SlowHandOver(asked[0], 3 * job.call_timeout))
+            client.retire_workers([asked[0]], close_workers=True)
+        # The controller starts the hand-over within a liveness interval, and the hook holds it there.
+        killer.append(threading.Timer(5 * job.liveness_interval, static_cluster.kill_worker, (asked[0],)))
+        killer[0].start()
+
+    try:
+        result = train(job, cluster=static_cluster, on_progress=retire_then_kill)
+    finally:
+        for timer in killer:
+            timer.join()
+        with static_cluster.client() as client:
+            slow.clear(client)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    (worker,) = asked
+    first, last = placement.seen[0], placement.seen[-1]
+    index = first.data_servers.index(worker)
+    assert last.data_servers[index] == first.standbys[0], "its data server now lives on the standby"
+    assert worker not in last.data_servers and last.coordinator_at != worker
+    kinds = [e.kind for e in result.events]
+    assert result.counters["promotions"] == kinds.count(EventKind.PROMOTED) == 1
+    assert kinds.count(EventKind.COORDINATOR_REBUILT) == (1 if role == "coordinator" else 0)
+    if role == "data-server":  # (the coordinator's own record of the loss went with its worker)
+        lost = [e for e in result.events if e.kind == EventKind.SHARD_LOST]
+        assert lost and all(worker in e.reason for e in lost), [e.reason for e in lost]
 
 
 @pytest.mark.heavy  # (about a minute for both: in .ci/run's second stage, to keep the main suite short)

@@ -7,8 +7,11 @@
 - `SlowShards(seconds)`: a plugin registered under `data_server.SHARD_DELAY`; every data server on a worker
   that has it waits `seconds` before each async apply (the test hook for candidate steps: answers that
   come later than the workers' compute).
+- `SlowHandOver(worker, seconds)`: a plugin registered under `data_server.HAND_OVER_DELAY`; the data server
+  on the worker it names waits `seconds` when a hand-over asks it to hold (the test hook for a static worker
+  that dies in the middle of handing its roles over).
 
-Registering a plugin under a name that is taken replaces the one there; `clear` removes both.
+Registering a plugin under a name that is taken replaces the one there; `clear` removes them all.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import distributed
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..compute import SLOWDOWN
-from ..data_server import SHARD_DELAY
+from ..data_server import HAND_OVER_DELAY, SHARD_DELAY
 
 
 class Straggler(WorkerPlugin):
@@ -51,13 +54,31 @@ class SlowShards(WorkerPlugin):
         self.seconds = float(seconds)
 
 
-def register(client: distributed.Client, plugin: Straggler | SlowShards) -> None:
+class SlowHandOver(WorkerPlugin):
+    """Makes the data server on one worker (a name or an address) wait `seconds` when a hand-over asks it
+    to hold at a step; 0 everywhere else."""
+
+    name = HAND_OVER_DELAY
+
+    def __init__(self, worker: str, seconds: float) -> None:
+        if not seconds >= 0.0:
+            raise ValueError(f"seconds={seconds!r}: give a delay of 0 or more seconds")
+        self.worker = worker
+        self.wanted = float(seconds)
+        self.seconds = 0.0
+
+    def setup(self, worker: Any) -> None:
+        if self.worker in (str(worker.address), str(worker.name)):
+            self.seconds = self.wanted
+
+
+def register(client: distributed.Client, plugin: Straggler | SlowShards | SlowHandOver) -> None:
     """Register `plugin` on every worker, present and future (one with its name is replaced)."""
     client.register_plugin(plugin, name=plugin.name)
 
 
 def clear(client: distributed.Client) -> None:
-    """Remove both plugins from every worker (where registered)."""
-    for name in (SLOWDOWN, SHARD_DELAY):
+    """Remove every plugin of this module from every worker (where registered)."""
+    for name in (SLOWDOWN, SHARD_DELAY, HAND_OVER_DELAY):
         with contextlib.suppress(ValueError):  # not registered
             client.unregister_worker_plugin(name)
