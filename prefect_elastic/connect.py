@@ -414,6 +414,34 @@ GRACEFUL_STIMULI = ("retire-workers", "worker-close-gracefully")
 GRACEFUL_MEMORY_SECONDS = 600.0
 
 
+def scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) -> dict[str, Any]:
+    """Runs on the scheduler: each worker's address, name, resources, status, and how long it has been
+    silent (seconds since its last heartbeat, by the scheduler's clock) against the longest silence
+    allowed at the heartbeat interval the scheduler asks of workers now; and the workers that left
+    gracefully lately (`GracefulLeaves`)."""
+    from distributed.scheduler import heartbeat_interval
+    from distributed.utils import time as now
+
+    limit = silent_heartbeats * heartbeat_interval(len(dask_scheduler.workers))
+    t = now()
+    rows = [
+        {
+            "address": ws.address,
+            "name": ws.name,
+            "resources": dict(ws.resources),
+            "status": ws.status.name,
+            "silent": t - ws.last_seen,
+            "silent_limit": limit,
+        }
+        for ws in dask_scheduler.workers.values()
+    ]
+    return {"workers": rows, "graceful": sorted(graceful_leaves(dask_scheduler))}
+
+
+def has_plugin(dask_scheduler: Any, name: str) -> bool:
+    return name in dask_scheduler.plugins
+
+
 class GracefulLeaves(SchedulerPlugin):
     """Scheduler plugin: remembers for a while the workers that left gracefully, as opposed to lost
     (killed, crashed, cut off, frozen), so that the controller hands their share back without a rollback.

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from distributed import Client
 
-from .messages import Progress
+if TYPE_CHECKING:
+    # (Imported where used: the scheduler imports this module for `_claim`, and messages.py imports torch.)
+    from .messages import Progress
 
 
 def _key(job_id: str) -> list[str]:
@@ -46,6 +48,8 @@ def read_progress(client: Client, job_id: str) -> Progress | None:
         return None
     if not found:
         return None
+    from .messages import Progress
+
     found["workers"] = tuple(found["workers"])
     found["holding"] = tuple(tuple(h) for h in found["holding"])
     return Progress(**found)

@@ -30,7 +30,14 @@ from distributed.security import Security
 from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
 from .compute_async import MIN_LEASE
-from .connect import CloseOnSigterm, GracefulLeaves, NannyKeepsWorkerOnSigterm, is_static_worker
+from .connect import (
+    CloseOnSigterm,
+    GracefulLeaves,
+    NannyKeepsWorkerOnSigterm,
+    has_plugin,
+    is_static_worker,
+    scheduler_view_of_workers,
+)
 from .coordinator import Coordinator
 from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
@@ -320,36 +327,6 @@ def standbys(static: tuple[str, ...] | list[str], placement: list[str]) -> tuple
     return tuple(w for w in static if w not in placement)
 
 
-def _scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) -> dict[str, Any]:
-    """Runs on the scheduler: each worker's address, name, resources, status, and how long it has been
-    silent (seconds since its last heartbeat, by the scheduler's clock) against the longest silence
-    allowed at the heartbeat interval the scheduler asks of workers now; and the workers that left
-    gracefully lately (`GracefulLeaves`)."""
-    from distributed.scheduler import heartbeat_interval
-    from distributed.utils import time as now
-
-    from prefect_elastic.connect import graceful_leaves
-
-    limit = silent_heartbeats * heartbeat_interval(len(dask_scheduler.workers))
-    t = now()
-    rows = [
-        {
-            "address": ws.address,
-            "name": ws.name,
-            "resources": dict(ws.resources),
-            "status": ws.status.name,
-            "silent": t - ws.last_seen,
-            "silent_limit": limit,
-        }
-        for ws in dask_scheduler.workers.values()
-    ]
-    return {"workers": rows, "graceful": sorted(graceful_leaves(dask_scheduler))}
-
-
-def _has_plugin(dask_scheduler: Any, name: str) -> bool:
-    return name in dask_scheduler.plugins
-
-
 def _async_snapshot_every(job: ElasticJob) -> int:
     """Survival checks between two snapshots in async mode (0: none), each a brief pause of every shard: a
     checkpoint's (`checkpoint_every`), or, with peer replicas, what a standby goes back to when a data
@@ -462,6 +439,11 @@ class TrainingRun:
             try:
                 return self._supervise()
             except CoordinatorLost as exc:
+                if not self._scheduler_up():
+                    # Every call failed because the scheduler went (a coordinator's call broke first):
+                    # nothing can be rebuilt without it, and each call would wait for the client's
+                    # reconnect timeout (30 s).
+                    raise self._scheduler_lost(0.0) from None
                 self._rebuild_coordinator(str(exc))
             except SchedulerGone as gone:
                 raise self._scheduler_lost(gone.seconds) from None
@@ -574,7 +556,7 @@ class TrainingRun:
         # train the same batches twice, so it is refused; a key left by a controller that died is taken
         # over. Check and set run in one function on the scheduler, so two controllers cannot both pass.
         # Tells a retired worker from a lost one (a graceful leave is not rolled back); kept if registered.
-        if not self.client.run_on_scheduler(_has_plugin, name=GracefulLeaves.name):
+        if not self.client.run_on_scheduler(has_plugin, name=GracefulLeaves.name):
             self.client.register_plugin(GracefulLeaves(), name=GracefulLeaves.name)
             self.client.register_plugin(CloseOnSigterm(), name=CloseOnSigterm.name)
             self.client.register_plugin(NannyKeepsWorkerOnSigterm(), name=NannyKeepsWorkerOnSigterm.name)
@@ -589,7 +571,7 @@ class TrainingRun:
     def _static_workers(self) -> list[str]:
         # Read on the scheduler, not from `Client.scheduler_info()`: the client's periodic refresh of that
         # cache (which carries no workers) can land between its fetch and its return.
-        view = self.client.run_on_scheduler(_scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        view = self.client.run_on_scheduler(scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
         static = [r for r in view["workers"] if is_static_worker(r, self.job.static_resource)]
         if not static:
             raise FatalError(
@@ -1154,7 +1136,7 @@ class TrainingRun:
         whether one is still starting, and every one the scheduler still lists (a frozen worker stays
         listed until its worker-ttl, minutes later)."""
         silent_after = max(self.job.liveness_interval, 0.0)
-        view = self.client.run_on_scheduler(_scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        view = self.client.run_on_scheduler(scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
         rows = view["workers"]
         elastic = [r for r in rows if not is_static_worker(r, self.job.static_resource)]
         live = sorted(

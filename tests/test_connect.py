@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from prefect_elastic import train
 from prefect_elastic.connect import KeepStaticWorkers, connect, is_static_worker, resolve_cluster_class
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.local.cluster import LocalElasticCluster
@@ -36,6 +37,31 @@ def test_static_workers_are_never_scaled_down(cluster: LocalElasticCluster) -> N
         assert not after & set(cluster.static_addresses())
         assert after <= set(cluster.elastic_addresses())
         client.unregister_scheduler_plugin(KeepStaticWorkers.name)
+
+
+# Evaluated where it runs: a function of this module would import the module there, and torch with it.
+TORCH_IMPORTED = "'torch' in __import__('sys').modules"
+
+
+def test_the_cluster_side_modules_import_no_torch() -> None:
+    """The scheduler and the nannies unpickle the plugins and scheduler-side functions of `connect.py` and
+    `registry.py`, which import the package: were torch imported with it, each of those processes would
+    spend 2 s of CPU and about 300 MB on it (a cluster of 4 workers started its first job 4 s later)."""
+    probe = "import sys, prefect_elastic.connect, prefect_elastic.registry; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_nannies_hold_no_torch_after_a_job(cluster: LocalElasticCluster, digits_url: str) -> None:
+    top_up(cluster, 1)
+    train(make_job(digits_url, job_id="nanny-imports", epochs=1), cluster=cluster)
+    with cluster.client() as client:
+        on_workers = client.run(eval, TORCH_IMPORTED)
+        on_nannies = client.run(eval, TORCH_IMPORTED, nanny=True)
+    assert on_workers and all(on_workers.values()), "the workers train, so they hold torch"
+    assert on_nannies and not any(on_nannies.values()), on_nannies
 
 
 def test_bad_cluster_class_is_named() -> None:
