@@ -69,8 +69,8 @@ class Checkpoint:
             "generation": self.generation,
             "committed_steps": self.committed_steps,
             "ledger": torch.tensor(
-                [[e.batch_id, e.step, e.generation] for e in self.ledger], dtype=torch.int64
-            ).reshape(-1, 3),
+                [[e.batch_id, e.step, e.generation, e.staleness] for e in self.ledger], dtype=torch.int64
+            ).reshape(-1, 4),
             "ledger_workers": [e.worker for e in self.ledger],
             "history": torch.tensor(self.history, dtype=torch.float64),
             "tensors": self.tensors,
@@ -96,7 +96,10 @@ class Checkpoint:
                 fingerprint=json.loads(payload["fingerprint"]),
                 generation=int(payload["generation"]),
                 committed_steps=int(payload["committed_steps"]),
-                ledger=[LedgerEntry(b, s, g, w) for (b, s, g), w in zip(rows, workers, strict=True)],
+                # (A ledger of 3 columns was written before async mode's staleness was kept: 0 there.)
+                ledger=[
+                    LedgerEntry(b, s, g, w, *rest) for (b, s, g, *rest), w in zip(rows, workers, strict=True)
+                ],
                 history=[float(v) for v in payload["history"].tolist()],
                 tensors=dict(payload["tensors"]),
                 optimizers=list(payload["optimizers"]),

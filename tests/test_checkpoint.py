@@ -3,6 +3,7 @@ controller was SIGKILLed resumes from its last checkpoint with the same final pa
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import signal
@@ -54,7 +55,7 @@ def sample(j: ElasticJob, step: int) -> Checkpoint:
         fingerprint=fingerprint(j, layout, tensors),
         generation=3,
         committed_steps=step,
-        ledger=[LedgerEntry(b, b // 4, 3, "w") for b in range(4 * step)],
+        ledger=[LedgerEntry(b, b // 4, 3, "w", staleness=b % 3) for b in range(4 * step)],
         history=[1.0 / (s + 1) for s in range(step)],
         tensors=tensors,
         optimizers=[{"state": {}, "param_groups": []}],
@@ -73,8 +74,25 @@ def test_checkpoint_round_trip_and_pruning(digits_url: str, tmp_path: Path) -> N
     loaded, where = found
     assert where.endswith("ckpt-000000009.pt")
     original = sample(j, 9)
+    # (Async mode's staleness included: the result's staleness histogram counts entries from before a
+    # resume too.)
     assert loaded.ledger == original.ledger and loaded.history == original.history
     assert all(torch.equal(loaded.tensors[k], original.tensors[k]) for k in original.tensors)
+
+
+def test_a_checkpoint_written_before_staleness_was_kept_reads_as_staleness_0(
+    digits_url: str, tmp_path: Path
+) -> None:
+    original = sample(checkpointed_job(digits_url, tmp_path), 3)
+    payload = torch.load(io.BytesIO(original.to_bytes()), weights_only=True)
+    payload["ledger"] = payload["ledger"][:, :3]  # batch id, step, generation: the older layout
+    older = io.BytesIO()
+    torch.save(payload, older)
+    loaded = Checkpoint.from_bytes(older.getvalue(), "older.pt")
+    assert [e.staleness for e in loaded.ledger] == [0] * len(original.ledger)
+    assert [(e.batch_id, e.step, e.worker) for e in loaded.ledger] == [
+        (e.batch_id, e.step, e.worker) for e in original.ledger
+    ]
 
 
 def test_checkpoints_on_an_object_store_like_filesystem(digits_url: str) -> None:
