@@ -41,7 +41,7 @@ from .messages import Resume
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2  # 2: the ledger has a 4th column, async mode's staleness; format 1 (3 columns) is still read
 _NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
 _TEMPORARY = re.compile(r"^\.tmp-[0-9a-f]{32}\.pt$")
 
@@ -87,7 +87,7 @@ class Checkpoint:
     def from_bytes(cls, data: bytes, where: str) -> Checkpoint:
         try:
             payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-            if payload.get("format") != FORMAT:
+            if payload.get("format") not in (1, FORMAT):
                 raise ValueError(f"format {payload.get('format')!r}, expected {FORMAT}")
             rows = payload["ledger"].tolist()
             workers = payload["ledger_workers"]

@@ -512,6 +512,7 @@ class DataServer:
         delay = _plugin_seconds(HAND_OVER_DELAY)
         if delay:
             await asyncio.sleep(delay)  # a slowed hand-over (test hook, see local/slow.py)
+            self._check(generation, "hold")  # a fence may have come meanwhile
         self._hold = version
         if self.version < version:
             with contextlib.suppress(RecoverableError, StaleGenerationError):

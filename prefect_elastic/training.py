@@ -94,6 +94,7 @@ SILENT_HEARTBEATS = 2.5
 # Liveness intervals (at least a second each) without a scheduler connection before the job stops: Dask's
 # client tries to reconnect for 30 s, and a scheduler that restarts on the same address is back sooner.
 SCHEDULER_LOST_INTERVALS = 3
+SCHEDULER_POLL_SECONDS = 0.05  # how often the client's connection is looked at while it is down
 # Workers lost within this long of the first are one membership change (`survival.wait_for_losses`): the
 # scheduler removes workers killed together a few milliseconds apart.
 LOSS_GROUP_SECONDS = 0.05
@@ -439,11 +440,14 @@ class TrainingRun:
             try:
                 return self._supervise()
             except CoordinatorLost as exc:
-                if not self._scheduler_up():
-                    # Every call failed because the scheduler went (a coordinator's call broke first):
-                    # nothing can be rebuilt without it, and each call would wait for the client's
-                    # reconnect timeout (30 s).
-                    raise self._scheduler_lost(0.0) from None
+                # A call may have broken because the scheduler went, not the coordinator: nothing can be
+                # rebuilt without it, and each call would wait for the client's reconnect (30 s). Wait for
+                # the client to have its scheduler again (a moment's reconnect) or to give it up.
+                try:
+                    while not self._scheduler_up():
+                        time.sleep(SCHEDULER_POLL_SECONDS)
+                except SchedulerGone as gone:
+                    raise self._scheduler_lost(gone.seconds) from None
                 self._rebuild_coordinator(str(exc))
             except SchedulerGone as gone:
                 raise self._scheduler_lost(gone.seconds) from None

@@ -85,7 +85,8 @@ def test_a_checkpoint_written_before_staleness_was_kept_reads_as_staleness_0(
 ) -> None:
     original = sample(checkpointed_job(digits_url, tmp_path), 3)
     payload = torch.load(io.BytesIO(original.to_bytes()), weights_only=True)
-    payload["ledger"] = payload["ledger"][:, :3]  # batch id, step, generation: the older layout
+    payload["ledger"] = payload["ledger"][:, :3]  # batch id, step, generation: format 1's layout
+    payload["format"] = 1
     older = io.BytesIO()
     torch.save(payload, older)
     loaded = Checkpoint.from_bytes(older.getvalue(), "older.pt")
