@@ -648,6 +648,7 @@ class CoordinatorState:
             counters=dict(self.counters),
             base_step=base,
             base_event=first_event,
+            snapshot_step=self.ledger.snapshot_step,
         )
 
     def rebuild(
@@ -746,6 +747,77 @@ class CoordinatorState:
             kind,
             steps_lost=max(0, reached - committed),
             reason=why,
+            now=now,
+            seconds=now - began,
+        )
+
+    def rebuild_async(
+        self,
+        journal: Journal,
+        fenced: list[ShardStatus],
+        lost: Iterable[int],
+        generation: int,
+        where: str,
+        reason: str,
+        now: float,
+        began: float,
+    ) -> MembershipEvent:
+        """Async mode's `rebuild`: take over from a coordinator whose static worker died, from the
+        controller's copy of its record and from the live shards, fenced into `generation` with every
+        record of what each applied. Nothing goes back on the live shards (async mode never rolls back):
+
+        - the ledger is the copy's (every batch id in it was applied by every shard);
+        - what each live shard applied beyond it waits there for the others (`_applied`), and commits
+          once every shard has it; a batch id some shard lacks is trained again (the shards that have
+          it answer "duplicate");
+        - a shard lost with the coordinator waits for a standby, which takes its peer's replica of its
+          last snapshot (`snapshot_versions`), and `_rejoin_async` retracts what it lacks."""
+        lost = set(lost)
+        live = {s.index: s for s in fenced}
+        if set(live) | lost != set(range(self.shards)) or set(live) & lost:
+            raise FatalError(f"rebuild: shards {sorted(live)} live and {sorted(lost)} lost: a bug")
+        versions: list[int] = []
+        for i in range(self.shards):
+            if i in live:
+                held = [s.version for s in live[i].snapshots]
+            else:
+                peer = live.get((i + 1) % self.shards)
+                held = list(peer.replicas) if peer is not None else []
+                if not held:
+                    raise DataServerLostError(
+                        f"the coordinator of job {self.job_id} died with data server {i}, and no live shard "
+                        "holds a replica of its snapshot"
+                    )
+            versions.append(max(held, default=0))
+        self.ledger = Ledger()
+        self.ledger.restore(journal.entries, journal.committed_steps)
+        self.ledger.snapshot_step = min(journal.snapshot_step, journal.committed_steps)
+        self.history = list(journal.history)
+        self.commit_times = list(journal.commit_times)
+        self.snapshot_versions = tuple(versions)
+        self.generation = generation
+        self.members = ()
+        self.suspended = True
+        self.lost = lost
+        self.versions = {s.index: s.version for s in fenced}
+        self._leases.clear()
+        self._applied.clear()
+        self._seen = dict.fromkeys(range(self.shards), 0)
+        for status in fenced:
+            self._absorb_async(status.index, status)  # commits what every shard applied (none lost)
+        self._queue = [b for b in range(self.schedule.total_batches) if b not in self.ledger]
+        self.events = list(journal.events)
+        self.counters = {**self.counters, **journal.counters}
+        self.counters["coordinator_rebuilds"] += 1
+        self._journaled = 0
+        return self.record(
+            EventKind.COORDINATOR_REBUILT,
+            reason=(
+                f"the coordinator rebuilt on {where} ({reason}); async: the ledger of the controller's copy "
+                f"({journal.committed_steps} batch ids) and what every live shard applied since "
+                f"({self.ledger.committed_steps - journal.committed_steps} more)"
+                + (f"; data servers {sorted(lost)} lost with it" if lost else "")
+            ),
             now=now,
             seconds=now - began,
         )

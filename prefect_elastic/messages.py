@@ -223,6 +223,9 @@ class Journal:
     counters: dict[str, int] = field(default_factory=dict)
     base_step: int = 0
     base_event: int = 0
+    # Where the last snapshot every shard holds stands in the ledger (async mode: a rebuilt coordinator
+    # retracts the commits after it that a shard promoted from its replica lacks).
+    snapshot_step: int = 0
 
     def extend(self, part: Journal) -> None:
         """Take in a part of the coordinator's journal (this copy starts at step 0 and event 0)."""
@@ -238,6 +241,7 @@ class Journal:
         del self.events[part.base_event :]
         self.events += part.events
         self.generation, self.committed_steps = part.generation, part.committed_steps
+        self.snapshot_step = part.snapshot_step
         self.counters = dict(part.counters)
 
 

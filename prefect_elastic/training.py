@@ -1062,12 +1062,6 @@ class TrainingRun:
         start over with the new handle; data servers lost with it are promoted next, as any lost one."""
         began, clock = time.time(), time.monotonic()
         job, lost_at = self.job, self.coordinator_at
-        if job.mode == "async":
-            raise DataServerLostError(
-                f"the coordinator of job {job.job_id} was lost on {lost_at} ({reason}); async mode cannot "
-                "rebuild it yet (docs/design/async.md): run the job again, or use mode='sync', which "
-                "survives it"
-            )
         log.warning("job %s: the coordinator is lost (%s); rebuilding it", job.job_id, reason)
         while True:
             # The worker chosen may be dying too (two static workers killed at once): place it again then.

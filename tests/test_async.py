@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from prefect_elastic.errors import FatalError, StaleGenerationError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
-from prefect_elastic.messages import EventKind, Progress, Role, ShardStatus, StepRecord
+from prefect_elastic.messages import EventKind, Journal, Progress, Role, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
 from prefect_elastic.survival import survival_check
 from prefect_elastic.training import prepare
@@ -166,6 +167,53 @@ def test_a_shard_promoted_from_its_snapshot_retracts_only_what_it_lost() -> None
         StepRecord(4, state.generation, (4,), {4: "a"}, {4: 4.5}, 112.0, 4, 0),
     ), (), 0, 0))  # fmt: skip
     assert [e.batch_id for e in state.ledger.entries()] == [0, 1, 2, 3, 4]
+
+
+def test_a_coordinator_rebuilt_in_async_mode_keeps_every_apply_and_commits_each_id_once() -> None:
+    """The coordinator dies with data server 0 after the controller's last copy of its record: the ledger
+    comes back from the copy, what the live shard applied since waits for the promoted one, and each batch
+    id is committed once, with nothing rolled back on the live shard."""
+    old = new_state("rollback")
+    old.channels = (("127.0.0.1", 1), ("127.0.0.1", 2))
+    admit(old, {"a"})
+    gen = old.generation
+    old.lease("a", gen, 4)
+    old.absorb(applied(0, gen, (0, "a", 0), (1, "a", 0)))
+    old.absorb(applied(1, gen, (0, "a", 0), (1, "a", 0)))
+    old.pause(gen + 1)
+    old.snapshot_async((2, 2), now=3.0, seconds=0.1)  # shard 1 holds shard 0's replica of version 2
+    journal = Journal()
+    journal.extend(old.journal(0, 0))
+    assert journal.committed_steps == 2 and journal.snapshot_step == 2
+    # After the copy: both shards apply 2 and 3 (the old coordinator commits them); then it dies with
+    # shard 0, whose apply of 4 is lost too.
+    gen = old.generation
+    old.absorb(applied(0, gen, (0, "a", 0), (1, "a", 0), (2, "a", 0), (3, "a", 0), (4, "a", 0)))
+    shard_1 = applied(1, gen, (0, "a", 0), (1, "a", 0), (2, "a", 1), (3, "a", 0))
+    old.absorb(shard_1)
+    assert old.committed_steps == 4
+
+    state = new_state("rollback")
+    state.channels = old.channels
+    fenced = replace(shard_1, generation=9, snapshots=(SnapshotInfo(2, 3.0, 0.1),), replicas=(2,))
+    event = state.rebuild_async(journal, [fenced], [0], 9, "static-1", "its worker died", now=5.0, began=4.5)
+    assert event.kind is EventKind.COORDINATOR_REBUILT and "data servers [0] lost" in event.reason
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 1], "shard 0's applies of 2, 3 are unknown"
+    assert state.lost == {0} and state.snapshot_version_of(0) == 2, "its standby takes the replica of 2"
+    assert state.lease("a", state.generation, 4) is None, "nothing is leased while a shard is lost"
+    state.promote_shard(
+        0, "standby", 10, ("127.0.0.1", 3), now=6.0, began=5.5, applied=frozenset({0, 1}), version=2
+    )
+    admit(state, {"a"})
+    leased = state.lease("a", state.generation, 3)
+    assert leased == [2, 3, 4], "what the promoted shard lacks is trained again"
+    # Shard 1 answers "duplicate" for 2 and 3 (no new record); the promoted shard 0 applies 2, 3, 4.
+    state.absorb(ShardStatus(0, state.generation, 5, tuple(
+        StepRecord(v, state.generation, (v,), {v: "a"}, {v: v + 0.5}, 120.0 + v, v, 0) for v in (2, 3, 4)
+    ), (), 0, 0))  # fmt: skip
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 1, 2, 3], "4 waits for shard 1"
+    assert {e.batch_id: e.staleness for e in state.ledger.entries()}[2] == 1, "shard 1's staleness kept"
+    assert state.counters["coordinator_rebuilds"] == 1 and state.counters["rollbacks"] == 0
 
 
 def test_async_mode_asks_for_no_snapshot_mid_run() -> None:
@@ -576,6 +624,50 @@ def test_a_lost_data_server_of_an_async_job_moves_to_a_standby(
     assert result.counters["rollbacks"] == 0
     snapshots = [e for e in result.events[:lost] if e.kind is EventKind.SNAPSHOT]
     assert snapshots, "the standby took a snapshot past the start"
+    assert first_loss_fell(result)
+    assert (
+        tail_loss(result)
+        <= 1.5 * tail_loss(reference(make_job(digits_url, model="tests.models:gated_slow_mlp", epochs=3)))
+        + 0.1
+    )
+
+
+@pytest.mark.cluster
+@pytest.mark.heavy  # (in .ci/run's second stage, to keep the main suite short)
+@pytest.mark.timeout(240)
+def test_the_coordinators_worker_of_an_async_job_killed_mid_run_is_rebuilt_on_another(
+    reference: References, digits_url: str
+) -> None:
+    """SIGKILL of the coordinator's static worker (which holds data server 0 too) mid-run, in async mode: a
+    coordinator is rebuilt beside data server 1 from the controller's copy of its record and what the live
+    shard applied, a standby takes data server 0 from its peer's replica, nothing is rolled back, and every
+    batch id is committed once, at the loss of a sync run."""
+    killed: list[str] = []
+    with LocalElasticCluster(static_workers=3, elastic_workers=2) as cluster:
+        job = async_job(
+            digits_url,
+            model="tests.models:gated_slow_mlp",
+            epochs=3,
+            checkpoint_every=2,
+            job_id="async-coordinator",
+        )
+
+        def kill_after_a_snapshot(p: Progress) -> None:
+            if not killed and p.snapshot_step > 0 and p.committed_steps >= p.snapshot_step + 20:
+                assert p.coordinator_at == p.data_servers[0]
+                killed.append(p.coordinator_at)
+                cluster.kill_worker(killed[0])
+
+        result = train(job, cluster=cluster, on_progress=kill_after_a_snapshot)
+    assert killed
+    ids = sorted(e.batch_id for e in result.ledger)
+    assert ids == list(range(result.total_batches)), "every batch id of the schedule, each once"
+    assert sorted(e.step for e in result.ledger) == list(range(result.total_batches))
+    kinds = [e.kind for e in result.events]
+    assert kinds.count(EventKind.COORDINATOR_REBUILT) == 1 and kinds.count(EventKind.PROMOTED) == 1
+    assert kinds.index(EventKind.COORDINATOR_REBUILT) < kinds.index(EventKind.PROMOTED)
+    assert EventKind.SNAPSHOT in kinds[: kinds.index(EventKind.COORDINATOR_REBUILT)], "events before it kept"
+    assert result.counters["coordinator_rebuilds"] == 1 and result.counters["rollbacks"] == 0
     assert first_loss_fell(result)
     assert (
         tail_loss(result)
