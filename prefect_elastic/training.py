@@ -778,7 +778,8 @@ class TrainingRun:
         if worker == self.coordinator_at and job.mode == "async":
             log.warning(
                 "job %s: static worker %s is asked to retire, but it holds the coordinator, which async mode "
-                "cannot rebuild elsewhere yet; it is not retired (retire it again after the job)",
+                "does not hand over yet; it is not retired (retire it again after the job; if it dies, the "
+                "coordinator is rebuilt elsewhere)",
                 job.job_id, worker,
             )  # fmt: skip
             return
