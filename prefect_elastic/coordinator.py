@@ -163,11 +163,7 @@ class Coordinator:
                     state.lost.add(other.index)
                     self._gone[other.index].set()
             lost = sorted(state.lost)
-            now = time.time()
-            if state.mode == "async" and kind is EventKind.COORDINATOR_REBUILT:
-                event = state.rebuild_async(journal, fenced, lost, generation, where, reason, now, began)
-            else:
-                event = state.rebuild(journal, fenced, lost, generation, where, reason, now, began, kind)
+            event = state.rebuild(journal, fenced, lost, generation, where, reason, time.time(), began, kind)
             self._take([event])
             self._last_check_steps = state.committed_steps
             if kind is EventKind.RESTORED:

@@ -682,6 +682,8 @@ class CoordinatorState:
         live = {s.index: s for s in fenced}
         if set(live) | lost != set(range(self.shards)) or set(live) & lost:
             raise FatalError(f"rebuild: shards {sorted(live)} live and {sorted(lost)} lost: a bug")
+        if self.mode == "async" and kind is EventKind.COORDINATOR_REBUILT:
+            return self._rebuild_async(journal, fenced, lost, generation, where, reason, now, began)
         if not live:
             raise DataServerLostError(
                 f"the coordinator of job {self.job_id} died with every data server ({sorted(lost)}), and "
@@ -751,18 +753,18 @@ class CoordinatorState:
             seconds=now - began,
         )
 
-    def rebuild_async(
+    def _rebuild_async(
         self,
         journal: Journal,
         fenced: list[ShardStatus],
-        lost: Iterable[int],
+        lost: set[int],
         generation: int,
         where: str,
         reason: str,
         now: float,
         began: float,
     ) -> MembershipEvent:
-        """Async mode's `rebuild`: take over from a coordinator whose static worker died, from the
+        """`rebuild` in async mode: take over from a coordinator whose static worker died, from the
         controller's copy of its record and from the live shards, fenced into `generation` with every
         record of what each applied. Nothing goes back on the live shards (async mode never rolls back):
 
@@ -772,10 +774,7 @@ class CoordinatorState:
           it answer "duplicate");
         - a shard lost with the coordinator waits for a standby, which takes its peer's replica of its
           last snapshot (`snapshot_versions`), and `_rejoin_async` retracts what it lacks."""
-        lost = set(lost)
         live = {s.index: s for s in fenced}
-        if set(live) | lost != set(range(self.shards)) or set(live) & lost:
-            raise FatalError(f"rebuild: shards {sorted(live)} live and {sorted(lost)} lost: a bug")
         versions: list[int] = []
         for i in range(self.shards):
             if i in live:

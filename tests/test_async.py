@@ -196,7 +196,7 @@ def test_a_coordinator_rebuilt_in_async_mode_keeps_every_apply_and_commits_each_
     state = new_state("rollback")
     state.channels = old.channels
     fenced = replace(shard_1, generation=9, snapshots=(SnapshotInfo(2, 3.0, 0.1),), replicas=(2,))
-    event = state.rebuild_async(journal, [fenced], [0], 9, "static-1", "its worker died", now=5.0, began=4.5)
+    event = state.rebuild(journal, [fenced], [0], 9, "static-1", "its worker died", now=5.0, began=4.5)
     assert event.kind is EventKind.COORDINATOR_REBUILT and "data servers [0] lost" in event.reason
     assert [e.batch_id for e in state.ledger.entries()] == [0, 1], "shard 0's applies of 2, 3 are unknown"
     assert state.lost == {0} and state.snapshot_version_of(0) == 2, "its standby takes the replica of 2"
