@@ -35,7 +35,7 @@ from .channel import Entry, Frame, ShardLink, raise_error, unread_answers_droppe
 from .compute_async import run_async
 from .errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
 from .job import ElasticJob, StateLayout
-from .messages import CoordinatorHandle, Role, Tensors
+from .messages import CoordinatorHandle, Role, Tensors, direct
 from .schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,7 @@ def compute_loop(
     worker = get_worker()
     address = worker.address
     key = thread_state.key
+    coordinator = direct(coordinator)
     # Leave the worker's thread slot free: this task runs for the whole job, beside other jobs' loops.
     secede()
     tune_allocator()

@@ -38,6 +38,7 @@ from .messages import (
     Resume,
     Role,
     ShardStatus,
+    direct,
 )
 from .schedule import Schedule
 from .survival import Action, Decision, Policy, spare_graceful_leaves, survival_check
@@ -112,7 +113,7 @@ class Coordinator:
     async def attach(self, shards: list[Any], channels: list[tuple[str, int]]) -> None:
         """Take the data servers' handles and where each listens for compute loops; name each shard's
         peer (the next shard), which keeps in memory a copy of every snapshot it takes."""
-        self._shards = list(shards)
+        self._shards = [direct(shard) for shard in shards]
         self._state.channels = tuple((str(host), int(port)) for host, port in channels)
         await self._wire_peers(range(len(self._shards)))
         self._sync_task = asyncio.ensure_future(self._follow_shards())
@@ -140,7 +141,7 @@ class Coordinator:
         lock, _ = self._primitives()
         state = self._state
         async with lock:
-            self._shards = list(shards)
+            self._shards = [direct(shard) for shard in shards]
             state.channels = tuple((str(host), int(port)) for host, port in channels)
             state.lost = set(lost)
             self._gone = {i: asyncio.Event() for i in range(len(shards))}
@@ -434,7 +435,7 @@ class Coordinator:
         async with lock:
             if index not in state.lost:
                 raise FatalError(f"data server {index} is not lost; nothing to promote")
-            self._shards[index] = shard
+            self._shards[index] = direct(shard)
             self._gone[index] = asyncio.Event()
             generation = state.generation + 1
             # (Async mode: the other shards stay where they stand; nothing goes back.)
@@ -564,6 +565,12 @@ class Coordinator:
                 return answer.result()
             except (RecoverableError, FatalError):
                 raise
+            except OSError as exc:
+                # Dask gave up connecting to its worker (after its own retries): the worker is dead or cut
+                # off, as survival detection will find too.
+                raise ShardUnreachable(
+                    i, f"data server {i} cannot be reached: its worker is gone ({exc})"
+                ) from exc
             except Exception as exc:
                 raise ShardUnreachable(
                     i, f"data server {i} did not answer ({type(exc).__name__}: {exc})"

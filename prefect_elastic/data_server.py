@@ -44,7 +44,7 @@ from .channel import Entry, Frame, ShardServer, error_header, worker_tls
 from .dataset import DatasetInfo, load_partition, partition_bounds
 from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
-from .messages import ShardStatus, SnapshotInfo, StepRecord, Tensors
+from .messages import ShardStatus, SnapshotInfo, StepRecord, Tensors, direct
 from .schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -616,7 +616,7 @@ class DataServer:
             raise StaleGenerationError(generation, self.generation, "set_peer")
         if not self._replicas_on:
             return
-        self._peer = peer
+        self._peer = direct(peer)
         self._replicated.clear()
         for snap in list(self._snapshots.values()):
             self._replicate(snap)

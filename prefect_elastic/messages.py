@@ -19,6 +19,7 @@ Who sends what (docs/architecture.md has the picture):
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
@@ -346,3 +347,27 @@ class CoordinatorHandle(Protocol):
     def promote(
         self, index: int, shard: Any, channel: tuple[str, int], worker: str
     ) -> Call[MembershipEvent]: ...
+
+
+Handle = TypeVar("Handle")
+
+
+def direct(handle: Handle) -> Handle:
+    """`handle`, a Dask `Actor` held in a worker (a coordinator's handle in a compute loop, the shards'
+    in the coordinator, a peer's in a data server), with its calls going straight to the actor's worker
+    whatever the state of this worker's Dask client.
+
+    Dask binds each handle to a future of the worker's client, and the client cancels all its futures
+    when it loses the scheduler for a moment (a network cut shorter than Dask's removal of the worker):
+    from then on every call through the handle raised "Worker holding Actor was lost" although the actor
+    lived. A worker also keeps the handle it fetched for a task's argument and gives that same object to
+    every later task, so in the chaos soak every compute loop on such a worker failed at once, and the
+    job ended after `MAX_LOOP_RESTARTS`. Calls do not need the future: an actor that is really gone fails
+    them itself (its worker refuses the connection), and survival detection replaces it."""
+    if not hasattr(handle, "_future"):
+        return handle  # not a Dask actor (a test's stand-in)
+    # A new handle (Actor.__reduce__), made here, binds this worker and its client now rather than at its
+    # first call (which would make a future again); the object it came from is left as it is.
+    handle = copy.copy(handle)
+    handle._future = None
+    return handle

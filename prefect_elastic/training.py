@@ -1213,7 +1213,10 @@ class TrainingRun:
             if isinstance(error, FatalError):
                 raise error  # a shard said the job cannot go on: no restart would help
             self.loop_failures += 1
-            log.warning("job %s: compute loop on %s ended with %r", self.job.job_id, addr, error)
+            # With its traceback: which call failed is what tells a restart that helps from one that cannot.
+            log.warning(
+                "job %s: compute loop on %s ended with %r", self.job.job_id, addr, error, exc_info=error
+            )
             if self.loop_restarts.get(addr, 0) > MAX_LOOP_RESTARTS:
                 # An error that survives restarts (the model does not import there, a version mismatch)
                 # would otherwise keep the worker a member that never trains.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -181,6 +182,59 @@ def test_worker_joins_mid_run(
     joined = joined_workers(result) - first_members(result)
     assert joined, "the new worker joined while training ran"
     assert any(e.worker in joined for e in result.ledger), "and its gradients were applied"
+
+
+def _abort_the_clients_connection(dask_worker: Any) -> str:
+    """Run on a worker: break its Dask client's connection to the scheduler, as the TCP timeout of a short
+    network cut does (the client reconnects, and cancels every future it held)."""
+    client = dask_worker._client
+    if client is None or client.scheduler_comm is None:
+        return "no client yet"
+    client.scheduler_comm.comm.abort()
+    return "aborted"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_compute_worker_whose_client_lost_the_scheduler_for_a_moment_trains_on(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, mode: str
+) -> None:
+    """A network cut shorter than Dask's removal of a worker can break its Dask client's connection to
+    the scheduler; the client reconnects and cancels every future it held, the coordinator handle's among
+    them. Seen in the chaos soak: from then on every compute loop on that worker failed at once ("Worker
+    holding Actor was lost") although the coordinator lived, and the job ended after 6 loop failures.
+    Here the connection is aborted on one worker mid-run, then a join starts a new generation, in which
+    every loop asks the coordinator for its role (in async mode loops call it for every lease as well)."""
+    top_up(cluster, 1)
+    for extra in cluster.elastic_addresses()[1:]:
+        cluster.kill_worker(extra)
+        cluster.wait_until_gone([extra])
+    job = make_job(
+        digits_url, "reassign", model="tests.models:gated_mlp", mode=mode, job_id=f"client-lost-{mode}"
+    )
+    faults = FaultSchedule(seed=3).add_worker(at_step=6)
+    aborted: list[dict[str, str]] = []
+
+    def abort_then_hold_until_joined(p: Progress) -> None:
+        if p.committed_steps >= 3 and not aborted:
+            with cluster.client() as client:
+                aborted.append(client.run(_abort_the_clients_connection, workers=list(p.workers)))
+        if p.committed_steps >= 6 and not faults.log:
+            GATE.touch()
+        if len(p.workers) >= 2:
+            GATE.unlink(missing_ok=True)
+
+    try:
+        result = train(job, cluster=cluster, faults=faults, on_progress=abort_then_hold_until_joined)
+    finally:
+        GATE.unlink(missing_ok=True)
+    assert [set(a.values()) for a in aborted] == [{"aborted"}], aborted
+    assert joined_workers(result) - first_members(result), "a new generation began after the abort"
+    assert result.counters["loop_failures"] == 0, "no compute loop failed for its client's reconnection"
+    if mode == "sync":
+        assert_ledger_exactly_once(result)
+        assert_same_parameters(result, reference(job))
+    else:
+        assert sorted(e.batch_id for e in result.ledger) == list(range(result.total_batches)), "each once"
 
 
 @pytest.mark.parametrize("policy", POLICIES)
