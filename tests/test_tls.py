@@ -71,7 +71,9 @@ def test_a_client_without_a_certificate_is_refused(tls_cluster: LocalElasticClus
                 answer = conn.recv(1)  # TLS 1.3: the server's refusal arrives after the client's finish
         except (ssl.SSLError, ConnectionError) as refused:
             answer = repr(refused).encode()
-    assert answer == b"" or b"alert" in answer.lower() or b"reset" in answer.lower(), answer
+    # Refused: an alert, a reset, or the connection closed mid-handshake (SSLEOFError, seen once in CI);
+    # a server that took the connection would answer nothing and the read would time out.
+    assert answer == b"" or any(w in answer.lower() for w in (b"alert", b"reset", b"eof")), answer
 
 
 def test_a_plain_tcp_connection_is_refused(tls_cluster: LocalElasticCluster) -> None:
