@@ -176,6 +176,13 @@ class ShardLink:
             self._sock = None
         self.pending = 0
 
+    def interrupt(self) -> None:
+        """Wake a thread blocked on this connection (its call fails, and closes the connection)."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def send(self, frame: Frame) -> None:
         try:
             sock = self._connected()

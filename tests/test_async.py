@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import threading
+from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -346,29 +347,35 @@ class FakeShard:
 
 
 class FakeLink:
-    """A `ShardLink` to a `FakeShard`: answers at once; `in_time` says whether an answer counts as arrived
-    while the loop computed (`ready`)."""
+    """A `ShardLink` to a `FakeShard`, which answers at once. Unless `in_time`, the answer to a gradient
+    arrives only once the loop waits for it (`release`, which `run_session` sets when the loop blocks on
+    its exchange with the shards): never while the loop computes the next gradient."""
 
     def __init__(self, shard: FakeShard, in_time: bool) -> None:
         self.shard, self.in_time = shard, in_time
-        self.answers: list[Frame] = []
+        self.answers: list[tuple[Frame, bool]] = []  # (answer, whether it answers a gradient)
         self.address = ("fake", 0)
+        self.release = threading.Event()
 
     @property
     def pending(self) -> int:
         return len(self.answers)
 
     def send(self, frame: Frame) -> None:
-        self.answers.append(self.shard.answer(frame))
+        self.answers.append((self.shard.answer(frame), frame.header["op"] == "apply"))
 
     def receive(self, timeout: float | None = None) -> Frame:
-        return self.answers.pop(0)
-
-    def ready(self, timeout: float) -> bool:
-        return self.in_time and bool(self.answers)
+        answer, to_a_gradient = self.answers.pop(0)
+        if to_a_gradient and not self.in_time:
+            assert self.release.wait(timeout), "the loop never waited for the answer"
+            self.release.clear()
+        return answer
 
     def close(self) -> None:
         self.answers.clear()
+
+    def interrupt(self) -> None:
+        self.release.set()
 
 
 class Done:
@@ -410,7 +417,25 @@ def run_session(digits_url: str, in_time: bool, refuse: set[int] = frozenset()) 
     stats = LoopStats("w")
     role = Role(1, 0, ("w",), 0, channels=(("fake", 0), ("fake", 1)))
     session = AsyncSession(role, "w", coordinator, trainer, SCHEDULE, links, data, stats, 5.0)  # type: ignore[arg-type]
-    assert session.run(lambda: True) is True, "the session ends when the job is over"
+    compute, collect = trainer.gradient, session._collect
+
+    def answered_while_computing(*args: Any) -> Any:
+        out = compute(*args)
+        if in_time and session.exchange is not None:
+            futures.wait([session.exchange])  # the last gradient's answers came during this computation
+        return out
+
+    def answered_once_waited_for() -> None:
+        for link in links:
+            link.release.set()
+        collect()
+
+    trainer.gradient = answered_while_computing  # type: ignore[method-assign,assignment]
+    session._collect = answered_once_waited_for  # type: ignore[method-assign]
+    try:
+        assert session.run(lambda: True) is True, "the session ends when the job is over"
+    finally:
+        session.close()
     return shards, stats, coordinator
 
 
