@@ -775,14 +775,6 @@ class TrainingRun:
         committed step is redone. Then it is retired."""
         job = self.job
         indices = [i for i, w in enumerate(self.placement) if w == worker]
-        if worker == self.coordinator_at and job.mode == "async":
-            log.warning(
-                "job %s: static worker %s is asked to retire, but it holds the coordinator, which async mode "
-                "does not hand over yet; it is not retired (retire it again after the job; if it dies, the "
-                "coordinator is rebuilt elsewhere)",
-                job.job_id, worker,
-            )  # fmt: skip
-            return
         if indices or worker == self.coordinator_at:
             if indices and not standbys(self._workers_view().static, self.placement):
                 log.warning(

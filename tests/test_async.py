@@ -701,12 +701,21 @@ def test_the_coordinators_worker_of_an_async_job_killed_mid_run_is_rebuilt_on_an
     )
 
 
-def test_an_async_data_server_retired_gracefully_hands_over_with_nothing_redone(digits_url: str) -> None:
-    """`Client.retire_workers` on data server 1's static worker in async mode: every shard is fenced and
-    snapshotted where it stands, the standby takes that snapshot, and no batch id is trained again."""
+@pytest.mark.parametrize("role", ["data-server", "coordinator"])
+def test_an_async_static_worker_retired_gracefully_hands_over_with_nothing_redone(
+    digits_url: str, role: str
+) -> None:
+    """`Client.retire_workers` in async mode on data server 1's static worker, or on the coordinator's
+    (which holds data server 0 too): every shard is fenced and snapshotted where it stands, the standby
+    takes that snapshot, the coordinator (if it lived there) is rebuilt on another static worker from the
+    controller's copy and what the shards applied, and no batch id is trained again."""
     with LocalElasticCluster(static_workers=3, elastic_workers=1) as cluster:
-        job = async_job(digits_url, model="tests.models:slow_mlp", job_id="async-retire")
-        faults = FaultSchedule().retire_data_server(at_step=60, index=1)
+        job = async_job(digits_url, model="tests.models:slow_mlp", job_id=f"async-retire-{role}")
+        faults = FaultSchedule()
+        if role == "coordinator":
+            faults.retire_coordinator(at_step=60)
+        else:
+            faults.retire_data_server(at_step=60, index=1)
         faults.bind(cluster)
         result = train(job, cluster=cluster, faults=faults)
         faults.wait(timeout=60)
@@ -718,6 +727,9 @@ def test_an_async_data_server_retired_gracefully_hands_over_with_nothing_redone(
     promoted = [e for e in result.events if e.kind is EventKind.PROMOTED]
     assert len(promoted) == 1 and promoted[0].steps_lost == 0, "nothing was trained again"
     assert result.steps_lost == 0 and result.counters["rollbacks"] == 0
+    rebuilt = [e for e in result.events if e.kind is EventKind.COORDINATOR_REBUILT]
+    assert len(rebuilt) == (1 if role == "coordinator" else 0)
+    assert all("retiring" in e.reason for e in rebuilt)
 
 
 @pytest.mark.cluster

@@ -2,7 +2,7 @@
 
     from prefect_elastic.local.chaos import chaos_schedule, soak_figures
 
-    faults = chaos_schedule(seed=1, rounds=6, every=25, mode="sync")
+    faults = chaos_schedule(seed=1, rounds=6, every=25)
     result = train(job, cluster=local_cluster, faults=faults)
     print(soak_figures(result, faults).summary())
 
@@ -11,10 +11,9 @@ graceful leave), a pause (SIGSTOP, then SIGCONT seconds later), a nanny restart,
 join, a group of joins, a static worker's SIGKILL with a new static worker started at the same step
 (the next standby), and a network partition of a compute worker that runs in a network namespace (its
 link cut, healed seconds later; `partitions=False` leaves it out, for a cluster without namespaces).
-In sync mode the static kills alternate between data server 1 and the coordinator;
-in async mode they hit data server 1 only (the coordinator's loss is not survived in async mode yet,
-docs/design/async.md). The order keeps the compute workers the schedule counts alive within bounds, so
-that a kill always finds a target and the cluster does not outgrow the machine.
+The static kills alternate between data server 1 and the coordinator, in either mode (docs/design/async.md:
+async mode rebuilds a lost coordinator too). The order keeps the compute workers the schedule counts alive
+within bounds, so that a kill always finds a target and the cluster does not outgrow the machine.
 
 `soak_figures` is pure: what the soak survived (faults by kind, worker processes that took part) and
 what it cost (steps undone, the time the committed steps stood still, the longest stall).
@@ -89,7 +88,6 @@ def chaos_schedule(
     rounds: int,
     every: int,
     *,
-    mode: Literal["sync", "async"] = "sync",
     first_step: int = 5,
     start_alive: int = 4,
     pause_seconds: tuple[float, float] = (0.4, 2.5),
@@ -126,7 +124,7 @@ def chaos_schedule(
         elif action == "partition":
             schedule.partition_worker(at, heal_after=round(rng.uniform(*cut_seconds), 2))
         else:
-            if mode == "sync" and static_kills % 2 == 1:
+            if static_kills % 2 == 1:
                 schedule.kill_coordinator(at)
             else:
                 schedule.kill_data_server(at, 1)
