@@ -566,6 +566,10 @@ class Coordinator:
             except (RecoverableError, FatalError):
                 raise
             except OSError as exc:
+                if type(exc) is not OSError or "Unable to contact Actor's worker" not in str(exc):
+                    raise ShardUnreachable(
+                        i, f"data server {i} did not answer ({type(exc).__name__}: {exc})"
+                    ) from exc
                 # Dask gave up connecting to its worker (after its own retries): the worker is dead or cut
                 # off, as survival detection will find too.
                 raise ShardUnreachable(

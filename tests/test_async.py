@@ -371,6 +371,10 @@ class FakeLink:
             self.release.clear()
         return answer
 
+    def request(self, frame: Frame, timeout: float | None = None) -> Frame:
+        self.send(frame)
+        return self.receive(timeout)
+
     def close(self) -> None:
         self.answers.clear()
 

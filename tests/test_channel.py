@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -134,6 +135,36 @@ def test_a_timeout_closes_the_connection_and_the_next_frame_opens_another(echo: 
         assert link.request(Frame({"op": "after"})).header["echo"]["op"] == "after"
     finally:
         link.close()
+
+
+def test_an_interrupt_wakes_a_read_in_another_thread_and_the_next_frame_opens_another(echo: Served) -> None:
+    """An async session that ends while its exchange thread waits for a shard's answer interrupts the
+    connection (`ShardLink.interrupt`): the waiting read fails at once, not at its timeout, and the
+    connection, closed, is opened again by the next frame, whose answer is its own."""
+    link = ShardLink(echo.address, timeout=30)
+    failed: list[BaseException] = []
+
+    def wait_for_a_slow_answer() -> None:
+        try:
+            link.request(Frame({"op": "slow", "seconds": 20.0}))
+        except BaseException as exc:
+            failed.append(exc)
+
+    reader = threading.Thread(target=wait_for_a_slow_answer)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not link.pending and time.monotonic() < deadline:  # the frame is sent, its answer awaited
+            time.sleep(0.01)
+        link.interrupt()
+        reader.join(5)
+        assert not reader.is_alive(), "the interrupt woke the read long before its 20 s"
+        assert failed and isinstance(failed[0], OSError), failed
+        link.close()
+        assert link.request(Frame({"op": "after"})).header["echo"]["op"] == "after"
+    finally:
+        link.close()
+        reader.join(30)
 
 
 def test_nothing_listening_fails_at_once() -> None:
