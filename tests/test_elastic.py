@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from prefect_elastic import TrainResult, train
+from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.compute import PUSH_HOOK
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -155,29 +156,42 @@ def test_a_sigterm_is_a_graceful_leave_and_is_not_rolled_back(
         assert leave.steps_lost == 0
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_worker_joins_mid_run(
-    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
-) -> None:
+def train_through_a_join(
+    cluster: LocalElasticCluster,
+    job: ElasticJob,
+    at_step: int,
+    also: Callable[[Progress], None] | None = None,
+) -> TrainResult:
+    """Train `job` (of `tests.models:gated_mlp`) on one compute worker while a second is added at
+    `at_step`. From that step on, training waits in the model's forward pass until the new worker is a
+    member, so the join lands mid-run however slowly its process starts. `also` sees every progress
+    report first."""
     top_up(cluster, 1)
     for extra in cluster.elastic_addresses()[1:]:
         cluster.kill_worker(extra)
         cluster.wait_until_gone([extra])
-    job = make_job(digits_url, policy, model="tests.models:gated_mlp", epochs=2)
-    faults = FaultSchedule(seed=3).add_worker(at_step=5)
+    faults = FaultSchedule(seed=3).add_worker(at_step=at_step)
 
     def hold_until_joined(p: Progress) -> None:
-        # From step 5, training waits in the model's forward pass until the new worker is a member, so
-        # the join lands mid-run however slowly the worker process starts.
-        if p.committed_steps >= 5 and not faults.log:
+        if also is not None:
+            also(p)
+        if p.committed_steps >= at_step and not faults.log:
             GATE.touch()
         if len(p.workers) >= 2:
             GATE.unlink(missing_ok=True)
 
     try:
-        result = train(job, cluster=cluster, faults=faults, on_progress=hold_until_joined)
+        return train(job, cluster=cluster, faults=faults, on_progress=hold_until_joined)
     finally:
         GATE.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_worker_joins_mid_run(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    job = make_job(digits_url, policy, model="tests.models:gated_mlp", epochs=2)
+    result = train_through_a_join(cluster, job, at_step=5)
     check_run(result, reference(job), policy)
     joined = joined_workers(result) - first_members(result)
     assert joined, "the new worker joined while training ran"
@@ -204,29 +218,17 @@ def test_a_compute_worker_whose_client_lost_the_scheduler_for_a_moment_trains_on
     holding Actor was lost") although the coordinator lived, and the job ended after 6 loop failures.
     Here the connection is aborted on one worker mid-run, then a join starts a new generation, in which
     every loop asks the coordinator for its role (in async mode loops call it for every lease as well)."""
-    top_up(cluster, 1)
-    for extra in cluster.elastic_addresses()[1:]:
-        cluster.kill_worker(extra)
-        cluster.wait_until_gone([extra])
     job = make_job(
         digits_url, "reassign", model="tests.models:gated_mlp", mode=mode, job_id=f"client-lost-{mode}"
     )
-    faults = FaultSchedule(seed=3).add_worker(at_step=6)
     aborted: list[dict[str, str]] = []
 
-    def abort_then_hold_until_joined(p: Progress) -> None:
+    def abort(p: Progress) -> None:
         if p.committed_steps >= 3 and not aborted:
             with cluster.client() as client:
                 aborted.append(client.run(_abort_the_clients_connection, workers=list(p.workers)))
-        if p.committed_steps >= 6 and not faults.log:
-            GATE.touch()
-        if len(p.workers) >= 2:
-            GATE.unlink(missing_ok=True)
 
-    try:
-        result = train(job, cluster=cluster, faults=faults, on_progress=abort_then_hold_until_joined)
-    finally:
-        GATE.unlink(missing_ok=True)
+    result = train_through_a_join(cluster, job, at_step=6, also=abort)
     assert [set(a.values()) for a in aborted] == [{"aborted"}], aborted
     assert joined_workers(result) - first_members(result), "a new generation began after the abort"
     assert result.counters["loop_failures"] == 0, "no compute loop failed for its client's reconnection"
