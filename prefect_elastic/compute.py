@@ -334,7 +334,9 @@ class MicroBatchTrainer:
         self._slowdown = slowdown
         self.plan = plan
         self.device = device
-        self.model = job.make_model().to("meta")  # shapes only: no parameter values live here
+        # Shapes only: no parameter values live here. (Built under the lock, as every model is: another
+        # job's loop in this process may be drawing from torch's global generator.)
+        self.model = job.initial_model().to("meta")
         self.param_names = list(layout.params)
         # Moving to meta unties tied weights (each module gets its own meta tensor), so every alias is
         # handed the tensor it shares explicitly; autograd then sums both uses into one gradient.

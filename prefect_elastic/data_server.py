@@ -759,7 +759,7 @@ def warm_standby(job: ElasticJob) -> None:
     process (building the job's optimizer the first time imports half of torch: about 1 s here) before it
     is promoted, not while training waits for it."""
     tune_allocator()
-    job.make_model()
+    job.initial_model()
     job.build_optimizer([torch.zeros(1, requires_grad=True)])
 
 

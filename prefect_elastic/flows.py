@@ -279,7 +279,7 @@ def training_accuracy(prepared: Prepared, state: dict[str, torch.Tensor], limit:
     from .dataset import load_partition
 
     x, y = load_partition(prepared.dataset, 0, min(limit, prepared.dataset.total))
-    model = prepared.job.make_model()
+    model = prepared.job.initial_model()
     model.load_state_dict(state)
     model.eval()
     with torch.no_grad():

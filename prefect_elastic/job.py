@@ -418,7 +418,9 @@ class ElasticJob(BaseModel):
         """The model as built for the job's seed, on the CPU."""
         # fork_rng keeps the caller's global RNG stream as it was. The lock: model constructors draw from
         # torch's one global generator, so two jobs started from threads of one process would otherwise
-        # interleave their draws and start from parameters that depend on timing.
+        # interleave their draws and start from parameters that depend on timing. Every model this package
+        # builds is built here (a check's, a compute loop's skeleton too): one built outside the lock drew
+        # in the middle of another job's initial parameters (`test_two_jobs_share_a_cluster`, twice).
         with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             return self.make_model().cpu()
@@ -446,7 +448,9 @@ class ElasticJob(BaseModel):
     def check_inputs(self) -> DatasetInfo:
         """The expensive checks, run once before any cluster work: model, loss, dataset, and whether the
         loss takes the dataset's targets (from the npy header of `y`)."""
-        self.make_model()
+        # (Built as every model here is, under the lock: a constructor's draws from torch's global generator
+        # in one thread changed another job's initial parameters, built at the same moment in another.)
+        self.initial_model()
         self.loss_fn()
         info = inspect_dataset(self.dataset, self.storage_for(self.dataset))
         _check_targets(self.loss, info)

@@ -7,6 +7,7 @@ something broken that an error path must report.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -232,3 +233,18 @@ class _FailsOnOneWorker(nn.Sequential):
 
 def fails_on_one_worker() -> nn.Module:
     return _FailsOnOneWorker(*mlp())
+
+
+# For the test that two jobs built in threads of one process do not disturb each other's initial parameters:
+# `pausing_mlp`'s constructor draws its first layer, then (when `PAUSE_IN_CONSTRUCTOR` is set) says so and
+# waits a moment before its second, leaving another thread that moment to draw from torch's generator.
+PAUSE_IN_CONSTRUCTOR = threading.Event()
+PAUSED = threading.Event()
+
+
+def pausing_mlp() -> nn.Module:
+    first = nn.Linear(64, 32)
+    if PAUSE_IN_CONSTRUCTOR.is_set():
+        PAUSED.set()
+        time.sleep(0.5)
+    return nn.Sequential(nn.Flatten(), first, nn.ReLU(), nn.Linear(32, 10))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -450,3 +451,40 @@ def test_initial_state_is_the_same_when_jobs_start_from_threads(tmp_path: Path) 
         t.join()
     for i in range(8):
         assert all(torch.equal(results[i][k], solo[i][k]) for k in solo[i])
+
+
+def test_a_model_checked_in_one_thread_leaves_another_threads_initial_parameters_alone(
+    digits_url: str,
+) -> None:
+    """Two jobs started from threads of one process (two flows in one worker; the controllers of
+    `test_two_jobs_share_a_cluster`): one job's input check builds its model while the other job's
+    initial parameters are being drawn. Every model is built under one lock, so the second job's draws
+    cannot land in the middle of the first's. (Before, the check built its model outside the lock, the
+    first job's parameters depended on timing, and its run and its reference run differed.)"""
+    from .models import PAUSE_IN_CONSTRUCTOR, PAUSED
+
+    paused = make_job(digits_url, model="tests.models:pausing_mlp", seed=5)
+    other = make_job(digits_url, model="tests.models:mlp", seed=6)
+    _, alone = paused.initial_tensors()
+    checked: list[BaseException | None] = []
+
+    def check_the_other_while_paused() -> None:
+        PAUSED.wait(10)
+        try:
+            other.check_inputs()  # builds its model: draws from torch's generator
+            checked.append(None)
+        except BaseException as exc:
+            checked.append(exc)
+
+    PAUSE_IN_CONSTRUCTOR.set()
+    thread = threading.Thread(target=check_the_other_while_paused)
+    thread.start()
+    try:
+        _, raced = paused.initial_tensors()  # pauses inside the constructor, between two layers' draws
+    finally:
+        PAUSE_IN_CONSTRUCTOR.clear()
+        thread.join(30)
+        PAUSED.clear()
+    assert checked == [None]
+    assert alone.keys() == raced.keys()
+    assert all(torch.equal(alone[n], raced[n]) for n in alone), "the same seed gave the same parameters"

@@ -51,7 +51,7 @@ def accuracy(job: ElasticJob, state: dict[str, torch.Tensor]) -> float:
 
     digits = load_digits()
     x = torch.from_numpy((digits.images / 16.0).astype(np.float32)).unsqueeze(1)
-    model = job.make_model()
+    model = job.initial_model()
     model.load_state_dict(state)
     model.eval()
     with torch.no_grad():
