@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import select
 import socket
 import ssl
 import struct
@@ -220,16 +219,6 @@ class ShardLink:
         self.send(frame)
         return self.receive(timeout)
 
-    def ready(self, timeout: float) -> bool:
-        """Whether an answer has begun to arrive within `timeout` seconds (reads nothing)."""
-        sock = self._sock
-        if sock is None or not self.pending:
-            return False
-        if isinstance(sock, ssl.SSLSocket) and sock.pending():
-            return True  # decrypted bytes already wait in the TLS layer, which poll does not see
-        poller = select.poll()  # (not select.select: it fails for descriptors of 1024 and more)
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
 def _tune(sock: socket.socket) -> None:
