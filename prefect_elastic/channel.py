@@ -220,7 +220,6 @@ class ShardLink:
         return self.receive(timeout)
 
 
-
 def _tune(sock: socket.socket) -> None:
     # No Nagle: a frame is written whole, and waiting to coalesce would only delay the answer.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
