@@ -34,7 +34,7 @@ from .allocator import tune_allocator
 from .channel import Entry, Frame, ShardLink, raise_error, unread_answers_dropped, worker_tls
 from .compute_async import run_async
 from .errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
-from .job import ElasticJob, StateLayout
+from .job import GLOBAL_RNG_LOCK, ElasticJob, StateLayout
 from .messages import CoordinatorHandle, Role, Tensors, direct
 from .schedule import Schedule
 
@@ -481,8 +481,12 @@ class MicroBatchTrainer:
         tensors.update({alias: tensors[name] for alias, name in self.aliases.items()})
         try:
             # Random ops (dropout) draw from a generator seeded by the batch id, not from whatever this
-            # process drew before, so a micro-batch gives the same gradient on any worker.
-            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            # process drew before, so a micro-batch gives the same gradient on any worker. The generator
+            # is the process's one global generator: the lock keeps another thread (another job's loop in
+            # this worker, a model being built) from seeding or drawing from it in between. Backward is
+            # inside too, for ops that draw there; the lock costs nothing to a worker with one loop.
+            cuda = [self.device] if self.device.type == "cuda" else []
+            with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=cuda):
                 seed = micro_batch_seed(self.job.seed, batch_id)
                 # Only the generators this micro-batch draws from: `torch.manual_seed` also queues a
                 # seed for every CUDA device not started yet, recording a Python traceback each time

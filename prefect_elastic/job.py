@@ -61,7 +61,9 @@ _POSITIVE_SECONDS = {
     "min_workers_timeout": "how long training waits with fewer than min_workers",
     "call_timeout": "how long one remote call may take before it is an error",
 }
-_GLOBAL_RNG = threading.Lock()
+# Held by whatever seeds torch's one global generator and draws from it: a model's construction
+# (`ElasticJob.initial_model`) and a micro-batch's forward (`compute.MicroBatchTrainer.gradient`).
+GLOBAL_RNG_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -421,7 +423,7 @@ class ElasticJob(BaseModel):
         # interleave their draws and start from parameters that depend on timing. Every model this package
         # builds is built here (a check's, a compute loop's skeleton too): one built outside the lock drew
         # in the middle of another job's initial parameters (`test_two_jobs_share_a_cluster`, twice).
-        with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):
+        with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             return self.make_model().cpu()
 

@@ -248,3 +248,29 @@ def pausing_mlp() -> nn.Module:
         PAUSED.set()
         time.sleep(0.5)
     return nn.Sequential(nn.Flatten(), first, nn.ReLU(), nn.Linear(32, 10))
+
+
+# For the test that a micro-batch's dropout draws are not disturbed by a model built in another thread:
+# `pausing_dropout`'s forward (when `PAUSE_IN_FORWARD` is set) says so after the loop has seeded torch's
+# generator, and waits, before its dropout, until `pausing_mlp`'s constructor pauses between two draws in
+# another thread (for at most a second: with the lock held, that constructor cannot start).
+PAUSE_IN_FORWARD = threading.Event()
+FORWARD_PAUSED = threading.Event()
+
+
+class _PausingDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(64, 32)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.hidden(x.flatten(1)))
+        if PAUSE_IN_FORWARD.is_set():
+            FORWARD_PAUSED.set()
+            PAUSED.wait(1.0)
+        return self.out(nn.functional.dropout(h, 0.5, self.training))
+
+
+def pausing_dropout() -> nn.Module:
+    return _PausingDropout()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from prefect_elastic import ElasticJob
@@ -28,3 +30,45 @@ def test_gradient_equals_an_ordinary_model_with_tied_weights_and_dropout(digits_
     for name, p in ordinary.named_parameters():  # the tied weight appears once, with both uses summed
         assert torch.equal(grads[name], p.grad), name
     assert set(grads) == set(layout.params)
+
+
+def test_a_micro_batch_draws_its_dropout_mask_alone_while_another_thread_builds_a_model(
+    digits_url: str,
+) -> None:
+    """A worker process can run two jobs' loops, and build models, in threads of its own; all of them seed
+    and draw from torch's one global generator. A micro-batch's forward holds the lock that model builds
+    hold, so a build started while it runs waits, and both get what they get alone. (Without it, the
+    forward's dropout drew from the other job's freshly seeded stream, and the other job's second layer
+    from what the forward left.)"""
+    from .models import FORWARD_PAUSED, PAUSE_IN_CONSTRUCTOR, PAUSE_IN_FORWARD, PAUSED
+
+    job = ElasticJob(model="tests.models:pausing_dropout", dataset=digits_url, seed=3)
+    other = ElasticJob(model="tests.models:pausing_mlp", dataset=digits_url, seed=6)
+    layout, tensors = job.initial_tensors()
+    trainer = MicroBatchTrainer(job, [list(tensors)], layout, torch.device("cpu"))
+    params = {n: tensors[n].clone().requires_grad_(True) for n in trainer.param_names}
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    alone_loss, alone_grads, _ = trainer.gradient(params, {}, x, y, step=0, batch_id=5)
+    _, other_alone = other.initial_tensors()
+    built: list[dict[str, torch.Tensor]] = []
+
+    def build_the_other_while_the_forward_runs() -> None:
+        FORWARD_PAUSED.wait(10)
+        built.append(other.initial_tensors()[1])  # pauses between its two layers' draws
+
+    PAUSE_IN_FORWARD.set()
+    PAUSE_IN_CONSTRUCTOR.set()
+    thread = threading.Thread(target=build_the_other_while_the_forward_runs)
+    thread.start()
+    try:
+        loss, grads, _ = trainer.gradient(params, {}, x, y, step=0, batch_id=5)
+    finally:
+        PAUSE_IN_FORWARD.clear()
+        thread.join(30)
+        PAUSE_IN_CONSTRUCTOR.clear()
+        PAUSED.clear()
+        FORWARD_PAUSED.clear()
+    assert len(built) == 1
+    assert loss == alone_loss, "the micro-batch drew the dropout mask it draws alone"
+    assert all(torch.equal(grads[n], alone_grads[n]) for n in alone_grads)
+    assert all(torch.equal(built[0][n], other_alone[n]) for n in other_alone), "the other model as alone"
