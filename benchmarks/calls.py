@@ -3,8 +3,9 @@
 A step of one compute worker sends every shard one frame on the step path's connection (channel.py: its
 share of the gradients) and reads one back (the next step's parameters). This measures that exchange
 alone (`channel`: a frame of one shard's share to both static workers at once, and one of that size back
-from each), beside what the same payloads cost as Dask actor calls (the step path's transport before
-channel.py: `send_one`, `send_all`, `receive_all`), between the same processes the benchmark's training
+from each, on the Unix sockets a loop on the shards' machine uses; `channel_tcp`: the same over TCP, as
+from another machine), beside what the same payloads cost as Dask actor calls (the step path's transport
+before channel.py: `send_one`, `send_all`, `receive_all`), between the same processes the benchmark's training
 uses (a task on the elastic worker, actors and listeners on the two static workers).
 """
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from prefect_elastic.allocator import tune_allocator
-from prefect_elastic.channel import Entry, Frame, ShardLink, ShardServer
+from prefect_elastic.channel import ChannelAddress, Entry, Frame, ShardLink, ShardServer
 
 from .elastic import ClusterPool
 from .workloads import WORKLOADS
@@ -37,7 +38,7 @@ class Sink:
     async def give(self, numel: int) -> dict[str, torch.Tensor]:
         return {"w": torch.zeros(numel)} if numel else {}
 
-    async def open_channel(self, host: str) -> tuple[str, int]:
+    async def open_channel(self, host: str) -> ChannelAddress:
         held: dict[int, torch.Tensor] = {}
 
         async def answer(frame: Frame) -> Frame:
@@ -97,6 +98,7 @@ def _measure(
     # Opened from here: an actor handle works from a task, not from a client that is not the default.
     channels = [s.open_channel(host).result() for s, host in zip(sinks, hosts, strict=True)]
     links = [ShardLink(address, timeout=30.0) for address in channels]
+    tcp_links = [ShardLink(address._replace(local=""), timeout=30.0) for address in channels]
     out: dict[str, dict[str, float]] = {}
     try:
         for label, numel in shares.items():
@@ -105,12 +107,15 @@ def _measure(
             frame = Frame({"numel": numel}, [(Entry("grad", 0, "w"), payload["w"])] if numel else [])
             out[label] = {
                 "channel": _median_ms(_exchange, links, frame, repeats),
+                "channel_tcp": _median_ms(_exchange, tcp_links, frame, repeats),
                 "send_one": _median_ms(_send_one, sinks, payload, repeats),
                 "send_all": _median_ms(_send_all, sinks, payload, repeats),
                 "receive_all": _median_ms(_receive_all, sinks, numel, repeats),
             }
+        if not all(link.local for link in links):
+            raise RuntimeError("a link to a shard on this machine did not use its Unix socket")
     finally:
-        for link in links:
+        for link in links + tcp_links:
             link.close()
         for sink in sinks:
             sink.close_channel().result()

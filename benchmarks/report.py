@@ -408,7 +408,13 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
                 (
                     f"the step path's exchange (channel.py: a frame to both shards, one back from each), "
                     f"median ms: {sizes}",
-                    " / ".join(f"{v['channel']:.2f}" for v in c["ms"].values()),
+                    " / ".join(f"{v['channel']:.2f}" for v in c["ms"].values())
+                    + (
+                        "; over TCP (as from another machine) "
+                        + " / ".join(f"{v['channel_tcp']:.2f}" for v in c["ms"].values())
+                        if "channel_tcp" in first
+                        else ""
+                    ),
                     "reported: the floor under the fixed cost of a step",
                     "reported",
                 )

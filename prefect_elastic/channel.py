@@ -20,9 +20,17 @@ snapshot, status) stay Dask actor calls: they are rare, and the coordinator make
 Every message carries the generation (in its header), and every wait is bounded: a socket op by the
 caller's timeout, a shard's wait for a step by the `wait` the frame names.
 
+A loop on the same machine as the shard (in the same network namespace) connects to a Unix socket
+instead (`ChannelAddress.local`, in Linux's abstract namespace: no file to clean up, gone with the
+process): the same frames, without TCP's stack under them. A 1.3 MB frame each way took 0.17 ms instead
+of 0.44 ms here. Elsewhere (another machine, a container with a network of its own) the connect fails at
+once and the loop uses TCP.
+
 When the cluster uses TLS (Dask's `Security`: workers started with `--tls-ca-file/--tls-cert/--tls-key`),
 the connection uses it too, with the worker's own certificates (`worker_tls`): encrypted, and only a peer
-with a certificate of the cluster's authority gets through the handshake.
+with a certificate of the cluster's authority gets through the handshake. There is no Unix socket then:
+any process of the machine may connect to one in the abstract namespace, and the handshake is what keeps
+them out.
 """
 
 from __future__ import annotations
@@ -30,13 +38,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import ssl
 import struct
+import sys
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -50,6 +61,19 @@ _LENGTH = struct.Struct("!I")
 SOCKET_BUFFER_BYTES = 4 << 20
 # A header is a few kilobytes at most (names of tensors, losses); anything larger is not a frame of ours.
 MAX_HEADER_BYTES = 64 << 20
+
+
+class ChannelAddress(NamedTuple):
+    """Where a shard listens for compute loops: TCP on `host`:`port`, and, on Linux without TLS, a Unix
+    socket named `local` in the abstract namespace ("" when none), which a loop on the same machine
+    uses instead."""
+
+    host: str
+    port: int
+    local: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -148,25 +172,48 @@ class ShardLink:
     loop may send a second frame before it reads the first answer. Any error closes the connection (a
     half-read stream cannot be trusted), and the next `send` opens a new one."""
 
-    def __init__(self, address: tuple[str, int], timeout: float, tls: ssl.SSLContext | None = None) -> None:
-        self.address = address
+    def __init__(
+        self, address: ChannelAddress | tuple[str, int], timeout: float, tls: ssl.SSLContext | None = None
+    ) -> None:
+        self.address = ChannelAddress(*address)
         self.timeout = timeout
         self.tls = tls
         self._sock: socket.socket | None = None
         self.pending = 0  # frames sent whose answer was not read yet
+        # Whether the connection is to the shard's Unix socket (the same machine); once that connect has
+        # failed (another machine, another network namespace), it is not tried again.
+        self.local = False
+        self._local_tried = False
 
     def _connected(self) -> socket.socket:
         if self._sock is None:
-            sock = socket.create_connection(self.address, timeout=self.timeout)
-            _tune(sock)
-            if self.tls is not None:
-                try:
-                    sock = self.tls.wrap_socket(sock, server_hostname=self.address[0])
-                except BaseException:
-                    sock.close()
-                    raise
+            sock = self._connect_local()
+            self.local = sock is not None
+            if sock is None:
+                sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout)
+                _tune(sock)
+                if self.tls is not None:
+                    try:
+                        sock = self.tls.wrap_socket(sock, server_hostname=self.address.host)
+                    except BaseException:
+                        sock.close()
+                        raise
             self._sock = sock
         return self._sock
+
+    def _connect_local(self) -> socket.socket | None:
+        if not self.address.local or self.tls is not None or (self._local_tried and not self.local):
+            return None
+        self._local_tried = True
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect("\0" + self.address.local)
+        except OSError:  # no such socket in this network namespace: not the shard's machine
+            sock.close()
+            return None
+        _tune(sock)
+        return sock
 
     def close(self) -> None:
         if self._sock is not None:
@@ -221,8 +268,9 @@ class ShardLink:
 
 
 def _tune(sock: socket.socket) -> None:
-    # No Nagle: a frame is written whole, and waiting to coalesce would only delay the answer.
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        # No Nagle: a frame is written whole, and waiting to coalesce would only delay the answer.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
@@ -314,28 +362,42 @@ class ShardServer:
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
         self._listener: socket.socket | None = None
+        self._local_listener: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._tls_server: asyncio.Server | None = None
-        self.address: tuple[str, int] | None = None
+        self.address: ChannelAddress | None = None
         # Seconds by phase, summed: `handle` (the handler, waits for other workers' pushes included) and
         # `send` (writing answers into the sockets).
         self.phases: dict[str, float] = {"handle": 0.0, "send": 0.0}
         self.frames = 0
+        self.connections = {"tcp": 0, "local": 0}  # connections taken, by kind
 
-    async def start(self, host: str, tls: ssl.SSLContext | None = None) -> tuple[str, int]:
-        """Listen on `host` (a free port); with `tls`, every connection is TLS with that context."""
+    async def start(self, host: str, tls: ssl.SSLContext | None = None, local: bool = True) -> ChannelAddress:
+        """Listen on `host` (a free port); with `tls`, every connection is TLS with that context. Without
+        it, and with `local` on Linux, on a Unix socket for loops on this machine too."""
         listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, 0))
         listener.listen(64)
         listener.setblocking(False)
         self._listener = listener
-        self.address = (host, int(listener.getsockname()[1]))
+        name = ""
+        if tls is None and local and sys.platform.startswith("linux"):
+            name = f"prefect-elastic-{os.getpid()}-{uuid.uuid4().hex}"
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.bind("\0" + name)
+            unix.listen(64)
+            unix.setblocking(False)
+            self._local_listener = unix
+        self.address = ChannelAddress(host, int(listener.getsockname()[1]), name)
+        if self._local_listener is not None:
+            self._spawn(self._accept(self._local_listener, "local"))
         if tls is None:
-            self._spawn(self._accept(listener))
+            self._spawn(self._accept(listener, "tcp"))
         else:
             # asyncio's socket calls cannot speak TLS: a TLS connection is served through streams.
             async def serve_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                self.connections["tcp"] += 1
                 sock = writer.get_extra_info("socket")
                 if sock is not None:
                     _tune(sock)
@@ -349,7 +411,7 @@ class ShardServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _accept(self, listener: socket.socket) -> None:
+    async def _accept(self, listener: socket.socket, kind: str) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -358,6 +420,7 @@ class ShardServer:
                 return  # closed
             conn.setblocking(False)
             _tune(conn)
+            self.connections[kind] += 1
             self._spawn(self._serve(_SocketIO(loop, conn)))
 
     async def _serve(self, io: _SocketIO | _StreamIO) -> None:
@@ -385,9 +448,10 @@ class ShardServer:
         if self._tls_server is not None:
             self._tls_server.close()
             self._tls_server = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        for listener in (self._listener, self._local_listener):
+            if listener is not None:
+                listener.close()
+        self._listener = self._local_listener = None
         for task in list(self._tasks):
             task.cancel()
 

@@ -31,7 +31,7 @@ import torch
 from torch.func import functional_call
 
 from .allocator import tune_allocator
-from .channel import Entry, Frame, ShardLink, raise_error, unread_answers_dropped, worker_tls
+from .channel import ChannelAddress, Entry, Frame, ShardLink, raise_error, unread_answers_dropped, worker_tls
 from .compute_async import run_async
 from .errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
 from .job import GLOBAL_RNG_LOCK, ElasticJob, StateLayout
@@ -310,13 +310,14 @@ def ask_role(
         return None, errors + 1
 
 
-def reconnect(links: list[ShardLink], channels: Sequence[tuple[str, int]], timeout: float) -> None:
+def reconnect(links: list[ShardLink], channels: Sequence[ChannelAddress], timeout: float) -> None:
     """Connections to where the shards listen now (a promoted data server listens elsewhere)."""
-    if [link.address for link in links] != list(channels):
+    wanted = [ChannelAddress(*channel) for channel in channels]
+    if [link.address for link in links] != wanted:
         for link in links:
             link.close()
         tls = worker_tls("connect")  # (the cluster's TLS, if it has any, covers the step path too)
-        links[:] = [ShardLink(channel, timeout, tls) for channel in channels]
+        links[:] = [ShardLink(channel, timeout, tls) for channel in wanted]
 
 
 class MicroBatchTrainer:

@@ -27,6 +27,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from .channel import ChannelAddress
 from .coordinator_state import CoordinatorState, Failure
 from .errors import FatalError, RecoverableError
 from .messages import (
@@ -110,11 +111,11 @@ class Coordinator:
             self._changed = asyncio.Condition()
         return self._lock, self._changed
 
-    async def attach(self, shards: list[Any], channels: list[tuple[str, int]]) -> None:
+    async def attach(self, shards: list[Any], channels: list[ChannelAddress]) -> None:
         """Take the data servers' handles and where each listens for compute loops; name each shard's
         peer (the next shard), which keeps in memory a copy of every snapshot it takes."""
         self._shards = [direct(shard) for shard in shards]
-        self._state.channels = tuple((str(host), int(port)) for host, port in channels)
+        self._state.channels = tuple(ChannelAddress(*c) for c in channels)
         await self._wire_peers(range(len(self._shards)))
         self._sync_task = asyncio.ensure_future(self._follow_shards())
 
@@ -122,7 +123,7 @@ class Coordinator:
         self,
         journal: Journal,
         shards: list[Any],
-        channels: list[tuple[str, int]],
+        channels: list[ChannelAddress],
         lost: list[int],
         where: str,
         reason: str,
@@ -142,7 +143,7 @@ class Coordinator:
         state = self._state
         async with lock:
             self._shards = [direct(shard) for shard in shards]
-            state.channels = tuple((str(host), int(port)) for host, port in channels)
+            state.channels = tuple(ChannelAddress(*c) for c in channels)
             state.lost = set(lost)
             self._gone = {i: asyncio.Event() for i in range(len(shards))}
             for i in lost:
@@ -425,7 +426,7 @@ class Coordinator:
             if len(set(reached)) == 1:
                 return
 
-    async def promote(self, index: int, shard: Any, channel: tuple[str, int], worker: str) -> MembershipEvent:
+    async def promote(self, index: int, shard: Any, channel: ChannelAddress, worker: str) -> MembershipEvent:
         """`shard` (a data server started on the standby `worker`, holding the replica of the last
         snapshot) takes the role of lost shard `index`: every shard is fenced into a new generation and
         brought to that snapshot, peers are named again, and roles go out with the new channel."""
@@ -445,7 +446,7 @@ class Coordinator:
                 fenced = await self._fence_and_restore(generation, target, index)
             finally:
                 state.lost.add(index)
-            where = (str(channel[0]), int(channel[1]))
+            where = ChannelAddress(*channel)
             applied: frozenset[int] = frozenset()
             if state.mode == "async":
                 applied = frozenset(await shard.applied_ids())

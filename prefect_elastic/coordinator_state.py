@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+from .channel import ChannelAddress
 from .errors import DataServerLostError, FatalError
 from .ledger import Ledger
 from .messages import (
@@ -104,7 +105,7 @@ class CoordinatorState:
         self.snapshot_wanted: int | None = None  # the version every shard was asked to snapshot
         self._refused: dict[int, int] = {}
         # Where each shard listens for compute loops; handed out with every role (a promoted shard moves).
-        self.channels: tuple[tuple[str, int], ...] = ()
+        self.channels: tuple[ChannelAddress, ...] = ()
         # Data servers lost with their static worker and not replaced yet: training is suspended, and
         # nothing is decided about membership, until a standby takes each role (`promote_shard`).
         self.lost: set[int] = set()
@@ -589,7 +590,7 @@ class CoordinatorState:
         index: int,
         worker: str,
         generation: int,
-        channel: tuple[str, int],
+        channel: ChannelAddress,
         now: float,
         began: float,
         applied: frozenset[int] = frozenset(),

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .allocator import tune_allocator
-from .channel import Entry, Frame, ShardServer, error_header, worker_tls
+from .channel import ChannelAddress, Entry, Frame, ShardServer, error_header, worker_tls
 from .dataset import DatasetInfo, load_partition, partition_bounds
 from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
@@ -188,7 +188,7 @@ class DataServer:
 
     # -- compute workers -------------------------------------------------------------------------
 
-    async def open_channel(self) -> tuple[str, int]:
+    async def open_channel(self) -> ChannelAddress:
         """Start listening for compute loops (`channel.py`) on this worker's host; returns the address."""
         if self._server is None or self._server.address is None:
             server = ShardServer(_weak_handler(self))

@@ -26,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from .channel import ChannelAddress
 from .ledger import LedgerEntry
 
 Tensors = dict[str, torch.Tensor]
@@ -67,7 +68,7 @@ class Role:
     stop: bool = False  # the job is over: the loop ends
     # Where each shard listens for compute loops (channel.py) in this generation: a data server promoted
     # onto a standby listens elsewhere, and the generation that follows its promotion says where.
-    channels: tuple[tuple[str, int], ...] = ()
+    channels: tuple[ChannelAddress, ...] = ()
 
     @property
     def size(self) -> int:
@@ -268,7 +269,7 @@ class Call(Protocol[T_co]):
 class ShardHandle(Protocol):
     """A data server with its parameter shard (`data_server.DataServer`), as callers see it."""
 
-    def open_channel(self) -> Call[tuple[str, int]]: ...
+    def open_channel(self) -> Call[ChannelAddress]: ...
 
     def close_channel(self) -> Call[None]: ...
 
@@ -336,7 +337,7 @@ class CoordinatorHandle(Protocol):
         self,
         journal: Journal,
         shards: list[Any],
-        channels: list[tuple[str, int]],
+        channels: list[ChannelAddress],
         lost: list[int],
         where: str,
         reason: str,
@@ -345,7 +346,7 @@ class CoordinatorHandle(Protocol):
     ) -> Call[MembershipEvent]: ...
 
     def promote(
-        self, index: int, shard: Any, channel: tuple[str, int], worker: str
+        self, index: int, shard: Any, channel: ChannelAddress, worker: str
     ) -> Call[MembershipEvent]: ...
 
 

@@ -27,6 +27,7 @@ import torch
 from distributed import Client, Future
 from distributed.security import Security
 
+from .channel import ChannelAddress
 from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
 from .compute_async import MIN_LEASE
@@ -386,7 +387,7 @@ class TrainingRun:
         self.started = time.monotonic()
         self.coordinator: Any = None  # a CoordinatorHandle once started
         self.shards: list[Any] = []  # ShardHandles
-        self.channels: list[tuple[str, int]] = []  # where each shard listens for compute loops
+        self.channels: list[ChannelAddress] = []  # where each shard listens for compute loops
         self.plan: list[list[str]] = []
         # Where the roles live: the static worker of each data server, and of the coordinator. Static
         # workers that hold none of them are standbys: a lost data server's role goes to one of them.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import threading
 import time
@@ -99,6 +100,37 @@ def test_answers_come_in_order_and_match_what_was_sent(echo: Served) -> None:
         assert torch.equal(a.tensors[0][1], first.tensors[0][1])
         assert torch.equal(b.tensors[0][1], second.tensors[0][1])
         assert link.pending == 0
+    finally:
+        link.close()
+
+
+def test_a_loop_on_the_shards_machine_uses_its_unix_socket_and_from_elsewhere_tcp(echo: Served) -> None:
+    """Same frames either way; the Unix socket (abstract namespace) only where the loop can reach it."""
+    assert echo.address.local, "a server without TLS on Linux listens on a Unix socket too"
+    near = ShardLink(echo.address, timeout=5)
+    far = ShardLink(echo.address._replace(local=""), timeout=5)  # as a loop on another machine sees it
+    try:
+        for link in (near, far):
+            sent = Frame({"op": "push", "generation": 1}, tensors())
+            got = link.request(sent)
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(sent.tensors, got.tensors, strict=True))
+        assert near.local and not far.local
+        assert echo.server.connections == {"local": 1, "tcp": 1}
+    finally:
+        near.close()
+        far.close()
+
+
+def test_a_unix_socket_out_of_reach_falls_back_to_tcp_and_is_not_tried_again(echo: Served) -> None:
+    """A loop in another network namespace (a container, another machine) cannot reach the name: its
+    connect fails at once, and it uses TCP from then on."""
+    link = ShardLink(echo.address._replace(local=f"prefect-elastic-not-here-{os.getpid()}"), timeout=5)
+    try:
+        assert link.request(Frame({"op": "a"})).header["echo"]["op"] == "a"
+        assert not link.local
+        link.close()
+        assert link.request(Frame({"op": "b"})).header["echo"]["op"] == "b"
+        assert echo.server.connections == {"local": 0, "tcp": 2}
     finally:
         link.close()
 

@@ -99,6 +99,8 @@ def test_the_step_path_refuses_plain_and_foreign_connections() -> None:
     async def scenario() -> tuple[bool, str, str]:
         server = ShardServer(answer)
         address = await server.start("127.0.0.1", tls=ours.get_listen_args("worker")["ssl_context"])
+        # No Unix socket beside it: any process of the machine could connect to one, unchecked.
+        assert address.local == ""
         loop = asyncio.get_running_loop()
 
         def as_a_loop(security: Security | None) -> str:
@@ -136,10 +138,12 @@ def test_a_plain_socket_to_a_tls_listener_gets_no_frame() -> None:
     async def scenario() -> bytes:
         server = ShardServer(answer)
         address = await server.start("127.0.0.1", tls=ours.get_listen_args("worker")["ssl_context"])
+        # No Unix socket beside it: any process of the machine could connect to one, unchecked.
+        assert address.local == ""
         loop = asyncio.get_running_loop()
 
         def plain_client() -> bytes:
-            with socket.create_connection(address, timeout=5) as sock:
+            with socket.create_connection((address.host, address.port), timeout=5) as sock:
                 sock.sendall(b"\x00\x00\x00\x02{}")
                 try:
                     return sock.recv(1024)
