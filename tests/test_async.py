@@ -630,7 +630,7 @@ def test_a_lost_data_server_of_an_async_job_moves_to_a_standby(
     killed: list[str] = []
     with LocalElasticCluster(static_workers=3, elastic_workers=2) as cluster:
         job = async_job(
-            digits_url, model="tests.models:gated_slow_mlp", epochs=3, checkpoint_every=2, job_id="async-lost"
+            digits_url, model="tests.models:gated_slow_mlp", epochs=5, checkpoint_every=2, job_id="async-lost"
         )
 
         def kill_after_a_snapshot(p: Progress) -> None:
@@ -676,7 +676,7 @@ def test_the_coordinators_worker_of_an_async_job_killed_mid_run_is_rebuilt_on_an
         job = async_job(
             digits_url,
             model="tests.models:gated_slow_mlp",
-            epochs=3,
+            epochs=5,
             checkpoint_every=2,
             job_id="async-coordinator",
         )

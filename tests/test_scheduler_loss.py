@@ -25,7 +25,7 @@ def test_the_scheduler_killed_mid_run_stops_the_job_and_a_new_run_resumes(
 ) -> None:
     folder = f"file://{tmp_path}/checkpoints"
     job = make_job(
-        digits_url, "reassign", job_id="scheduler-lost", epochs=3, checkpoint=folder, checkpoint_every=1
+        digits_url, "reassign", job_id="scheduler-lost", epochs=6, checkpoint=folder, checkpoint_every=1
     )
     store = CheckpointStore(folder)
     killed: list[str] = []

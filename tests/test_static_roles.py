@@ -138,7 +138,9 @@ def test_two_data_servers_lost_at_different_times_with_two_standbys(
 ) -> None:
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 4)
-    job = make_job(digits_url, "rollback", job_id="two-losses", model="tests.models:gated_mlp")
+    # 4 epochs: the second loss comes at step 30 and after a snapshot past it, well before the end however
+    # fast the machine runs the steps (with 2, a fast run could end before the second kill).
+    job = make_job(digits_url, "rollback", job_id="two-losses", model="tests.models:gated_mlp", epochs=4)
     kill = KillWhenSnapshotted(static_cluster, index=1, at=(12, 30))
     try:
         result = train(job, cluster=static_cluster, on_progress=kill)
