@@ -180,10 +180,9 @@ class ShardLink:
         self.tls = tls
         self._sock: socket.socket | None = None
         self.pending = 0  # frames sent whose answer was not read yet
-        # Whether the connection is to the shard's Unix socket (the same machine); once that connect has
-        # failed (another machine, another network namespace), it is not tried again.
-        self.local = False
-        self._local_tried = False
+        self.local = False  # whether the connection is to the shard's Unix socket (the same machine)
+        # Once that connect has failed (another machine, another network namespace), it is not tried again.
+        self._local_refused = False
 
     def _connected(self) -> socket.socket:
         if self._sock is None:
@@ -202,15 +201,15 @@ class ShardLink:
         return self._sock
 
     def _connect_local(self) -> socket.socket | None:
-        if not self.address.local or self.tls is not None or (self._local_tried and not self.local):
+        if not self.address.local or self.tls is not None or self._local_refused:
             return None
-        self._local_tried = True
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
             sock.connect("\0" + self.address.local)
         except OSError:  # no such socket in this network namespace: not the shard's machine
             sock.close()
+            self._local_refused = True
             return None
         _tune(sock)
         return sock
