@@ -121,7 +121,7 @@ class DataServer:
         self._version_changed: asyncio.Condition | None = None  # made in the event loop, on first use
         self._snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
         self._snapshotting: asyncio.Task[None] | None = None
-        self._hold: int | None = None  # no step from this one on is taken (`hold_at`), until the next fence
+        self._hold: int | None = None  # no step from this one on is started (`hold_at`), until the next fence
         self._applied: set[int] = set(applied)  # batch ids applied here (async mode; a checkpoint's)
         self._load(params, buffers, optimizer_state, version)
         # Peer replicas (seed 001): every snapshot this shard takes is copied to its peer, shard
@@ -379,6 +379,12 @@ class DataServer:
         moment the parameters exist. It fails when the generation changes or the wait runs out.
         """
         self._check(generation, "pull")
+        if self._hold is not None and step >= self._hold:
+            # Refused here, not at the push: a worker pushes a step only with the parameters of that step
+            # from every shard, so each shard takes the same pushes and applies the same steps. A push
+            # refused by one shard and taken by another (the holds reach them at different moments) left
+            # them a version apart, and the hand-over rolled back to the last snapshot.
+            raise RecoverableError(f"shard {self.index} holds at step {self._hold} (a static worker retires)")
         if self.version < step or self._applying:
             await self._wait_for_version(generation, step, wait)
         if self._applying or self.version != step:
@@ -423,8 +429,6 @@ class DataServer:
         self._check(generation, "push")
         if step != self.version or self._applying:
             raise RecoverableError(f"push for step {step}, but shard {self.index} is at step {self.version}")
-        if self._hold is not None and step >= self._hold:
-            raise RecoverableError(f"shard {self.index} holds at step {self._hold} (a static worker retires)")
         for batch_id in losses:
             if self._schedule.step_of(batch_id) != step:
                 raise FatalError(f"gradient of batch {batch_id} pushed for step {step}")
@@ -504,10 +508,11 @@ class DataServer:
         )
 
     async def hold_at(self, generation: int, version: int, wait: float) -> int:
-        """Take no step from step `version` on, and wait (up to `wait` seconds) until the steps before it
-        are applied here: every shard held at one version stops at a step boundary, so a fence that follows
-        finds them all at that version and nothing is undone (a hand-over). Returns the version reached;
-        the next fence lifts the hold."""
+        """Start no step from step `version` on (its parameters are not served; pushes of a step already
+        started are still taken), and wait (up to `wait` seconds) until the steps before it are applied
+        here: every shard held this way stops at a step boundary, and at the same one, since the shards
+        take the same pushes, so a fence that follows finds them all at one version and nothing is undone
+        (a hand-over). Returns the version reached; the next fence lifts the hold."""
         self._check(generation, "hold")
         delay = _plugin_seconds(HAND_OVER_DELAY)
         if delay:

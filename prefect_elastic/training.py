@@ -104,6 +104,10 @@ MAX_LOOP_RESTARTS = 5
 # How long the controller waits on a coordinator call between two looks at whether its worker is gone: a
 # call to a worker that died waits for Dask's connect timeout, not for an answer that will never come.
 CALL_SLICE_SECONDS = 0.05
+# A call to a static worker that broke is given this long to turn out a loss of that worker before the error
+# counts as the call's own: a worker killed while it starts an actor may answer with an error of its own
+# (an UnboundLocalError from Dask's executor, in the chaos soak) before the scheduler has removed it.
+LEAVING_GRACE_SECONDS = 2.0
 
 
 class SchedulerGone(Exception):
@@ -1025,10 +1029,20 @@ class TrainingRun:
                     raise
             except Exception as exc:
                 # The call broke: if `worker` is gone, that is why (the error itself may be any of
-                # Dask's: a closed comm, an actor whose worker was lost).
-                if worker in self.left or worker not in self._workers_view().static:
+                # Dask's: a closed comm, an actor whose worker was lost, one from a worker in its death).
+                if self._leaves_soon(worker, LEAVING_GRACE_SECONDS):
                     raise StaticWorkerLeft(worker) from exc
                 raise
+
+    def _leaves_soon(self, worker: str, grace: float) -> bool:
+        """Whether the static worker `worker` is gone, or goes within `grace` seconds."""
+        deadline = time.monotonic() + grace
+        while True:
+            if worker in self.left or worker not in self._workers_view().static:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(WATCH_WHILE_CALLING_SECONDS)
 
     def _tell_lost_shards(self) -> None:
         """While a coordinator call waits (it may be calling every shard), look at the static workers: a

@@ -10,13 +10,16 @@ import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
+import torch
 
 from prefect_elastic import train
 from prefect_elastic.coordinator import Coordinator
-from prefect_elastic.errors import DataServerLostError
+from prefect_elastic.data_server import DataServer
+from prefect_elastic.errors import DataServerLostError, RecoverableError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -352,6 +355,38 @@ def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_re
     assert handed and all("retiring" in e.reason for e in handed)
     assert result.counters["promotions"] == len(handed) == 1
     assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
+
+
+def test_shards_held_for_a_hand_over_take_the_pushes_of_a_step_started_and_start_no_step_after_it(
+    digits_url: str,
+) -> None:
+    """The hold of a hand-over reaches the shards one after another. Here it reaches the first shard
+    before a step's pushes arrive and the second after the step is applied: both still take that step,
+    since the workers started it with both shards' parameters, and neither serves the parameters of the
+    step after it, so they stop at one version. (When the first shard refused those pushes, the shards
+    stood a version apart and the hand-over went back to the last snapshot.)"""
+    (first, second), plan = in_process_servers(digits_url)
+    batches = first._schedule.step_batches(0)
+
+    def push(shard: DataServer, names: list[str]) -> Any:
+        grads = {
+            b: {n: torch.zeros_like(shard._params[n]) for n in names if n in shard._params} for b in batches
+        }
+        return shard.push(0, 0, "tcp://worker", grads, {}, {b: 0.5 for b in batches})
+
+    async def run() -> None:
+        assert await first.hold_at(0, 0, wait=0) == 0
+        await asyncio.gather(*(push(s, names) for s, names in zip((first, second), plan, strict=True)))
+        assert await second.hold_at(0, 0, wait=0) == 1
+        assert (first.version, second.version) == (1, 1), "both took the step that was started"
+        for shard in (first, second):
+            with pytest.raises(RecoverableError, match="holds at step 0"):
+                await shard.pull(0, 1)
+        fenced = [await s.fence(1) for s in (first, second)]
+        assert [f.version for f in fenced] == [1, 1]
+        assert await first.pull(1, 1), "the fence lifts the hold"
+
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize(
