@@ -215,6 +215,7 @@ class CoordinatorState:
             lost_shards=tuple(sorted(self.lost)),
             snapshot_step=self.ledger.snapshot_step,
             mode=self.mode,
+            events=len(self.events),
         )
 
     def snapshot_record(self) -> Resume:

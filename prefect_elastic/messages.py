@@ -187,6 +187,8 @@ class Progress:
     standbys: tuple[str, ...] = ()
     # "sync" or "async" (then a step is one batch id, committed once every shard applied it).
     mode: str = "sync"
+    # Events the coordinator has recorded: the controller copies its record when it holds fewer.
+    events: int = 0
 
     def holds(self, worker: str) -> int:
         return dict(self.holding).get(worker, 0)

@@ -726,6 +726,11 @@ class TrainingRun:
                     if self.on_event is not None:
                         self.on_event(event)
             progress: Progress = self._call(self.coordinator.progress())
+            if progress.events > len(self.journal.events):
+                # Recorded between survival checks (a snapshot confirmed by every shard, a promotion, a
+                # worker excluded): copied now, so that a coordinator lost before the next check does not
+                # take them from `result.events`.
+                self._copy_journal()
             if progress.lost_shards:
                 # A call to a shard failed before its worker left the scheduler's list.
                 self._promote_standbys(list(progress.lost_shards))
