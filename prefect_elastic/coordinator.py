@@ -410,21 +410,22 @@ class Coordinator:
         for index in indices:
             self._take(state.lose_shard(index, state.generation, reason, time.time()))
 
-    async def _hold_at_one_version(self, tries: int = 2) -> None:
-        """Let the steps in flight finish, then stop every shard at the same step boundary (`hold_at`), so
+    async def _hold_at_one_version(self, tries: int = 3) -> None:
+        """Let the step in flight finish, then stop every shard at the same step boundary (`hold_at`), so
         that the fence after finds them at one version: a fence in the middle of a step finds one shard a
-        step ahead of another, and the shards go back to the last snapshot. A step that does not finish
-        within a pull's wait (a member that died meanwhile) leaves it to the fence."""
+        step ahead of another, and the shards go back to the last snapshot. A held shard applies no step
+        beyond its hold, so the newest version a hold finds is one every shard can still reach: the next
+        try holds them all there. A step that does not finish within the wait (a member that died between
+        its pushes) leaves it to the fence."""
         state = self._state
+        statuses: list[ShardStatus] = await self._on_shards(lambda s: s.status(state.schedule.total_steps))
+        target = min(max(s.version for s in statuses) + 1, state.schedule.total_steps)
         for _ in range(tries):
-            statuses: list[ShardStatus] = await self._on_shards(
-                lambda s: s.status(state.schedule.total_steps)
-            )
-            target = min(max(s.version for s in statuses) + 1, state.schedule.total_steps)
             hold = partial(_hold_at, generation=state.generation, version=target, wait=HOLD_WAIT_SECONDS)
             reached: list[int] = await self._on_shards(hold)
             if len(set(reached)) == 1:
                 return
+            target = max(reached)
 
     async def promote(self, index: int, shard: Any, channel: ChannelAddress, worker: str) -> MembershipEvent:
         """`shard` (a data server started on the standby `worker`, holding the replica of the last

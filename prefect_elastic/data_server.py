@@ -121,7 +121,7 @@ class DataServer:
         self._version_changed: asyncio.Condition | None = None  # made in the event loop, on first use
         self._snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
         self._snapshotting: asyncio.Task[None] | None = None
-        self._hold: int | None = None  # no step from this one on is started (`hold_at`), until the next fence
+        self._hold: int | None = None  # no step from this one on starts or is applied (`hold_at`)
         self._applied: set[int] = set(applied)  # batch ids applied here (async mode; a checkpoint's)
         self._load(params, buffers, optimizer_state, version)
         # Peer replicas (seed 001): every snapshot this shard takes is copied to its peer, shard
@@ -379,14 +379,10 @@ class DataServer:
         moment the parameters exist. It fails when the generation changes or the wait runs out.
         """
         self._check(generation, "pull")
-        if self._hold is not None and step >= self._hold:
-            # Refused here, not at the push: a worker pushes a step only with the parameters of that step
-            # from every shard, so each shard takes the same pushes and applies the same steps. A push
-            # refused by one shard and taken by another (the holds reach them at different moments) left
-            # them a version apart, and the hand-over rolled back to the last snapshot.
-            raise RecoverableError(f"shard {self.index} holds at step {self._hold} (a static worker retires)")
-        if self.version < step or self._applying:
+        if (self.version < step or self._applying) and not self._held(step):
             await self._wait_for_version(generation, step, wait)
+        if self._held(step):  # (also a hold that came while this pull waited)
+            raise RecoverableError(f"shard {self.index} holds at step {self._hold} (a static worker retires)")
         if self._applying or self.version != step:
             raise RecoverableError(f"pull for step {step}, but shard {self.index} is at step {self.version}")
         # No copy: the tensors are serialized as this reply is sent, and the shard changes them only when
@@ -436,8 +432,20 @@ class DataServer:
             self._open.buffers[batch_id] = buffers.get(batch_id, {})
             self._open.losses[batch_id] = losses[batch_id]
             self._open.workers[batch_id] = worker
-        if len(self._open.grads) == len(self._schedule.step_batches(step)):
+        if self._open_step_complete() and not self._held(step):
             await self._apply_step(step)
+
+    def _open_step_complete(self) -> bool:
+        step = self.version
+        return (
+            step < self._schedule.total_steps
+            and bool(self._open.grads)
+            and len(self._open.grads) == len(self._schedule.step_batches(step))
+        )
+
+    def _held(self, step: int) -> bool:
+        """Whether a hand-over's hold (`hold_at`) keeps step `step` from starting or being applied."""
+        return self._hold is not None and step >= self._hold
 
     async def _apply_step(self, step: int) -> None:
         opened, self._open = self._open, _OpenStep()
@@ -508,17 +516,22 @@ class DataServer:
         )
 
     async def hold_at(self, generation: int, version: int, wait: float) -> int:
-        """Start no step from step `version` on (its parameters are not served; pushes of a step already
-        started are still taken), and wait (up to `wait` seconds) until the steps before it are applied
-        here: every shard held this way stops at a step boundary, and at the same one, since the shards
-        take the same pushes, so a fence that follows finds them all at one version and nothing is undone
-        (a hand-over). Returns the version reached; the next fence lifts the hold."""
+        """Apply no step from step `version` on and serve none of its parameters, and wait (up to `wait`
+        seconds) until the steps before it are applied here. Pushes are still taken, held steps kept
+        unapplied: a hold that reaches one shard after it applied a step and another before leaves them
+        a version apart, and the coordinator then holds every shard at the newer version, which the other
+        reaches from the pushes it kept (the shards take the same pushes: a worker pushes a step only with
+        the parameters of that step from every shard). Shards held at one version stay there until the
+        fence, which finds them equal, so nothing is undone (a hand-over). Returns the version reached; the
+        next fence lifts the hold."""
         self._check(generation, "hold")
         delay = _plugin_seconds(HAND_OVER_DELAY)
         if delay:
             await asyncio.sleep(delay)  # a slowed hand-over (test hook, see local/slow.py)
             self._check(generation, "hold")  # a fence may have come meanwhile
         self._hold = version
+        if self.version < version and not self._applying and self._open_step_complete():
+            await self._apply_step(self.version)  # kept by a lower hold, which this one lifts
         if self.version < version:
             with contextlib.suppress(RecoverableError, StaleGenerationError):
                 await self._wait_for_version(generation, version, wait)

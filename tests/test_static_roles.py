@@ -368,34 +368,38 @@ def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_re
     assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
 
 
-def test_shards_held_for_a_hand_over_take_the_pushes_of_a_step_started_and_start_no_step_after_it(
+def test_shards_held_for_a_hand_over_stop_at_one_version_whatever_order_the_holds_reach_them_in(
     digits_url: str,
 ) -> None:
-    """The hold of a hand-over reaches the shards one after another. Here it reaches the first shard
-    before a step's pushes arrive and the second after the step is applied: both still take that step,
-    since the workers started it with both shards' parameters, and neither serves the parameters of the
-    step after it, so they stop at one version. (When the first shard refused those pushes, the shards
-    stood a version apart and the hand-over went back to the last snapshot.)"""
+    """The coordinator read both shards at version 0 and holds them at 1, but meanwhile both applied step 0
+    and sent step 1's parameters, and the hold reaches the first shard before step 1's pushes and the
+    second after it applied them. The first keeps those pushes unapplied (a held shard applies no step from
+    its hold on), the coordinator then holds both at the newer version 2, which the first reaches from
+    the pushes it kept, and neither moves until the fence, which finds them equal. (Refusing the pushes
+    instead left the first a version behind for good; taking and applying them let a shard step past the
+    version the fence then found the other at: either way the hand-over went back to the snapshot.)"""
     (first, second), plan = in_process_servers(digits_url)
-    batches = first._schedule.step_batches(0)
+    both = (first, second)
 
-    def push(shard: DataServer, names: list[str]) -> Any:
-        grads = {
-            b: {n: torch.zeros_like(shard._params[n]) for n in names if n in shard._params} for b in batches
-        }
-        return shard.push(0, 0, "tcp://worker", grads, {}, {b: 0.5 for b in batches})
+    def push(shard: DataServer, names: list[str], step: int) -> Any:
+        batches = shard._schedule.step_batches(step)
+        grads = {b: {n: torch.zeros_like(t) for n, t in shard._params.items() if n in names} for b in batches}
+        return shard.push(0, step, "tcp://worker", grads, {}, {b: 0.5 for b in batches})
 
     async def run() -> None:
-        assert await first.hold_at(0, 0, wait=0) == 0
-        await asyncio.gather(*(push(s, names) for s, names in zip((first, second), plan, strict=True)))
-        assert await second.hold_at(0, 0, wait=0) == 1
-        assert (first.version, second.version) == (1, 1), "both took the step that was started"
-        for shard in (first, second):
-            with pytest.raises(RecoverableError, match="holds at step 0"):
-                await shard.pull(0, 1)
-        fenced = [await s.fence(1) for s in (first, second)]
-        assert [f.version for f in fenced] == [1, 1]
-        assert await first.pull(1, 1), "the fence lifts the hold"
+        for step in (0, 1):
+            assert all([await s.pull(0, step) for s in both]), "a worker has the parameters of the step"
+            if step == 1:
+                assert await first.hold_at(0, 1, wait=0) == 1
+            await asyncio.gather(*(push(s, names, step) for s, names in zip(both, plan, strict=True)))
+        assert (first.version, second.version) == (1, 2), "the first keeps step 1 unapplied"
+        assert await second.hold_at(0, 1, wait=0) == 2
+        assert [await s.hold_at(0, 2, wait=0) for s in both] == [2, 2], "the coordinator's second try"
+        for shard in both:
+            with pytest.raises(RecoverableError, match="holds at step 2"):
+                await shard.pull(0, 2)
+        assert [f.version for f in [await s.fence(1) for s in both]] == [2, 2]
+        assert await first.pull(1, 2), "the fence lifts the hold"
 
     asyncio.run(run())
 
