@@ -105,6 +105,9 @@ class DataServer:
         applied: tuple[int, ...] = (),
     ) -> None:
         tune_allocator()  # pulls, pushes and snapshots allocate megabytes every step; see allocator.py
+        delay = _plugin_seconds(START_DELAY)
+        if delay:
+            time.sleep(delay)  # a slowed start (test hook, see local/slow.py; this runs in a task's thread)
         self.index = index
         self.job_id = job.job_id
         self._job = job
@@ -795,12 +798,13 @@ def _replica_of(snap: _Snapshot) -> dict[str, Any]:
 
 SHARD_DELAY = "prefect-elastic-shard-delay"
 HAND_OVER_DELAY = "prefect-elastic-hand-over-delay"
+START_DELAY = "prefect-elastic-start-delay"
 
 
 def _plugin_seconds(name: str) -> float:
     """The test hooks' delays (`prefect_elastic.local.slow`): the `seconds` of the worker plugin named
     `name` where this worker has one (`SHARD_DELAY`: before each async apply; `HAND_OVER_DELAY`: in a
-    hand-over's `hold_at`); 0 elsewhere."""
+    hand-over's `hold_at`; `START_DELAY`: as a data server starts); 0 elsewhere."""
     try:
         from distributed import get_worker
 

@@ -863,23 +863,16 @@ class TrainingRun:
             self._restore_from_checkpoint(lost, f"data servers {unrestorable} cannot be restored: {why}")
             return
         for i in lost:
-            standby = self._wait_for_standby(i)
             replica = replicas[i]
             start = None if replica is not None else self.persistence.shard_start(i, self.plan[i])
-            clock = time.monotonic()
-            future = self._submit_data_server(i, standby, start, targets[i])
-            shard = future.result(timeout=self._startup_timeout())
-            started = time.monotonic() - clock
-            if replica is not None:
-                peer_at = self.placement[(i + 1) % len(shards)]
-                try:
-                    self._wait_unless_left(shard.adopt(replica, targets[i]), peer_at, self._startup_timeout())
-                except StaticWorkerLeft:
-                    # The peer died too (after the first loss was seen): its replica is gone with it.
-                    self.client.cancel([future])
-                    self._promote_standbys(sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}))
-                    return
-            adopted = time.monotonic() - clock - started
+            try:
+                standby, future, shard, started, adopted = self._start_on_standby(
+                    i, start, targets[i], replica
+                )
+            except StaticWorkerLeft:
+                # The peer died too (after the first loss was seen): its replica is gone with it.
+                self._promote_standbys(sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}))
+                return
             channel = shard.open_channel().result(timeout=job.call_timeout)
             clock = time.monotonic()
             event = self._call(coordinator.promote(i, shard, channel, standby))
@@ -905,6 +898,40 @@ class TrainingRun:
             suspended = 0.0
         self.standbys = tuple(w for w in self.standbys if w not in self.placement)
         self._copy_journal()
+
+    def _start_on_standby(
+        self, index: int, start: ShardStart | None, version: int, replica: ShardHandle | None
+    ) -> tuple[str, Future, ShardHandle, float, float]:
+        """A data server for shard `index` on a standby: started from `start`, or empty and then given the
+        snapshot of `version` from `replica` (the peer). A standby that dies meanwhile is passed over for
+        the next one (a call to it would wait for the startup timeout); the peer's death raises
+        `StaticWorkerLeft` for the peer. Returns the standby, the actor's future, its handle, and the
+        seconds its start and the copy from the peer took."""
+        peer_at = self.placement[(index + 1) % len(self.placement)]
+        while True:
+            standby = self._wait_for_standby(index)
+            clock = time.monotonic()
+            future: Future | None = None
+            try:
+                future = self._submit_data_server(index, standby, start, version)
+                shard: ShardHandle = self._wait_unless_left(future, standby, self._startup_timeout())
+                started = time.monotonic() - clock
+                if replica is not None:
+                    self._wait_unless_left(shard.adopt(replica, version), peer_at, self._startup_timeout())
+                return standby, future, shard, started, time.monotonic() - clock - started
+            except Exception as exc:
+                if future is not None:
+                    with contextlib.suppress(Exception):
+                        self.client.cancel([future])
+                gone = isinstance(exc, StaticWorkerLeft) and exc.worker == standby
+                if isinstance(exc, StaticWorkerLeft) and not gone:
+                    raise  # the peer
+                if not gone and not self._leaves_soon(standby, LEAVING_GRACE_SECONDS):
+                    raise
+                log.warning(
+                    "job %s: standby %s left while data server %d started on it (%s); taking the next",
+                    self.job.job_id, standby, index, exc,
+                )  # fmt: skip
 
     def _restore_from_checkpoint(self, lost: list[int], why: str) -> None:
         """Data servers lost with the replicas of their shards: every shard goes back to the newest

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,57 @@ def test_two_data_servers_lost_at_different_times_with_two_standbys(
     assert holders[:2] == kill.killed and len(set(holders)) == 3, "each loss went to a standby of its own"
     promoted = [e for e in result.events if e.kind == EventKind.PROMOTED]
     assert [e.step >= at for e, at in zip(promoted, (12, 30), strict=True)] == [True, True]
+
+
+def test_a_standby_that_dies_while_its_data_server_starts_is_passed_over_for_the_next(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """Data server 1's static worker SIGKILLed, then the standby chosen for its role SIGKILLed while the
+    data server starts there (`slow.SlowStart` holds the start): the controller does not wait for the start
+    (it would wait for the 600 s startup timeout) but promotes the next standby."""
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 4)
+    job = make_job(digits_url, "reassign", job_id="standby-dies", model="tests.models:gated_mlp")
+    kill = KillWhenSnapshotted(static_cluster, index=1)
+    doomed: list[str] = []
+    starting: list[str] = []
+    killers: list[threading.Thread] = []
+
+    def kill_once_starting(worker: str) -> None:
+        with static_cluster.client() as client:
+            for _ in range(600):  # 60 s at most
+                keys = client.processing(workers=[worker]).get(worker, ())
+                if any("data-server-1" in str(k) for k in keys):
+                    starting.append(worker)
+                    static_cluster.kill_worker(worker)
+                    return
+                time.sleep(0.1)
+
+    def kill_then_its_standby(p: Progress) -> None:
+        if not doomed and p.committed_steps >= 12 and len(p.standbys) == 2:
+            doomed.append(p.standbys[0])  # the one the controller takes first (they are in name order)
+            with static_cluster.client() as client:
+                slow.register(client, slow.SlowStart(doomed[0], 3 * job.call_timeout))
+        kill(p)
+        if kill.killed and not killers:
+            killers.append(threading.Thread(target=kill_once_starting, args=(doomed[0],)))
+            killers[0].start()
+
+    try:
+        result = train(job, cluster=static_cluster, on_progress=kill_then_its_standby)
+    finally:
+        GATE.unlink(missing_ok=True)
+        for thread in killers:
+            thread.join()
+        with static_cluster.client() as client:
+            slow.clear(client)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    assert starting == doomed, "the first standby was killed while data server 1 started on it"
+    first, last = kill.placement.seen[0], kill.placement.seen[-1]
+    assert first.standbys[0] == doomed[0]
+    assert last.data_servers[1] == first.standbys[1], "the next standby took the role"
+    assert result.counters["promotions"] == 1
 
 
 def test_a_standby_that_joins_after_the_loss_takes_the_role(reference: References, digits_url: str) -> None:

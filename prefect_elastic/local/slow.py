@@ -10,6 +10,9 @@
 - `SlowHandOver(worker, seconds)`: a plugin registered under `data_server.HAND_OVER_DELAY`; the data server
   on the worker it names waits `seconds` when a hand-over asks it to hold (the test hook for a static worker
   that dies in the middle of handing its roles over).
+- `SlowStart(worker, seconds)`: a plugin registered under `data_server.START_DELAY`; a data server started
+  on the worker it names waits `seconds` before it loads anything (the test hook for a standby that dies
+  while it takes a role).
 
 Registering a plugin under a name that is taken replaces the one there; `clear` removes them all.
 """
@@ -23,7 +26,7 @@ import distributed
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..compute import SLOWDOWN
-from ..data_server import HAND_OVER_DELAY, SHARD_DELAY
+from ..data_server import HAND_OVER_DELAY, SHARD_DELAY, START_DELAY
 
 
 class Straggler(WorkerPlugin):
@@ -54,11 +57,8 @@ class SlowShards(WorkerPlugin):
         self.seconds = float(seconds)
 
 
-class SlowHandOver(WorkerPlugin):
-    """Makes the data server on one worker (a name or an address) wait `seconds` when a hand-over asks it
-    to hold at a step; 0 everywhere else."""
-
-    name = HAND_OVER_DELAY
+class _OnOneWorker(WorkerPlugin):
+    """A delay of `seconds` on one worker (a name or an address); 0 everywhere else."""
 
     def __init__(self, worker: str, seconds: float) -> None:
         if not seconds >= 0.0:
@@ -72,13 +72,25 @@ class SlowHandOver(WorkerPlugin):
             self.seconds = self.wanted
 
 
-def register(client: distributed.Client, plugin: Straggler | SlowShards | SlowHandOver) -> None:
+class SlowHandOver(_OnOneWorker):
+    """Makes the data server on one worker wait `seconds` when a hand-over asks it to hold at a step."""
+
+    name = HAND_OVER_DELAY
+
+
+class SlowStart(_OnOneWorker):
+    """Makes a data server started on one worker wait `seconds` before it loads anything."""
+
+    name = START_DELAY
+
+
+def register(client: distributed.Client, plugin: Straggler | SlowShards | SlowHandOver | SlowStart) -> None:
     """Register `plugin` on every worker, present and future (one with its name is replaced)."""
     client.register_plugin(plugin, name=plugin.name)
 
 
 def clear(client: distributed.Client) -> None:
     """Remove every plugin of this module from every worker (where registered)."""
-    for name in (SLOWDOWN, SHARD_DELAY, HAND_OVER_DELAY):
+    for name in (SLOWDOWN, SHARD_DELAY, HAND_OVER_DELAY, START_DELAY):
         with contextlib.suppress(ValueError):  # not registered
             client.unregister_worker_plugin(name)
