@@ -866,14 +866,13 @@ class TrainingRun:
             replica = replicas[i]
             start = None if replica is not None else self.persistence.shard_start(i, self.plan[i])
             try:
-                standby, future, shard, started, adopted = self._start_on_standby(
+                standby, future, shard, channel, started, adopted = self._start_on_standby(
                     i, start, targets[i], replica
                 )
             except StaticWorkerLeft:
                 # The peer died too (after the first loss was seen): its replica is gone with it.
                 self._promote_standbys(sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}))
                 return
-            channel = shard.open_channel().result(timeout=job.call_timeout)
             clock = time.monotonic()
             event = self._call(coordinator.promote(i, shard, channel, standby))
             promotion = Promotion(
@@ -901,12 +900,12 @@ class TrainingRun:
 
     def _start_on_standby(
         self, index: int, start: ShardStart | None, version: int, replica: ShardHandle | None
-    ) -> tuple[str, Future, ShardHandle, float, float]:
+    ) -> tuple[str, Future, ShardHandle, ChannelAddress, float, float]:
         """A data server for shard `index` on a standby: started from `start`, or empty and then given the
         snapshot of `version` from `replica` (the peer). A standby that dies meanwhile is passed over for
         the next one (a call to it would wait for the startup timeout); the peer's death raises
-        `StaticWorkerLeft` for the peer. Returns the standby, the actor's future, its handle, and the
-        seconds its start and the copy from the peer took."""
+        `StaticWorkerLeft` for the peer. Returns the standby, the actor's future, its handle, where its
+        channel listens, and the seconds its start and the copy from the peer took."""
         peer_at = self.placement[(index + 1) % len(self.placement)]
         while True:
             standby = self._wait_for_standby(index)
@@ -918,7 +917,9 @@ class TrainingRun:
                 started = time.monotonic() - clock
                 if replica is not None:
                     self._wait_unless_left(shard.adopt(replica, version), peer_at, self._startup_timeout())
-                return standby, future, shard, started, time.monotonic() - clock - started
+                adopted = time.monotonic() - clock - started
+                channel = self._wait_unless_left(shard.open_channel(), standby, self.job.call_timeout)
+                return standby, future, shard, channel, started, adopted
             except Exception as exc:
                 if future is not None:
                     with contextlib.suppress(Exception):

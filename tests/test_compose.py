@@ -34,7 +34,9 @@ FLOW, DEPLOYMENT = "elastic-training", "compose"
 JOB_KEY = "digits-compose"
 # For this run only: two elastic workers at least, so that after the kill training waits for the container
 # scaled up in its place and that container's worker is sure to join; a wait long enough for a cold start.
-OVERRIDES = {"epochs": 12, "min_workers": 2, "min_workers_timeout": 300.0}
+# Enough epochs that the kill lands mid-run on a fast machine: 12 (336 steps) took 1.7 s on 2026-11-25, and
+# the job had ended before the killed container's worker was seen gone; 150 take about 20 s there.
+OVERRIDES = {"epochs": 150, "min_workers": 2, "min_workers_timeout": 300.0}
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 # Bounds of the waits (not timing assertions).
