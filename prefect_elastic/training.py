@@ -130,6 +130,32 @@ class StaticWorkerLeft(Exception):
         self.worker = worker
 
 
+class StartCancelled(Exception):
+    """Dask cancelled the task that starts an actor while the controller waited for it (seen in the chaos
+    soak with its worker alive): the start is tried again."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"Dask cancelled the start of {key}")
+        self.key = key
+
+
+# How many cancelled starts of one role in a row the controller tries again before it gives up.
+START_TRIES = 3
+
+
+def actor_result(future: Any, timeout: float) -> Any:
+    """`future.result(timeout)`, raising `StartCancelled` for a future Dask cancelled. (Dask's own
+    `result` raises `FutureCancelledError`, or, for a cancellation that comes while it waits, an
+    UnboundLocalError: `distributed.utils.sync` catches `Exception`, and `CancelledError` is a
+    `BaseException`.)"""
+    try:
+        return future.result(timeout=timeout)
+    except Exception as exc:
+        if isinstance(future, Future) and future.cancelled():
+            raise StartCancelled(str(future.key)) from exc
+        raise
+
+
 class FaultInjector(Protocol):
     """Anything that acts on the cluster as training progresses (see `prefect_elastic.local.faults`)."""
 
@@ -907,6 +933,7 @@ class TrainingRun:
         `StaticWorkerLeft` for the peer. Returns the standby, the actor's future, its handle, where its
         channel listens, and the seconds its start and the copy from the peer took."""
         peer_at = self.placement[(index + 1) % len(self.placement)]
+        cancelled = 0
         while True:
             standby = self._wait_for_standby(index)
             clock = time.monotonic()
@@ -924,6 +951,15 @@ class TrainingRun:
                 if future is not None:
                     with contextlib.suppress(Exception):
                         self.client.cancel([future])
+                if isinstance(exc, StartCancelled):
+                    cancelled += 1
+                    if cancelled >= START_TRIES:
+                        raise DataServerLostError(
+                            f"data server {index} of job {self.job.job_id} could not be started on a "
+                            f"standby: Dask cancelled its start {cancelled} times ({exc})"
+                        ) from exc
+                    log.warning("job %s: %s on standby %s; starting it again", self.job.job_id, exc, standby)
+                    continue
                 gone = isinstance(exc, StaticWorkerLeft) and exc.worker == standby
                 if isinstance(exc, StaticWorkerLeft) and not gone:
                     raise  # the peer
@@ -1049,7 +1085,7 @@ class TrainingRun:
         next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
         while True:
             try:
-                return future.result(timeout=max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
+                return actor_result(future, max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
             except TimeoutError:
                 now = time.monotonic()
                 if worker in self.left:
@@ -1060,6 +1096,8 @@ class TrainingRun:
                         raise StaticWorkerLeft(worker) from None
                 if now >= deadline:
                     raise
+            except StartCancelled:
+                raise
             except Exception as exc:
                 # The call broke: if `worker` is gone, that is why (the error itself may be any of
                 # Dask's: a closed comm, an actor whose worker was lost, one from a worker in its death).
@@ -1104,6 +1142,7 @@ class TrainingRun:
         began, clock = time.time(), time.monotonic()
         job, lost_at = self.job, self.coordinator_at
         log.warning("job %s: the coordinator is lost (%s); rebuilding it", job.job_id, reason)
+        cancelled = 0
         while True:
             # The worker chosen may be dying too (two static workers killed at once): place it again then.
             where = self._place_coordinator(lost_at)
@@ -1111,9 +1150,15 @@ class TrainingRun:
             try:
                 coordinator = self._wait_unless_left(future, where, self._startup_timeout())
                 break
-            except StaticWorkerLeft:
+            except (StaticWorkerLeft, StartCancelled) as exc:
                 with contextlib.suppress(Exception):
                     self.client.cancel([future])
+                cancelled += isinstance(exc, StartCancelled)
+                if cancelled >= START_TRIES:
+                    raise DataServerLostError(
+                        f"the coordinator of job {job.job_id} could not be rebuilt: Dask cancelled its start "
+                        f"{cancelled} times ({exc})"
+                    ) from exc
         static = self._workers_view().static
         lost = [i for i, holder in enumerate(self.placement) if holder not in static]
         started = time.monotonic() - clock

@@ -25,7 +25,7 @@ from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
-from prefect_elastic.training import prepare
+from prefect_elastic.training import StartCancelled, actor_result, prepare
 
 from .conftest import (
     HoldUntilJoined,
@@ -169,7 +169,9 @@ def test_a_standby_that_dies_while_its_data_server_starts_is_passed_over_for_the
     (it would wait for the 600 s startup timeout) but promotes the next standby."""
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 4)
-    job = make_job(digits_url, "reassign", job_id="standby-dies", model="tests.models:gated_mlp")
+    # (6 epochs: the progress the gate is closed on lags the shards, which commit steps themselves; a job
+    # of 2 epochs ended on a warm cluster before the gate closed.)
+    job = make_job(digits_url, "reassign", job_id="standby-dies", model="tests.models:gated_mlp", epochs=6)
     kill = KillWhenSnapshotted(static_cluster, index=1)
     doomed: list[str] = []
     starting: list[str] = []
@@ -210,6 +212,21 @@ def test_a_standby_that_dies_while_its_data_server_starts_is_passed_over_for_the
     assert first.standbys[0] == doomed[0]
     assert last.data_servers[1] == first.standbys[1], "the next standby took the role"
     assert result.counters["promotions"] == 1
+
+
+def test_a_start_that_dask_cancelled_is_told_apart_from_a_broken_one(
+    static_cluster: LocalElasticCluster,
+) -> None:
+    """Dask's `Future.result` of a cancelled future raises `FutureCancelledError`, or an UnboundLocalError of
+    its own when the cancellation comes while it waits (seen in the chaos soak, where a data server's start
+    was cancelled on a live standby, and the job failed with it): `actor_result` raises `StartCancelled`
+    instead, which the controller tries again."""
+    with static_cluster.client() as client:
+        future = client.submit(time.sleep, 30, pure=False)
+        client.cancel([future])
+        with pytest.raises(StartCancelled, match="cancelled the start"):
+            actor_result(future, 5.0)
+        assert actor_result(client.submit(sum, [1, 2], pure=False), 30.0) == 3
 
 
 def test_a_standby_that_joins_after_the_loss_takes_the_role(reference: References, digits_url: str) -> None:
