@@ -105,8 +105,8 @@ MAX_LOOP_RESTARTS = 5
 # call to a worker that died waits for Dask's connect timeout, not for an answer that will never come.
 CALL_SLICE_SECONDS = 0.05
 # A call to a static worker that broke is given this long to turn out a loss of that worker before the error
-# counts as the call's own: a worker killed while it starts an actor may answer with an error of its own
-# (an UnboundLocalError from Dask's executor, in the chaos soak) before the scheduler has removed it.
+# counts as the call's own: the broken connection to a killed worker can reach the controller before the
+# scheduler has removed the worker.
 LEAVING_GRACE_SECONDS = 2.0
 
 
