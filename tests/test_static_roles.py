@@ -222,7 +222,10 @@ def test_a_start_that_dask_cancelled_is_told_apart_from_a_broken_one(
     was cancelled on a live standby, and the job failed with it): `actor_result` raises `StartCancelled`
     instead, which the controller tries again."""
     with static_cluster.client() as client:
-        future = client.submit(time.sleep, 30, pure=False)
+        # Pinned to a worker that does not exist, it never runs: a running task would hold a worker's one
+        # thread after its cancel (Dask does not stop it), and the next test's data server placed there
+        # could not answer in time.
+        future = client.submit(sum, [1], workers=["tcp://127.0.0.1:9"], allow_other_workers=False, pure=False)
         client.cancel([future])
         with pytest.raises(StartCancelled, match="cancelled the start"):
             actor_result(future, 5.0)
