@@ -569,7 +569,7 @@ def _memory_once(workload: str, data: str, epochs: int) -> list[dict[str, Any]]:
         job = make_job(workload, data, epochs=epochs, job_id="memory")
         result, _ = run(cluster, job)
         peaks = [_rss(pid)[1] for pid in pids]
-    plan = plan_shards(result.state_dict, job.data_servers)
+    plan = plan_shards(result.state_dict, job.data_servers, job.min_shard_bytes)
     with np.load(data) as arrays:
         per_sample = (arrays["x"].nbytes + arrays["y"].nbytes) // len(arrays["y"])
         total = len(arrays["y"])

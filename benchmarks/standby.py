@@ -214,7 +214,7 @@ def shard_restore(data: str, repeats: int) -> dict[str, Any]:
     )
     prepared = prepare(job)
     _, initial = job.initial_tensors()
-    plan = plan_shards(initial, job.data_servers)
+    plan = plan_shards(initial, job.data_servers, job.min_shard_bytes)
     index = max(range(len(plan)), key=lambda i: sum(initial[n].numel() for n in plan[i]))
     shards: list[dict[str, torch.Tensor]] = [{n: initial[n] for n in names} for names in plan]
     optimizers: list[dict[str, Any]] = []

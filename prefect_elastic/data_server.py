@@ -54,16 +54,23 @@ log = logging.getLogger(__name__)
 INLINE_APPLY_ELEMENTS = 1 << 20
 
 
-def plan_shards(state: dict[str, torch.Tensor], shards: int) -> list[list[str]]:
+def plan_shards(state: dict[str, torch.Tensor], shards: int, min_bytes: int = 0) -> list[list[str]]:
     """Deal whole tensors to shards, largest first onto the lightest shard (deterministic).
 
     Whole tensors keep each optimizer state entry on one shard; elementwise optimizers then give the
     same numbers as on the whole model. Ties break on the name so every process computes the same plan.
+
+    Only as many shards as can each hold `min_bytes` of `state` get tensors (at least one; 0: every
+    shard): each one that does is on the critical path of every step (`ElasticJob.min_shard_bytes`).
+    They are the last ones: the controller places the coordinator beside data server 0, whose process
+    then answers the coordinator's calls too.
     """
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    holders = shards if min_bytes <= 0 else max(1, min(shards, total // min_bytes))
     loads = [0] * shards
     plan: list[list[str]] = [[] for _ in range(shards)]
     for name in sorted(state, key=lambda n: (-state[n].numel(), n)):
-        target = min(range(shards), key=lambda i: (loads[i], i))
+        target = min(range(shards - holders, shards), key=lambda i: (loads[i], i))
         plan[target].append(name)
         loads[target] += state[name].numel()
     order = {name: i for i, name in enumerate(state)}

@@ -144,6 +144,12 @@ class ElasticJob(BaseModel):
     # pauses for a snapshot every `checkpoint_every` survival checks, each written.
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 8
+    # Parameters are spread over as many data servers as can each hold at least this many bytes of the
+    # model's state (at least one, at most `data_servers`); the others hold a partition and no parameters.
+    # Every data server that holds parameters adds its answer to the critical path of every step, which
+    # costs more than it saves on a small model (docs/design/commit-point.md, "Which data servers hold
+    # parameters"). 0 spreads them over every data server.
+    min_shard_bytes: int = 16 * 2**20
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -173,6 +179,7 @@ class ElasticJob(BaseModel):
         "min_workers_timeout",
         "call_timeout",
         "max_staleness",
+        "min_shard_bytes",
         mode="before",
     )
     @classmethod
@@ -213,6 +220,16 @@ class ElasticJob(BaseModel):
             raise ValueError(
                 "must be 0 or more (in async mode, how many versions a shard may have moved on since the "
                 "parameters a gradient was computed on; 0 refuses every gradient a faster worker overtook)"
+            )
+        return value
+
+    @field_validator("min_shard_bytes", mode="after")
+    @classmethod
+    def _shard_bytes_floor(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(
+                "must be 0 or more (the fewest bytes of the model's state a data server holding parameters "
+                "gets; 0 spreads the parameters over every data server)"
             )
         return value
 
@@ -410,7 +427,8 @@ class ElasticJob(BaseModel):
         """The fields that decide the trained parameters: a checkpoint only resumes a job that agrees on
         all of them. (Workers, timeouts, the policy and the job id do not change the result.)"""
         keys = ("model", "dataset", "loss", "optimizer", "batch_size", "micro_batches", "epochs")
-        return {k: getattr(self, k) for k in (*keys, "data_servers", "seed")}
+        # (`min_shard_bytes` decides which data server holds which optimizer state, as `data_servers` does.)
+        return {k: getattr(self, k) for k in (*keys, "data_servers", "min_shard_bytes", "seed")}
 
     def initial_state(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers before training (its `state_dict`); the same for a seed."""

@@ -185,6 +185,8 @@ class TrainResult:
     shard_phases: list[dict[str, float]] = field(default_factory=list)
     # Lost data servers whose role a standby took, with the time each part of the promotion took.
     promotions: list[Promotion] = field(default_factory=list)
+    # Which of the model's tensors each data server held (`plan_shards`; see `ElasticJob.min_shard_bytes`).
+    shard_plan: list[list[str]] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -584,6 +586,7 @@ class TrainingRun:
             resumed_from=self.persistence.resumed_from,
             shard_phases=shard_phases,
             promotions=list(self.promotions),
+            shard_plan=[list(names) for names in self.plan],
         )
 
     def _register(self) -> None:
@@ -618,7 +621,7 @@ class TrainingRun:
 
     def _start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
         job = self.job
-        plan = plan_shards(self.persistence.initial, job.data_servers)
+        plan = plan_shards(self.persistence.initial, job.data_servers, job.min_shard_bytes)
         static = self._static_workers()
         self.placement = [static[i % len(static)] for i in range(len(plan))]
         self.coordinator_at = static[0]

@@ -127,6 +127,9 @@ def make_job(digits_url: str, policy: str = "rollback", **overrides: object) -> 
         "on_membership_change": policy,
         "job_id": f"test-{policy}",
         "min_workers_timeout": 60.0,
+        # Every data server holds parameters, as a big model's would: a worker's push then goes to two
+        # shards, the case the fault tests are about (the default puts a small model on one).
+        "min_shard_bytes": 0,
     }
     fields.update(overrides)
     return ElasticJob(**fields)  # type: ignore[arg-type]
@@ -180,7 +183,7 @@ def in_process_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServ
     and the plan of which tensors each holds."""
     prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", **overrides))
     job, initial = prepared.job, prepared.persistence.initial
-    plan = plan_shards(initial, job.data_servers)
+    plan = plan_shards(initial, job.data_servers, job.min_shard_bytes)
     made = []
     for i, names in enumerate(plan):
         start = prepared.persistence.shard_start(i, names)

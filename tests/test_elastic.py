@@ -115,6 +115,23 @@ def test_sigkill_mid_step(
     assert result.batches_dropped + result.steps_lost > 0
 
 
+def test_a_small_model_on_one_data_server_trains_bit_for_bit_as_when_spread_over_two(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """By default (`min_shard_bytes`) a small model's parameters live on the last data server alone; where
+    they live changes no bit of the result, with a worker killed mid-step too."""
+    top_up(cluster, 2)
+    default = ElasticJob.model_fields["min_shard_bytes"].default
+    job = make_job(digits_url, "reassign", min_shard_bytes=default, job_id="one-holder")
+    faults = FaultSchedule(seed=1).kill_worker(at_step=8)
+    result = train(job, cluster=cluster, faults=faults)
+    spread = reference(make_job(digits_url, "reassign"))
+    assert [bool(names) for names in result.shard_plan] == [False, True]
+    assert [bool(names) for names in spread.shard_plan] == [True, True]
+    check_run(result, spread, "reassign")
+    assert faults.log[0].target in lost_workers(result)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_graceful_retire(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str

@@ -101,6 +101,19 @@ def test_plan_shards_is_balanced_deterministic_and_complete() -> None:
         assert names == [n for n in state if n in names]
 
 
+def test_a_small_state_goes_to_as_few_shards_as_hold_min_bytes_each_the_last_ones() -> None:
+    state = {"a.weight": torch.zeros(1000), "a.bias": torch.zeros(10), "b.weight": torch.zeros(990)}
+    total = 2000 * 4
+    # Too small to split: all of it on the last shard (the first shares its process with the coordinator).
+    assert plan_shards(state, 3, total) == [[], [], ["a.weight", "a.bias", "b.weight"]]
+    assert plan_shards(state, 3, total + 1) == [[], [], ["a.weight", "a.bias", "b.weight"]]
+    # Enough for two shards of min_bytes each: the last two, balanced as before.
+    assert plan_shards(state, 3, total // 2) == [[], ["a.weight"], ["a.bias", "b.weight"]]
+    # 0 (and enough bytes for every shard) spreads over all of them, as plan_shards does without a floor.
+    assert plan_shards(state, 3, 0) == plan_shards(state, 3) == plan_shards(state, 3, 1)
+    assert all(plan_shards(state, 3, 0))
+
+
 def test_state_layout_holds_tied_weights_once() -> None:
     from prefect_elastic.job import state_layout
     from tests.models import tied_dropout
