@@ -342,8 +342,9 @@ class AsyncSession:
         if outcome == "stale":
             entry.stale = True
             self.stats.refused += 1
-        if answer.tensors:
-            # Fresh parameters replace the candidate (answers come in order: each is newer).
+        if "version" in answer.header:
+            # Fresh parameters replace the candidate (answers come in order: each is newer). The version
+            # comes also from a shard that holds no parameters (`plan_shards`): gradients are tagged with it.
             self.state[i] = {e.name: t for e, t in answer.tensors}
             self.versions[i] = int(answer.header["version"])
         while self.pending and len(self.pending[0].answered) == len(self.shards):

@@ -407,12 +407,14 @@ class FakeCoordinator:
         return Done(Role(generation, -1, (), 0, stop=True))
 
 
-def run_session(digits_url: str, in_time: bool, refuse: set[int] = frozenset()) -> tuple[Any, ...]:
+def run_session(
+    digits_url: str, in_time: bool, refuse: set[int] = frozenset(), min_shard_bytes: int = 0
+) -> tuple[Any, ...]:
     from prefect_elastic.compute import LoopStats, MicroBatchTrainer
     from prefect_elastic.compute_async import AsyncSession
 
     prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", mode="async"))
-    plan = plan_shards(prepared.persistence.initial, 2)
+    plan = plan_shards(prepared.persistence.initial, 2, min_shard_bytes)
     trainer = MicroBatchTrainer(prepared.job, plan, prepared.persistence.layout, torch.device("cpu"))
     shards = [FakeShard(names, prepared.persistence.initial, set(refuse)) for names in plan]
     links = [FakeLink(shard, in_time) for shard in shards]
@@ -459,6 +461,20 @@ def test_an_async_loop_tags_each_gradient_with_the_versions_its_model_came_from(
     for shard in shards:
         assert [v for _, v in shard.tags] == [0, *range(11)]
     assert stats.candidate_steps == 12
+
+
+def test_an_async_loop_tags_its_gradients_with_the_version_of_a_shard_that_holds_no_parameters(
+    digits_url: str,
+) -> None:
+    # A small model's parameters live on the last shard alone (`plan_shards`): the first one's answers
+    # carry a version and no tensors, and gradients are tagged with that version all the same (tagged
+    # with 0 for ever, they were refused as stale once the shard had applied `max_staleness` of them).
+    shards, stats, _ = run_session(digits_url, in_time=True, min_shard_bytes=1 << 40)
+    assert [bool(shard.names) for shard in shards] == [False, True]
+    for shard in shards:
+        assert [b for b, _ in shard.tags] == list(range(12))
+        assert [v for _, v in shard.tags] == [0, *range(11)]
+    assert stats.steps == 12 and stats.refused == 0
 
 
 def test_an_async_loop_trains_a_refused_batch_id_again(digits_url: str) -> None:
@@ -546,13 +562,17 @@ def test_async_training_survives_a_kill_and_a_join(
     cluster: LocalElasticCluster, reference: References, digits_url: str
 ) -> None:
     top_up(cluster, 2)
-    job = async_job(digits_url, model="tests.models:gated_slow_mlp", epochs=4)
+    # The default placement: the model's parameters on the last data server alone (`min_shard_bytes`),
+    # the first holds a partition and no parameters (the random schedule below spreads them over both).
+    default = ElasticJob.model_fields["min_shard_bytes"].default
+    job = async_job(digits_url, model="tests.models:gated_slow_mlp", epochs=4, min_shard_bytes=default)
     # The join comes early: nothing in async mode waits for a new worker, so it needs time to start its
     # loop and train. The kill is of a worker that was there from the start.
     first = cluster.elastic_addresses()[0]
     faults = FaultSchedule(seed=3).add_worker(at_step=40).kill_worker(at_step=200, worker=first)
     result = run_held(cluster, job, faults, leased=True)
     assert [r.kind for r in faults.log] == ["add", "kill"]
+    assert [bool(names) for names in result.shard_plan] == [False, True]
     check_async(result, reference(make_job(digits_url, model="tests.models:gated_slow_mlp", epochs=4)))
     kinds = [e.kind for e in result.membership_events()]
     assert kinds[0] is EventKind.START and kinds.count(EventKind.REASSIGN) >= 2, "the kill and the join"
