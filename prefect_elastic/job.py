@@ -50,7 +50,7 @@ _AT_LEAST_ONE = {
     "batch_size": "samples in one micro-batch (one batch id)",
     "micro_batches": "micro-batches whose gradients are summed into one step",
     "epochs": "passes over the dataset",
-    "data_servers": "each data server holds one partition and one parameter shard",
+    "data_servers": "each data server holds one data partition, and a share of a big model's parameters",
     "threads_per_worker": "torch threads of each compute worker",
     "min_workers": "compute workers training needs to go on",
     "checkpoint_every": "snapshots between two persistent checkpoints",

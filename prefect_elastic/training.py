@@ -941,12 +941,15 @@ class TrainingRun:
             standby = self._wait_for_standby(index)
             clock = time.monotonic()
             future: Future | None = None
+            watched = standby  # the worker whose loss would explain a broken call
             try:
                 future = self._submit_data_server(index, standby, start, version)
                 shard: ShardHandle = self._wait_unless_left(future, standby, self._startup_timeout())
                 started = time.monotonic() - clock
                 if replica is not None:
+                    watched = peer_at
                     self._wait_unless_left(shard.adopt(replica, version), peer_at, self._startup_timeout())
+                    watched = standby
                 adopted = time.monotonic() - clock - started
                 channel = self._wait_unless_left(shard.open_channel(), standby, self.job.call_timeout)
                 return standby, future, shard, channel, started, adopted
@@ -966,7 +969,9 @@ class TrainingRun:
                 gone = isinstance(exc, StaticWorkerLeft) and exc.worker == standby
                 if isinstance(exc, StaticWorkerLeft) and not gone:
                     raise  # the peer
-                if not gone and not self._leaves_soon(standby, LEAVING_GRACE_SECONDS):
+                # A broken call to the standby had its grace in `_wait_unless_left`; the copy from the peer
+                # may have broken because the standby, which receives it, died.
+                if not gone and (watched == standby or not self._leaves_soon(standby, LEAVING_GRACE_SECONDS)):
                     raise
                 log.warning(
                     "job %s: standby %s left while data server %d started on it (%s); taking the next",

@@ -72,7 +72,8 @@ def test_frozen() -> None:
 def test_data_servers_zero_reads_well() -> None:
     err = _refused("data_servers", 0)
     assert str(err) == (
-        "data_servers=0: must be at least 1 (each data server holds one partition and one parameter shard)"
+        "data_servers=0: must be at least 1 (each data server holds one data partition, and a share of a "
+        "big model's parameters)"
     )
 
 
