@@ -39,7 +39,7 @@ from .connect import (
     is_static_worker,
     scheduler_view_of_workers,
 )
-from .coordinator import Coordinator
+from .coordinator import Coordinator, ShardUnreachable
 from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
 from .errors import (
@@ -547,7 +547,20 @@ class TrainingRun:
             self._call(coordinator.stop("stopped by the controller"), timeout=3 * timeout)
             self.persistence.write(coordinator, shards, timeout)
         elif progress.state == "done":
-            self._call(coordinator.snapshot_now(), timeout=3 * timeout)
+            try:
+                self._call(coordinator.snapshot_now(), timeout=3 * timeout)
+            except ShardUnreachable as exc:
+                # Every step was applied, but a data server's worker died before the last snapshot (and
+                # the result) could be read from it: its state since its last copy is gone with it.
+                raise DataServerLostError(
+                    f"job {self.job.job_id} trained every step, but {exc} before its final state could be "
+                    "read; run the job again"
+                    + (
+                        f": it resumes from the last checkpoint, {self.persistence.last_written}"
+                        if self.persistence.last_written
+                        else " (no checkpoint was written: set `checkpoint` to resume, not start over)"
+                    )
+                ) from exc
             self.persistence.write(coordinator, shards, timeout)
         if self._stopping:
             self._stop_loops()

@@ -217,7 +217,7 @@ def test_a_cut_compute_worker_leaves_within_two_liveness_intervals_and_joins_aga
     network: HostNetwork, reference: References, digits_url: str, policy: str
 ) -> None:
     job = make_job(
-        digits_url, policy, job_id=f"partition-{policy}", model="tests.models:gated_mlp",
+        digits_url, policy, job_id=f"partition-{policy}", model="tests.models:gated_slow_mlp",
         liveness_interval=LIVENESS_S,
     )  # fmt: skip
     result, faults, hold, ns, _, restarts, _ = run_cut(network, job, MAX_CUT_S, by_schedule=False)
@@ -257,7 +257,7 @@ def test_a_short_cut_of_a_compute_worker_and_it_is_a_member_again_once_healed(
     heartbeats reach the scheduler again, and the same process joins again. Meanwhile it was out of the
     membership within 2 liveness intervals, and training went on without it."""
     job = make_job(
-        digits_url, "reassign", job_id="partition-short", model="tests.models:gated_mlp",
+        digits_url, "reassign", job_id="partition-short", model="tests.models:gated_slow_mlp",
         liveness_interval=LIVENESS_S,
     )  # fmt: skip
     result, faults, hold, ns, name, restarts, listed = run_cut(network, job, SHORT_CUT_S, by_schedule=True)
