@@ -184,7 +184,10 @@ def test_elastic_worker_whose_lifetime_ends_mid_run_is_replaced(
     job, which Dask's adaptive scaling would not (the ended job still counts in its plan). A graceful leave
     is not rolled back, even under the rollback policy: nothing committed is redone; the result is
     bitwise equal, every batch id once."""
-    job = make_job(digits_url, "rollback", model="tests.models:gated_mlp", epochs=1, job_id="slurm-lifetime")
+    # (Paced: unpaced steps could all commit before the controller saw step 2 and closed the gate.)
+    job = make_job(
+        digits_url, "rollback", model="tests.models:gated_slow_mlp", epochs=1, job_id="slurm-lifetime"
+    )
     kwargs = slurm_kwargs(tmp_path, worker_args=("--lifetime", "20s", "--lifetime-stagger", "1s"))
     initial: set[str] = set()
 
