@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import distributed
 import torch
 from distributed import Client, Future
 from distributed.security import Security
@@ -139,21 +140,47 @@ class StartCancelled(Exception):
         self.key = key
 
 
+# How long a settled future's result may take to fetch from its worker.
+GATHER_SECONDS = 30.0
+
 # How many cancelled starts of one role in a row the controller tries again before it gives up.
 START_TRIES = 3
 
 
-def actor_result(future: Any, timeout: float) -> Any:
-    """`future.result(timeout)`, raising `StartCancelled` for a future Dask cancelled. (Dask's own
-    `result` raises `FutureCancelledError`, or, for a cancellation that comes while it waits, an
-    UnboundLocalError: `distributed.utils.sync` catches `Exception`, and `CancelledError` is a
-    `BaseException`.)"""
-    try:
+def settled_result(future: Any, timeout: float) -> Any:
+    """The result of the Dask future `future` (the start of an actor, a compute loop) within `timeout` s,
+    raising `TimeoutError` if it has not finished, and `StartCancelled` for a future Dask cancelled.
+
+    Not `future.result(timeout)` alone: when that timeout lands while the client gathers a result that has
+    just finished, it cancels the client's shared gather task before the task ran, and every later result
+    on that client fails (distributed 2026.8; an `UnboundLocalError` out of `distributed.utils.sync`; the
+    chaos soak lost its job to it; `test_static_roles.py` shows it). So it first waits for the future to
+    settle, a wait that shares nothing with other calls, and gathers only a settled future. (An actor's
+    method call returns an `ActorFuture`, whose result waits on an event of its own: no such trap.)"""
+    if not isinstance(future, Future):
         return future.result(timeout=timeout)
+    try:
+        with future.client.as_current():
+            distributed.wait([future], timeout=timeout)
+        # Settled: the gather fetches a value that exists, from a worker that may still die meanwhile.
+        return future.result(timeout=max(timeout, GATHER_SECONDS))
+    except TimeoutError:
+        _unjam_gather(future.client)
+        raise
     except Exception as exc:
-        if isinstance(future, Future) and future.cancelled():
+        # A cancellation raises Dask's CancelledError, a BaseException that `sync` turns into an
+        # UnboundLocalError.
+        if future.cancelled():
             raise StartCancelled(str(future.key)) from exc
         raise
+
+
+def _unjam_gather(client: Client) -> None:
+    """Drops a gather task that a timeout cancelled before it ran: left in place, every later gather on
+    this client waits on it and fails (see `settled_result`)."""
+    pending = getattr(client, "_gather_future", None)
+    if pending is not None and pending.cancelled():
+        client._gather_future = None
 
 
 class FaultInjector(Protocol):
@@ -643,8 +670,8 @@ class TrainingRun:
             self.actor_futures.append(self._submit_data_server(i, self.placement[i], start))
         self.coordinator_future = self._submit_coordinator(self.coordinator_at, self.persistence.resume())
         # Reading a partition may take a while on a big dataset; the wait is still bounded.
-        shards = [f.result(timeout=self._startup_timeout()) for f in self.actor_futures]
-        coordinator = self.coordinator_future.result(timeout=self._startup_timeout())
+        shards = [settled_result(f, self._startup_timeout()) for f in self.actor_futures]
+        coordinator = settled_result(self.coordinator_future, self._startup_timeout())
         # The step path's own connections (channel.py): compute loops reach each shard there.
         self.channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
         coordinator.attach(shards, self.channels).result(timeout=job.call_timeout)
@@ -1013,7 +1040,7 @@ class TrainingRun:
             self._submit_data_server(i, holders[i], self.persistence.shard_start(i, names, checkpoint))
             for i, names in enumerate(self.plan)
         ]
-        shards = [f.result(timeout=self._startup_timeout()) for f in futures]
+        shards = [settled_result(f, self._startup_timeout()) for f in futures]
         channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
         old, self.actor_futures = self.actor_futures, futures
         for i, shard in enumerate(self.shards):
@@ -1106,7 +1133,8 @@ class TrainingRun:
         next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
         while True:
             try:
-                return actor_result(future, max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
+                slice_s = max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic()))
+                return settled_result(future, slice_s)
             except TimeoutError:
                 now = time.monotonic()
                 if worker in self.left:
@@ -1348,7 +1376,7 @@ class TrainingRun:
         deadline = time.monotonic() + 2.0
         for addr, loop in list(self.loops.items()):
             with contextlib.suppress(Exception):
-                loop.result(timeout=max(0.01, deadline - time.monotonic()))
+                settled_result(loop, max(0.01, deadline - time.monotonic()))
             self._collect_loop(addr, loop) if loop.done() else loop.cancel()
         self.loops.clear()
 

@@ -194,7 +194,7 @@ def in_process_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServ
 
 
 class HoldUntilJoined:
-    """An `on_progress` callback for jobs of `tests.models:gated_mlp`: while a worker that `faults` added
+    """An `on_progress` callback for jobs of `tests.models:gated_slow_mlp`: while a worker that `faults` added
     (or a nanny restarted) is not a member yet, training waits at the gate (in the model's forward
     pass), so that every join lands mid-run however slowly its process starts."""
 

@@ -179,7 +179,7 @@ def train_through_a_join(
     at_step: int,
     also: Callable[[Progress], None] | None = None,
 ) -> TrainResult:
-    """Train `job` (of `tests.models:gated_mlp`) on one compute worker while a second is added at
+    """Train `job` (of `tests.models:gated_slow_mlp`) on one compute worker while a second is added at
     `at_step`. From that step on, training waits in the model's forward pass until the new worker is a
     member, so the join lands mid-run however slowly its process starts. `also` sees every progress
     report first."""
@@ -207,7 +207,7 @@ def train_through_a_join(
 def test_worker_joins_mid_run(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
 ) -> None:
-    job = make_job(digits_url, policy, model="tests.models:gated_mlp", epochs=2)
+    job = make_job(digits_url, policy, model="tests.models:gated_slow_mlp", epochs=2)
     result = train_through_a_join(cluster, job, at_step=5)
     check_run(result, reference(job), policy)
     joined = joined_workers(result) - first_members(result)
@@ -236,7 +236,7 @@ def test_a_compute_worker_whose_client_lost_the_scheduler_for_a_moment_trains_on
     Here the connection is aborted on one worker mid-run, then a join starts a new generation, in which
     every loop asks the coordinator for its role (in async mode loops call it for every lease as well)."""
     job = make_job(
-        digits_url, "reassign", model="tests.models:gated_mlp", mode=mode, job_id=f"client-lost-{mode}"
+        digits_url, "reassign", model="tests.models:gated_slow_mlp", mode=mode, job_id=f"client-lost-{mode}"
     )
     aborted: list[dict[str, str]] = []
 
@@ -261,7 +261,7 @@ def test_nanny_restarts_killed_worker(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
 ) -> None:
     top_up(cluster, 2)
-    job = make_job(digits_url, policy, model="tests.models:gated_mlp", epochs=3)
+    job = make_job(digits_url, policy, model="tests.models:gated_slow_mlp", epochs=3)
     faults = FaultSchedule(seed=4).restart_worker(at_step=6)
     first: set[str] = set()
 
@@ -307,7 +307,7 @@ def test_random_kills_and_joins(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
 ) -> None:
     top_up(cluster, 2)
-    job = make_job(digits_url, policy, epochs=4, model="tests.models:gated_mlp")
+    job = make_job(digits_url, policy, epochs=4, model="tests.models:gated_slow_mlp")
     faults = FaultSchedule.random(seed=8, steps=90, events=6, start_alive=2)
     planned = [f.kind for f in faults.faults]
     try:
@@ -330,7 +330,7 @@ def test_frozen_worker_leaves_the_membership_and_its_stale_messages_are_refused(
     the step it was in: its push, of an old generation, is refused, and it joins again as a new member."""
     top_up(cluster, 2)
     job = make_job(
-        digits_url, "reassign", model="tests.models:gated_mlp", liveness_interval=1.0, job_id="frozen"
+        digits_url, "reassign", model="tests.models:gated_slow_mlp", liveness_interval=1.0, job_id="frozen"
     )
     faults = FaultSchedule(seed=8).freeze_worker(at_step=6)
     seen: dict[str, float] = {}
@@ -431,7 +431,7 @@ def test_four_workers_added_at_once_join_as_one_generation(reference: References
     """Seed 001's node groups: workers a cluster starts together (`cluster.scale(+4)`, a SLURM job array)
     are one membership change, not one per worker, although they register one by one."""
     job = make_job(
-        digits_url, "rollback", job_id="group", model="tests.models:gated_mlp", liveness_interval=3.0
+        digits_url, "rollback", job_id="group", model="tests.models:gated_slow_mlp", liveness_interval=3.0
     )
     with LocalElasticCluster(static_workers=1, elastic_workers=1) as cluster:
         added: list[str] = []

@@ -123,7 +123,7 @@ def workers_in(events: list[dict[str, Any]], name: str) -> set[str]:
 def flow_job(digits_url: str, **overrides: object) -> ElasticJob:
     """`make_job` with a gated model (a test holds training at its first step), 1 epoch, a fresh job id."""
     fields: dict[str, object] = {
-        "model": "tests.models:gated_mlp",
+        "model": "tests.models:gated_slow_mlp",
         "epochs": 1,
         "job_id": f"flow-{uuid.uuid4().hex[:6]}",
     }

@@ -174,7 +174,7 @@ def run_cut(network: HostNetwork, job: ElasticJob, heal_after: float, by_schedul
 
 
 class HoldUntilBack:
-    """An `on_progress` callback for a job of `tests.models:gated_mlp`. Once the fault schedule cut the
+    """An `on_progress` callback for a job of `tests.models:gated_slow_mlp`. Once the fault schedule cut the
     network of the worker named `name` and it left the membership, lets training go on without it for
     `go_on` steps, then holds it (at the gate, in the model's forward pass) until a process of that worker
     is a member again, so that the job cannot end before it joins again, however long that takes. Heals
@@ -284,7 +284,7 @@ def test_a_short_cut_of_a_compute_worker_and_it_is_a_member_again_once_healed(
 
 
 class CutWhenSnapshotted:
-    """An `on_progress` callback for a job of `tests.models:gated_mlp`: holds training at step `at` or
+    """An `on_progress` callback for a job of `tests.models:gated_slow_mlp`: holds training at step `at` or
     later until a snapshot of where it stands is confirmed (so its copy is on the peer), then applies the
     fault schedule (the cut of the static worker of data server `index`) and lets training go on for
     `go_on` steps past the promotion; then holds it until the cut worker, started again by its supervisor
@@ -332,7 +332,7 @@ def test_a_cut_static_worker_s_data_server_moves_to_a_standby_and_it_comes_back_
     network: HostNetwork, reference: References, digits_url: str
 ) -> None:
     job = make_job(
-        digits_url, "reassign", job_id="partition-static", model="tests.models:gated_mlp",
+        digits_url, "reassign", job_id="partition-static", model="tests.models:gated_slow_mlp",
         liveness_interval=LIVENESS_S,
     )  # fmt: skip
     with partition_cluster(network, static_workers=1, elastic_workers=2) as cluster:

@@ -25,7 +25,7 @@ from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
-from prefect_elastic.training import StartCancelled, actor_result, prepare
+from prefect_elastic.training import StartCancelled, prepare, settled_result
 
 from .conftest import (
     HoldUntilJoined,
@@ -71,8 +71,8 @@ class Placement:
 
 
 class KillWhenSnapshotted:
-    """Holds training (`tests.models:gated_mlp`) at each step of `at` or later until a snapshot of where it
-    stands is confirmed (so its copy is on the peer), then SIGKILLs the static worker of data server
+    """Holds training (`tests.models:gated_slow_mlp`) at each step of `at` or later until a snapshot of
+    where it stands is confirmed (so its copy is on the peer), then SIGKILLs the static worker of data server
     `index` and lets training go on: each promotion then restores a snapshot past the start (or past the
     last promotion), whatever the timing."""
 
@@ -106,7 +106,7 @@ def test_a_data_server_killed_mid_run_is_promoted_on_a_standby(
 ) -> None:
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
-    job = make_job(digits_url, policy, job_id=f"standby-{policy}", model="tests.models:gated_mlp")
+    job = make_job(digits_url, policy, job_id=f"standby-{policy}", model="tests.models:gated_slow_mlp")
     kill = KillWhenSnapshotted(static_cluster, index=1)
     try:
         result = train(job, cluster=static_cluster, on_progress=kill)
@@ -146,7 +146,7 @@ def test_two_data_servers_lost_at_different_times_with_two_standbys(
     top_up_static(static_cluster, 4)
     # 4 epochs: the second loss comes at step 30 and after a snapshot past it, well before the end however
     # fast the machine runs the steps (with 2, a fast run could end before the second kill).
-    job = make_job(digits_url, "rollback", job_id="two-losses", model="tests.models:gated_mlp", epochs=4)
+    job = make_job(digits_url, "rollback", job_id="two-losses", model="tests.models:gated_slow_mlp", epochs=4)
     kill = KillWhenSnapshotted(static_cluster, index=1, at=(12, 30))
     try:
         result = train(job, cluster=static_cluster, on_progress=kill)
@@ -171,7 +171,9 @@ def test_a_standby_that_dies_while_its_data_server_starts_is_passed_over_for_the
     top_up_static(static_cluster, 4)
     # (6 epochs: the progress the gate is closed on lags the shards, which commit steps themselves; a job
     # of 2 epochs ended on a warm cluster before the gate closed.)
-    job = make_job(digits_url, "reassign", job_id="standby-dies", model="tests.models:gated_mlp", epochs=6)
+    job = make_job(
+        digits_url, "reassign", job_id="standby-dies", model="tests.models:gated_slow_mlp", epochs=6
+    )
     kill = KillWhenSnapshotted(static_cluster, index=1)
     doomed: list[str] = []
     starting: list[str] = []
@@ -219,7 +221,7 @@ def test_a_start_that_dask_cancelled_is_told_apart_from_a_broken_one(
 ) -> None:
     """Dask's `Future.result` of a cancelled future raises `FutureCancelledError`, or an UnboundLocalError of
     its own when the cancellation comes while it waits (seen in the chaos soak, where a data server's start
-    was cancelled on a live standby, and the job failed with it): `actor_result` raises `StartCancelled`
+    was cancelled on a live standby, and the job failed with it): `settled_result` raises `StartCancelled`
     instead, which the controller tries again."""
     with static_cluster.client() as client:
         # Pinned to a worker that does not exist, it never runs: a running task would hold a worker's one
@@ -228,8 +230,27 @@ def test_a_start_that_dask_cancelled_is_told_apart_from_a_broken_one(
         future = client.submit(sum, [1], workers=["tcp://127.0.0.1:9"], allow_other_workers=False, pure=False)
         client.cancel([future])
         with pytest.raises(StartCancelled, match="cancelled the start"):
-            actor_result(future, 5.0)
-        assert actor_result(client.submit(sum, [1, 2], pure=False), 30.0) == 3
+            settled_result(future, 5.0)
+        assert settled_result(client.submit(sum, [1, 2], pure=False), 30.0) == 3
+
+
+def test_waiting_in_short_slices_for_a_result_leaves_the_client_working(
+    static_cluster: LocalElasticCluster,
+) -> None:
+    """The controller waits for a start in 50 ms slices, watching for its worker's loss in between. With
+    Dask's own `result(timeout)`, a slice that ends while the client fetches the finished value jams the
+    client: that result and every later one fail with an UnboundLocalError (the chaos soak lost its job
+    to it). Slices of half a millisecond hit that window within the first few results."""
+    with static_cluster.client() as client:
+        for i in range(40):
+            future = client.submit(time.sleep, 0.01, pure=False, key=f"slices-{i}")
+            while True:
+                try:
+                    settled_result(future, 0.0005)
+                    break
+                except TimeoutError:
+                    continue
+        assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
 
 
 def test_a_standby_that_joins_after_the_loss_takes_the_role(reference: References, digits_url: str) -> None:
@@ -307,7 +328,7 @@ def test_a_shard_lost_with_its_replica_goes_back_to_the_checkpoint_in_the_same_r
     top_up(static_cluster, 2)
     top_up_static(static_cluster, shards + 2)
     job = make_job(
-        digits_url, "reassign", job_id=f"replica-lost-{shards}", model="tests.models:gated_mlp",
+        digits_url, "reassign", job_id=f"replica-lost-{shards}", model="tests.models:gated_slow_mlp",
         data_servers=shards, checkpoint=str(tmp_path), checkpoint_every=1,
     )  # fmt: skip
     kill = KillWhenCheckpointed(static_cluster, indices, tmp_path)
@@ -335,7 +356,7 @@ def test_a_shard_lost_with_its_replica_and_no_checkpoint_fails_naming_them(
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 5)
     job = make_job(
-        digits_url, "reassign", job_id="replica-lost-no-checkpoint", model="tests.models:gated_mlp",
+        digits_url, "reassign", job_id="replica-lost-no-checkpoint", model="tests.models:gated_slow_mlp",
         data_servers=3,
     )  # fmt: skip
     kill = KillWhenCheckpointed(static_cluster, (1, 2), folder=None)
@@ -360,7 +381,7 @@ def test_the_coordinators_worker_killed_mid_run_is_rebuilt_on_another(
     takes data server 0 from its peer's replica."""
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
-    job = make_job(digits_url, policy, job_id=f"coordinator-{policy}", model="tests.models:gated_mlp")
+    job = make_job(digits_url, policy, job_id=f"coordinator-{policy}", model="tests.models:gated_slow_mlp")
     kill = KillWhenSnapshotted(static_cluster, index=0)
     try:
         result = train(job, cluster=static_cluster, on_progress=kill)
@@ -404,7 +425,7 @@ def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_re
     `rollback`. (The coordinator's worker holds data server 0 too: both are handed over.)"""
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
-    job = make_job(digits_url, "rollback", job_id=f"retire-{role}", model="tests.models:gated_mlp")
+    job = make_job(digits_url, "rollback", job_id=f"retire-{role}", model="tests.models:gated_slow_mlp")
     placement = Placement()
     asked: list[str] = []
     refused: list[object] = []
@@ -553,7 +574,7 @@ def test_a_static_worker_sigtermed_hands_its_roles_over_with_no_step_redone(
     no committed step redone, even under `rollback`; then the worker and its nanny exit."""
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
-    job = make_job(digits_url, "rollback", job_id=f"sigterm-{role}", model="tests.models:gated_mlp")
+    job = make_job(digits_url, "rollback", job_id=f"sigterm-{role}", model="tests.models:gated_slow_mlp")
     placement = Placement()
     signalled: list[str] = []
     names: list[str] = []
@@ -600,7 +621,7 @@ def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
     job = make_job(
-        digits_url, "reassign", job_id="no-replicas", model="tests.models:gated_mlp", peer_replicas=False
+        digits_url, "reassign", job_id="no-replicas", model="tests.models:gated_slow_mlp", peer_replicas=False
     )
     kill = KillWhenSnapshotted(static_cluster, index=1)
     try:
@@ -621,7 +642,7 @@ def test_random_kills_of_static_and_elastic_workers(
     policy = "rollback"
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
-    job = make_job(digits_url, policy, job_id=f"mix-{policy}", epochs=4, model="tests.models:gated_mlp")
+    job = make_job(digits_url, policy, job_id=f"mix-{policy}", epochs=4, model="tests.models:gated_slow_mlp")
     faults = FaultSchedule.random(seed=3, steps=90, events=4, start_alive=2, data_server_kills=2)
     planned = [(f.kind, f.role) for f in faults.faults]
     try:
