@@ -434,12 +434,11 @@ class MicroBatchTrainer:
             # parameters or no buffers: each applies the step when it holds all of its batch ids.
             for frame in frames:
                 frame.header["losses"][str(b)] = loss
+            # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
+            # takes them as one flat gradient without a copy (`shard_optimizer.py`).
             for i, names in enumerate(self.plan):
-                for name in names:
-                    if name in g:
-                        frames[i].tensors.append((Entry("grad", b, name), g[name]))
-                    elif name in bufs:
-                        frames[i].tensors.append((Entry("buffer", b, name), bufs[name]))
+                frames[i].tensors += [(Entry("grad", b, n), g[n]) for n in names if n in g]
+                frames[i].tensors += [(Entry("buffer", b, n), bufs[n]) for n in names if n in bufs]
             lap("compute")
         del state, params, buffers, batches
         if hook is None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import copy
 import logging
 import time
 import weakref
@@ -46,6 +45,7 @@ from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
 from .messages import ShardStatus, SnapshotInfo, StepRecord, Tensors, direct
 from .schedule import Schedule
+from .shard_optimizer import ShardOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -173,16 +173,12 @@ class DataServer:
         `version`, with its own snapshot of it. `owned`: the tensors are this shard's alone (a replica just
         received), so they are taken as they are, and the caller copies the snapshot in the background
         (`_start_snapshot`; the first apply waits for it); else both are copies."""
-        if owned:
-            self._params = {n: t.detach() for n, t in params.items()}
-            self._buffers = dict(buffers)
-        else:
-            self._params = {n: t.detach().clone() for n, t in params.items()}
-            self._buffers = {n: t.detach().clone() for n, t in buffers.items()}
-        self._optimizer = self._job.build_optimizer(list(self._params.values())) if self._params else None
+        # The parameters live in one flat tensor (`shard_optimizer.py`); `_params` are views of it.
+        self._optimizer = ShardOptimizer(self._job, params, owned) if params else None
+        self._params = self._optimizer.params if self._optimizer is not None else {}
+        self._buffers = dict(buffers) if owned else {n: t.detach().clone() for n, t in buffers.items()}
         if optimizer_state and self._optimizer is not None:
-            # (load_state_dict keeps the tensors it is given when their dtype and device are right.)
-            self._optimizer.load_state_dict(optimizer_state if owned else copy.deepcopy(optimizer_state))
+            self._optimizer.load_state_dict(optimizer_state)
         # A step small enough is applied on the event loop: a thread hand-off costs more than it does.
         self._apply_inline = sum(p.numel() for p in self._params.values()) < INLINE_APPLY_ELEMENTS
         self.version = version  # number of steps applied
@@ -487,21 +483,9 @@ class DataServer:
     def _apply(self, grads: list[Tensors], buffers: list[Tensors]) -> None:
         # Summed in batch-id order whatever order they arrived in: this is what makes the result bitwise
         # independent of which worker computed which micro-batch.
+        if self._optimizer is not None:
+            self._optimizer.step(grads)
         with torch.no_grad():
-            for name, p in self._params.items():
-                if len(grads) == 1:
-                    # One micro-batch: its gradient as it came (a buffer of its own, read from the wire);
-                    # dividing by 1 would change no bit.
-                    p.grad = grads[0][name]
-                    continue
-                total = grads[0][name].clone()
-                for g in grads[1:]:
-                    total.add_(g[name])
-                p.grad = total.div_(len(grads))
-            if self._optimizer is not None:
-                self._optimizer.step()
-            for p in self._params.values():
-                p.grad = None
             for name, b in self._buffers.items():
                 b.copy_(_combine_buffer([u[name] for u in buffers]))
 
@@ -583,7 +567,7 @@ class DataServer:
             for name, b in self._buffers.items():
                 b.copy_(snap.buffers[name])
         if self._optimizer is not None:
-            self._optimizer.load_state_dict(copy.deepcopy(snap.optimizer))
+            self._optimizer.load_state_dict(snap.optimizer)
         self.version = snap.version
         self._records = [r for r in self._records if r.step < version]
         self._open = _OpenStep()
@@ -775,7 +759,7 @@ class DataServer:
         began = time.perf_counter()
         params = {n: t.detach().clone() for n, t in self._params.items()}
         buffers = {n: t.clone() for n, t in self._buffers.items()}
-        optimizer = copy.deepcopy(self._optimizer.state_dict()) if self._optimizer is not None else {}
+        optimizer = self._optimizer.state_dict() if self._optimizer is not None else {}
         applied = frozenset(self._applied)
         return _Snapshot(
             self.version, params, buffers, optimizer, time.time(), time.perf_counter() - began, applied

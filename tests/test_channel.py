@@ -104,6 +104,21 @@ def test_answers_come_in_order_and_match_what_was_sent(echo: Served) -> None:
         link.close()
 
 
+@pytest.mark.parametrize("count", [1500, 3000])
+def test_a_frame_of_more_tensors_than_one_sendmsg_takes_goes_both_ways(echo: Served, count: int) -> None:
+    """Linux takes at most 1024 buffers in one `sendmsg`; a frame has one per tensor (the gradients of a
+    model of 500 tensors over 3 micro-batches are 1500). Both sides send such a frame in batches."""
+    link = ShardLink(echo.address, timeout=10)
+    try:
+        sent = [(Entry("grad", i % 3, f"p{i}"), torch.full((i % 5 + 1,), float(i))) for i in range(count)]
+        got = link.request(Frame({"op": "push", "generation": 1}, sent))
+        assert len(got.tensors) == count
+        for (e, a), (f, b) in zip(sent, got.tensors, strict=True):
+            assert e == f and torch.equal(a, b)
+    finally:
+        link.close()
+
+
 def test_a_loop_on_the_shards_machine_uses_its_unix_socket_and_from_elsewhere_tcp(echo: Served) -> None:
     """Same frames either way; the Unix socket (abstract namespace) only where the loop can reach it."""
     assert echo.address.local, "a server without TLS on Linux listens on a Unix socket too"

@@ -1,0 +1,151 @@
+"""A data server's parameters as views of one flat tensor, and the job's optimizer over that tensor.
+
+Why: a data server applies every step on the step's critical path, and it starts each one woken from
+idle, when this machine runs the first operations several times slower (docs/benchmarks.md, "Issue 9").
+`torch.optim` loops over the parameters in Python with a few kernels each: SGD with momentum over the
+transformer's 16 tensors is 48 kernels and as many trips through the dispatcher; over one flat tensor it is
+3. The job's optimizers work elementwise (`ElasticJob.optimizer`: sgd, adam, adamw), so one flat tensor
+gives the very numbers that one tensor per parameter gives (`tests/test_shard_optimizer.py` checks it
+bit for bit, tails of odd lengths included).
+
+Outside this class nothing is flat. `params` maps each name to a view of the flat tensor; gradients come
+per name, and a micro-batch's gradients that arrived back to back in one frame (`channel.decode` makes
+every tensor a view of the frame's one buffer, and a compute loop sends a shard's gradients in the plan's
+order) are taken as one flat view without a copy. `state_dict` gives torch's form for the unflattened
+parameters (one state entry per tensor), and `load_state_dict` takes it: snapshots, replicas and
+checkpoints read the same whichever way a shard held its parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .job import ElasticJob
+from .messages import Tensors
+
+
+class ShardOptimizer:
+    """The parameters of one shard (`params`, by name, in the plan's order) and their optimizer."""
+
+    def __init__(self, job: ElasticJob, params: Tensors, owned: bool = False) -> None:
+        """`params`: the shard's parameters, copied (`owned`: taken as they are where they are already
+        one flat run, as a replica just received is)."""
+        self.names = list(params)
+        self._shapes = [params[n].shape for n in self.names]
+        self._sizes = [params[n].numel() for n in self.names]
+        # One flat tensor, unless the shard's parameters are of several dtypes: then one tensor each.
+        self._flat: torch.Tensor | None = None
+        if len({params[n].dtype for n in self.names}) == 1:
+            flat = _flat_view([params[n] for n in self.names]) if owned else None
+            if flat is None:
+                flat = torch.cat([params[n].detach().reshape(-1) for n in self.names])
+            self._flat = flat.detach()
+            self.params = dict(zip(self.names, self._views(self._flat), strict=True))
+            self._optimizer = job.build_optimizer([self._flat])
+        else:
+            self.params = {n: t.detach() if owned else t.detach().clone() for n, t in params.items()}
+            self._optimizer = job.build_optimizer(list(self.params.values()))
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [part.view(shape) for part, shape in zip(flat.split(self._sizes), self._shapes, strict=True)]
+
+    def step(self, grads: Sequence[Tensors]) -> None:
+        """One optimizer step with the mean of `grads` (one dict per micro-batch, in batch-id order: the
+        sum runs in that order, so the result does not depend on who computed what)."""
+        with torch.no_grad():
+            if self._flat is not None:
+                self._flat.grad = _mean([self._flat_gradient(g) for g in grads])
+                self._optimizer.step()
+                self._flat.grad = None
+                return
+            for name, p in self.params.items():
+                p.grad = _mean([g[name] for g in grads])
+            self._optimizer.step()
+            for p in self.params.values():
+                p.grad = None
+
+    def _flat_gradient(self, grads: Tensors) -> torch.Tensor:
+        parts = [grads[n] for n in self.names]
+        flat = _flat_view(parts)
+        if flat is not None:
+            return flat
+        return torch.cat([g.reshape(-1) for g in parts])
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's `state_dict` of this optimizer as it would be over one tensor per parameter (copies)."""
+        held = self._optimizer.state_dict()
+        if self._flat is None:
+            return _copy(held)
+        (group,) = held["param_groups"]
+        state: dict[int, dict[str, Any]] = {i: {} for i in range(len(self.names))}
+        for key, value in held["state"].get(0, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:  # per element: momentum, exp_avg...
+                for i, part in enumerate(self._views(value.detach())):
+                    state[i][key] = part.clone()
+            else:  # one for the tensor (Adam's step): the same for every parameter
+                for i in state:
+                    state[i][key] = _copy(value)
+        return {
+            "state": {i: entry for i, entry in state.items() if entry},
+            "param_groups": [{**group, "params": list(range(len(self.names)))}],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take a `state_dict` in torch's form over one tensor per parameter (as `state_dict` gives)."""
+        if self._flat is None:
+            self._optimizer.load_state_dict(_copy(state_dict))
+            return
+        (group,) = state_dict["param_groups"]
+        per_tensor = state_dict["state"]
+        state: dict[int, dict[str, Any]] = {}
+        if per_tensor:
+            first = per_tensor[group["params"][0]]
+            flat_state: dict[str, Any] = {}
+            for key, value in first.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    parts = [per_tensor[i][key] for i in group["params"]]
+                    flat_state[key] = torch.cat([p.detach().reshape(-1) for p in parts])
+                else:
+                    flat_state[key] = _copy(value)
+            state[0] = flat_state
+        self._optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": [0]}]})
+
+
+def _flat_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view of `parts` if they lie back to back, in order, in one storage; else None."""
+    if not parts:
+        return None
+    first = parts[0]
+    base = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for part in parts:
+        if (
+            not part.is_contiguous()
+            or part.dtype != first.dtype
+            or part.device != first.device
+            or part.untyped_storage().data_ptr() != base
+            or part.storage_offset() != offset
+        ):
+            return None
+        offset += part.numel()
+    total = offset - first.storage_offset()
+    return first.as_strided((total,), (1,), first.storage_offset())
+
+
+def _mean(grads: list[torch.Tensor]) -> torch.Tensor:
+    if len(grads) == 1:
+        # One micro-batch: its gradient as it came (a buffer of its own, read from the wire); dividing by 1
+        # would change no bit.
+        return grads[0]
+    total = grads[0].clone()
+    for g in grads[1:]:
+        total.add_(g)
+    return total.div_(len(grads))
+
+
+def _copy(value: Any) -> Any:
+    return copy.deepcopy(value)

@@ -1,0 +1,153 @@
+"""A shard's parameters in one flat tensor (`shard_optimizer.py`), without a cluster: the same bits as
+torch's optimizer over one tensor per parameter, and torch's state_dict form on the way out and in."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefect_elastic.channel import Entry, Frame, decode, encode
+from prefect_elastic.job import ElasticJob
+from prefect_elastic.shard_optimizer import ShardOptimizer, _flat_view
+
+# Odd lengths: the vectorized kernels handle the tail of a tensor apart from its body, and a parameter's
+# tail lies in the body of the flat tensor.
+SHAPES = {
+    "a.weight": (7, 5),
+    "a.bias": (7,),
+    "b.weight": (33, 7),
+    "b.bias": (1,),
+    "c": (129,),
+    "d": (3, 1, 2),
+}
+
+OPTIMIZERS = [
+    {"name": "sgd", "lr": 0.02, "momentum": 0.9},
+    {"name": "sgd", "lr": 0.1},
+    {"name": "sgd", "lr": 0.02, "momentum": 0.9, "weight_decay": 1e-4, "nesterov": True},
+    {"name": "adam", "lr": 1e-3},
+    {"name": "adamw", "lr": 1e-3, "weight_decay": 0.01, "amsgrad": True},
+]
+
+
+def job(optimizer: dict[str, object]) -> ElasticJob:
+    return ElasticJob(
+        job_id="flat", model="tests.models:mlp", dataset="file:///nowhere.npz", optimizer=optimizer
+    )
+
+
+def tensors(seed: int, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=gen) for n, shape in shapes.items()}
+
+
+def torch_reference(optimizer: dict[str, object], steps: list[list[dict[str, torch.Tensor]]]) -> dict:
+    """What `torch.optim` gives over one tensor per parameter, with the gradients summed in order."""
+    params = {n: t.clone() for n, t in tensors(0).items()}
+    opt = job(optimizer).build_optimizer(list(params.values()))
+    for micro_batches in steps:
+        for name, p in params.items():
+            total = micro_batches[0][name].clone()
+            for g in micro_batches[1:]:
+                total.add_(g[name])
+            p.grad = total.div_(len(micro_batches)) if len(micro_batches) > 1 else micro_batches[0][name]
+        opt.step()
+    return {"params": params, "optimizer": opt.state_dict()}
+
+
+def gradient_steps(count: int) -> list[list[dict[str, torch.Tensor]]]:
+    return [[tensors(100 + 10 * s + m) for m in range(1 + s % 3)] for s in range(count)]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_one_flat_tensor_gives_the_bits_of_one_tensor_per_parameter(optimizer: dict[str, object]) -> None:
+    steps = gradient_steps(12)
+    expected = torch_reference(optimizer, steps)
+    shard = ShardOptimizer(job(optimizer), tensors(0))
+    for micro_batches in steps:
+        shard.step(micro_batches)
+    for name, p in expected["params"].items():
+        assert torch.equal(shard.params[name], p), name
+    got = shard.state_dict()
+    assert got["param_groups"] == expected["optimizer"]["param_groups"]
+    assert got["state"].keys() == expected["optimizer"]["state"].keys()
+    for i, entry in expected["optimizer"]["state"].items():
+        assert got["state"][i].keys() == entry.keys()
+        for key, value in entry.items():
+            assert (
+                torch.equal(got["state"][i][key], value)
+                if value is not None
+                else got["state"][i][key] is None
+            )
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS[::2], ids=lambda o: str(o["name"]))
+def test_a_state_dict_taken_out_and_loaded_again_goes_on_with_the_same_bits(
+    optimizer: dict[str, object],
+) -> None:
+    steps = gradient_steps(10)
+    expected = torch_reference(optimizer, steps)
+    first = ShardOptimizer(job(optimizer), tensors(0))
+    for micro_batches in steps[:4]:
+        first.step(micro_batches)
+    saved = first.state_dict()
+    # A promotion or a restore: a new shard from the snapshot's tensors and optimizer state.
+    second = ShardOptimizer(job(optimizer), {n: p.clone() for n, p in first.params.items()})
+    second.load_state_dict(saved)
+    for micro_batches in steps[4:]:
+        second.step(micro_batches)
+        first.step(micro_batches)
+    for name, p in expected["params"].items():
+        assert torch.equal(second.params[name], p), name
+        assert torch.equal(first.params[name], p), name
+
+
+def test_the_snapshot_form_is_a_copy_that_later_steps_do_not_change() -> None:
+    shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
+    shard.step([tensors(1)])
+    saved = shard.state_dict()
+    before = saved["state"][0]["momentum_buffer"].clone()
+    shard.step([tensors(2)])
+    assert torch.equal(saved["state"][0]["momentum_buffer"], before)
+
+
+def test_the_parameters_are_views_of_the_flat_tensor_and_a_restore_writes_through_them() -> None:
+    shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
+    with torch.no_grad():
+        for name, p in shard.params.items():
+            p.copy_(tensors(5)[name])
+    shard.step([tensors(1)])
+    reference = ShardOptimizer(job(OPTIMIZERS[0]), tensors(5))
+    reference.step([tensors(1)])
+    for name in SHAPES:
+        assert torch.equal(shard.params[name], reference.params[name])
+
+
+def test_gradients_that_came_back_to_back_in_a_frame_are_taken_without_a_copy() -> None:
+    grads = tensors(3)
+    frame = Frame(
+        {}, [(Entry("grad", 0, n), g) for n, g in grads.items()] + [(Entry("buffer", 0, "n"), torch.ones(2))]
+    )
+    parts = encode(frame)
+    header = bytes(parts[0])[4:]
+    body = bytearray(b"".join(bytes(p) for p in parts[1:]))
+    got = decode(header, body)
+    decoded = [t for e, t in got.tensors if e.kind == "grad"]
+    flat = _flat_view(decoded)
+    assert flat is not None and flat.numel() == sum(g.numel() for g in grads.values())
+    # A view, not a copy: it reads the frame's own bytes.
+    decoded[0].view(-1)[0] = 42.0
+    assert flat[0].item() == 42.0
+    # Out of order, or with a tensor between them, they are not one run.
+    assert _flat_view(decoded[::-1]) is None
+    assert _flat_view([decoded[0], decoded[2]]) is None
+
+
+def test_a_shard_of_two_dtypes_keeps_one_tensor_per_parameter_and_still_steps() -> None:
+    params = {"w": torch.randn(5), "h": torch.randn(3, dtype=torch.float64)}
+    shard = ShardOptimizer(job(OPTIMIZERS[0]), params)
+    shard.step([{"w": torch.ones(5), "h": torch.ones(3, dtype=torch.float64)}])
+    assert torch.allclose(shard.params["w"], params["w"] - 0.02)
+    assert shard.params["h"].dtype == torch.float64
+    assert torch.allclose(shard.params["h"], params["h"] - 0.02)
+    assert set(shard.state_dict()["state"]) == {0, 1}
