@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite --docs from --raw; run nothing")
     parser.add_argument(
         "--only",
-        choices=["standby", "async", "tls"],
+        choices=["steady", "standby", "async", "tls"],
         help="run this group of scenarios alone, and merge its results into --raw (the rest stay as stored)",
     )
     args = parser.parse_args(argv)
@@ -479,7 +479,15 @@ def run_only(args: argparse.Namespace) -> int:
     data = write_dataset(Path(args.data_dir) / f"synthetic-{sizes.samples}.npz", sizes.samples)
     big = write_dataset(Path(args.data_dir) / f"synthetic-{sizes.memory_samples}.npz", sizes.memory_samples)
     results.pop("errors", None)
-    if args.only == "async":
+    if args.only == "steady":
+        # (The one-worker steady state against the plain loop, with the fixed cost of a step: the rows a
+        # change to the step path moves.)
+        pool = elastic.ClusterPool()
+        try:
+            steady_figures(results, pool, data, sizes)
+        finally:
+            pool.close()
+    elif args.only == "async":
         async_figures(results, data, sizes)
     elif args.only == "tls":
         tls_figures(results, data, sizes)
@@ -491,7 +499,8 @@ def run_only(args: argparse.Namespace) -> int:
     raw.write_text(json.dumps(results, indent=1, default=str))
     report.write(results, docs, docs.parent / "img")
     for row in report.figures(results):
-        if any(word in row[0] for word in ("static worker", "replica", "shard", "async", "TLS")):
+        shown = ("static worker", "replica", "shard", "async", "TLS", "steady", "fixed")
+        if any(word in row[0] for word in shown):
             print(" | ".join(row))
     return 1 if results.get("errors") else 0
 

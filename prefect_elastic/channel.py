@@ -378,7 +378,10 @@ Handler = Callable[[Frame], Awaitable[Frame]]
 class ShardServer:
     """Listens on the static worker's host for compute loops; each connection is served in turn, one
     frame at a time, by `handler` on the worker's event loop (where the shard's actor methods run too, so
-    the shard's state is only ever touched from that loop)."""
+    the shard's state is only ever touched from that loop).
+
+    An answer's tensors are sent, or copied, before the server awaits anything after `handler` returns:
+    a handler may answer with tensors that it changes later on the same event loop."""
 
     def __init__(self, handler: Handler) -> None:
         self.handler = handler
@@ -510,8 +513,11 @@ class _SocketIO:
             try:
                 _drop_sent(pending, self.conn.sendmsg(_next_buffers(pending)))
             except (BlockingIOError, InterruptedError):
-                # The buffer is full: asyncio's own send waits until the socket drains.
-                await self.loop.sock_sendall(self.conn, pending.popleft())
+                # The buffer is full: what is left is copied (the tensors may change once this awaits),
+                # and asyncio's own send waits until the socket drains.
+                for part in [bytes(p) for p in pending]:
+                    await self.loop.sock_sendall(self.conn, part)
+                return
 
     def close(self) -> None:
         self.conn.close()
@@ -535,7 +541,8 @@ class _StreamIO:
         return True
 
     async def write(self, parts: list[memoryview]) -> None:
-        self.writer.writelines(parts)
+        # Copies: the transport may keep what it cannot encrypt and send at once, past this await.
+        self.writer.writelines([bytes(p) for p in parts])
         await self.writer.drain()
 
     def close(self) -> None:

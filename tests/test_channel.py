@@ -119,6 +119,28 @@ def test_a_frame_of_more_tensors_than_one_sendmsg_takes_goes_both_ways(echo: Ser
         link.close()
 
 
+def test_an_answer_leaves_as_it_was_when_the_handler_returned() -> None:
+    """A shard answers with its live parameters (async mode) and changes them at the next apply, on the
+    same event loop. An answer larger than the socket's buffer cannot leave in one write: what is left
+    must be copied before the server awaits, or the loop gets half old and half new parameters."""
+    live = torch.ones(8 << 20)  # 32 MB: far more than a socket's buffer
+
+    async def handler(frame: Frame) -> Frame:
+        # The next thing this event loop runs once the server awaits: an apply.
+        asyncio.get_running_loop().call_soon(live.fill_, 2.0)
+        return Frame({"ok": True}, [(Entry("state", -1, "w"), live)])
+
+    served = Served(handler)
+    link = ShardLink(served.address, timeout=10)
+    try:
+        got = link.request(Frame({"op": "current", "generation": 1}))
+        assert torch.equal(got.tensors[0][1], torch.ones(8 << 20))
+        assert live[0].item() == 2.0  # (the change did come, after the answer was taken)
+    finally:
+        link.close()
+        served.close()
+
+
 def test_a_loop_on_the_shards_machine_uses_its_unix_socket_and_from_elsewhere_tcp(echo: Served) -> None:
     """Same frames either way; the Unix socket (abstract namespace) only where the loop can reach it."""
     assert echo.address.local, "a server without TLS on Linux listens on a Unix socket too"
