@@ -76,13 +76,28 @@ def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
         )
     ]
     if restart:
-        speedup = restart["recovery_s"] / rec["median"]
+        same = restart["recovery_s"] / rec["median"]
+        in_process = (
+            f"the failure {restart['fail_s']:.3f} s after the kill, then a new run's start to its first step "
+            f"{restart['rerun_to_first_step_s']:.3f} s, in the same process on warm workers"
+        )
+        if "recovery_new_process_s" in restart:
+            # What a user does: the job's process ended with the error, and a new one runs it again.
+            speedup = restart["recovery_new_process_s"] / rec["median"]
+            measured = (
+                f"{restart['recovery_new_process_s']:.3f} s run again in a new process, as a user's script "
+                f"or `prefect-elastic train` is (the failure, then the process's start to its first step "
+                f"{restart['new_process_to_first_step_s']:.3f} s): the standby is {speedup:.1f}x faster; "
+                f"{restart['recovery_s']:.3f} s run again in the same process ({in_process}), the floor of "
+                f"any run again: {same:.1f}x"
+            )
+        else:
+            speedup = same
+            measured = f"{restart['recovery_s']:.3f} s ({in_process}); the standby is {speedup:.1f}x faster"
         rows.append(
             (
                 "the same, against failing and running the job again from its persistent checkpoint",
-                f"{restart['recovery_s']:.3f} s (the failure {restart['fail_s']:.3f} s after the kill, then "
-                f"a new run's start to its first step {restart['rerun_to_first_step_s']:.3f} s, on warm "
-                f"workers); the standby is {speedup:.1f}x faster",
+                measured,
                 f"≥ {RESTART_SPEEDUP:g}x faster",
                 _verdict(speedup >= RESTART_SPEEDUP),
             )

@@ -178,7 +178,7 @@ class DataServer:
         self._params = self._optimizer.params if self._optimizer is not None else {}
         self._buffers = dict(buffers) if owned else {n: t.detach().clone() for n, t in buffers.items()}
         if optimizer_state and self._optimizer is not None:
-            self._optimizer.load_state_dict(optimizer_state)
+            self._optimizer.load_state_dict(optimizer_state, owned)
         # A step small enough is applied on the event loop: a thread hand-off costs more than it does.
         self._apply_inline = sum(p.numel() for p in self._params.values()) < INLINE_APPLY_ELEMENTS
         self.version = version  # number of steps applied

@@ -102,6 +102,33 @@ def test_a_state_dict_taken_out_and_loaded_again_goes_on_with_the_same_bits(
         assert torch.equal(first.params[name], p), name
 
 
+@pytest.mark.parametrize("optimizer", OPTIMIZERS[::2], ids=lambda o: str(o["name"]))
+def test_a_promoted_shard_takes_the_replica_as_it_came_and_goes_on_with_the_same_bits(
+    optimizer: dict[str, object],
+) -> None:
+    """A promotion takes a replica's tensors (its own, one per parameter) without a copy: that shard then
+    holds one tensor per parameter, and the steps give the bits the flat shard would have given."""
+    steps = gradient_steps(10)
+    expected = torch_reference(optimizer, steps)
+    first = ShardOptimizer(job(optimizer), tensors(0))
+    for micro_batches in steps[:4]:
+        first.step(micro_batches)
+    replica = {n: p.clone() for n, p in first.params.items()}
+    state = first.state_dict()
+    promoted = ShardOptimizer(job(optimizer), replica, owned=True)
+    promoted.load_state_dict(state, owned=True)
+    assert all(
+        promoted.params[n] is not None and promoted.params[n].data_ptr() == replica[n].data_ptr()
+        for n in replica
+    )
+    for micro_batches in steps[4:]:
+        promoted.step(micro_batches)
+    for name, p in expected["params"].items():
+        assert torch.equal(promoted.params[name], p), name
+    # Its snapshots read as a flat shard's do.
+    assert promoted.state_dict()["state"].keys() == expected["optimizer"]["state"].keys()
+
+
 def test_the_snapshot_form_is_a_copy_that_later_steps_do_not_change() -> None:
     shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
     shard.step([tensors(1)])
