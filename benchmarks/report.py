@@ -79,7 +79,7 @@ def standby_rows(r: Results) -> list[tuple[str, str, str, str]]:
         same = restart["recovery_s"] / rec["median"]
         in_process = (
             f"the failure {restart['fail_s']:.3f} s after the kill, then a new run's start to its first step "
-            f"{restart['rerun_to_first_step_s']:.3f} s, in the same process on warm workers"
+            f"{restart['rerun_to_first_step_s']:.3f} s, in the same process, its imports warm"
         )
         if "recovery_new_process_s" in restart:
             # What a user does: the job's process ended with the error, and a new one runs it again.
