@@ -30,12 +30,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from prefect_elastic.local.postgres import LocalPostgres
 from prefect_elastic.local.prefect_server import PrefectServer, free_port
 
-__all__ = ["PrefectServer", "free_port", "prefect_server", "prefect_server_db"]
+__all__ = ["PrefectServer", "free_port", "prefect_server", "prefect_server_db", "rest_client"]
+
+
+def rest_client(base_url: str) -> httpx.Client:
+    """A client for a Prefect server's REST API that opens a connection per request.
+
+    The server (uvicorn) closes a connection that has been idle for 5 s. A pooled client that sends on such a
+    connection just as the server closes it gets "Server disconnected without sending a response" (CI lost
+    a cancellation test to it: the run's last read came after a long wait). A test's few requests on
+    127.0.0.1 cost nothing to connect, so none is kept alive.
+    """
+    return httpx.Client(
+        base_url=base_url, timeout=30, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
+    )
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ import pytest
 from prefect_elastic.local.prefect_server import free_port
 
 from .docker_harness import ROOT, Compose, DockerEngine, cache_dir, missing_tools
+from .prefect_harness import rest_client
 
 # The whole module, the image build included: a cold build (debootstrap, wheels, venv) takes several minutes.
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
@@ -107,9 +108,7 @@ def test_stack_trains_through_a_killed_elastic_container(engine: DockerEngine) -
     )
     with (
         compose.up("--scale", "elastic=2", timeout=STACK_S),
-        httpx.Client(
-            base_url=f"http://127.0.0.1:{ports['PE_API_PORT']}/api", trust_env=False, timeout=30
-        ) as api,
+        rest_client(f"http://127.0.0.1:{ports['PE_API_PORT']}/api") as api,
     ):
         try:
             check_run(compose, api)

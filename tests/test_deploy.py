@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from prefect_elastic import ElasticJob
@@ -55,7 +54,7 @@ def test_deploy_creates_scheduled_deployment(prefect_server_db: PrefectServer) -
     deployed = prefect(server, "deploy", "--all", "--prefect-file", "flows/prefect.yaml")
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
 
-    with httpx.Client(base_url=server.api_url, timeout=30, trust_env=False) as api:
+    with prefect_harness.rest_client(server.api_url) as api:
         response = api.get(f"/deployments/name/{FLOW}/{DEPLOYMENT}")
         assert response.status_code == 200, response.text
         deployment = response.json()

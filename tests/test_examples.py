@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 import torch
@@ -18,7 +17,7 @@ from prefect_elastic.local.cluster import LocalElasticCluster
 
 from .conftest import top_up, wait_for
 from .models import GATE
-from .prefect_harness import PrefectServer
+from .prefect_harness import PrefectServer, rest_client
 from .test_flow import FlowRun, flow_job, workers_in
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -80,7 +79,7 @@ def test_automation_runs_a_flow_for_a_lost_worker(
     served = subprocess.Popen(
         [sys.executable, str(script), "serve"], stdout=log, stderr=subprocess.STDOUT, env=env, text=True
     )
-    api = httpx.Client(base_url=prefect_server.api_url, timeout=30, trust_env=False)
+    api = rest_client(prefect_server.api_url)
     automation_ids: list[str] = []
     try:
         name = "/deployments/name/worker-lost-notice/on-worker-lost"

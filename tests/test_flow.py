@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
@@ -57,7 +56,7 @@ class FlowRun:
         retries: int = 0,
         tls: dict[str, str] | None = None,
     ) -> None:
-        self.api = httpx.Client(base_url=server.api_url, timeout=30)
+        self.api = prefect_harness.rest_client(server.api_url)
         self.name = f"test-{uuid.uuid4().hex[:8]}"
         tmp_path.mkdir(parents=True, exist_ok=True)
         spec = tmp_path / "job.yaml"
