@@ -94,6 +94,10 @@ class Entry:
 class Frame:
     header: dict[str, Any]
     tensors: list[tuple[Entry, torch.Tensor]] = field(default_factory=list)
+    # An answer whose tensors nobody changes once the handler returned (a replica a peer holds): the
+    # shard's server may then await with them unsent instead of copying what the socket did not take.
+    # Not sent: it concerns the sender's memory only.
+    unchanging: bool = False
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -459,7 +463,7 @@ class ShardServer:
                 except Exception as exc:
                     answer = Frame(error_header(exc))
                 handled = time.perf_counter()
-                await io.write(encode(answer))
+                await io.write(encode(answer), answer.unchanging)
                 self.phases["handle"] += handled - began
                 self.phases["send"] += time.perf_counter() - handled
                 self.frames += 1
@@ -505,7 +509,7 @@ class _SocketIO:
             view = view[got:]
         return True
 
-    async def write(self, parts: list[memoryview]) -> None:
+    async def write(self, parts: list[memoryview], unchanging: bool = False) -> None:
         # One `sendmsg` for the whole frame where the socket's buffer takes it (an answer of a few
         # kilobytes always does): one system call, not one per tensor.
         pending = _unsent(parts)
@@ -513,9 +517,10 @@ class _SocketIO:
             try:
                 _drop_sent(pending, self.conn.sendmsg(_next_buffers(pending)))
             except (BlockingIOError, InterruptedError):
-                # The buffer is full: what is left is copied (the tensors may change once this awaits),
-                # and asyncio's own send waits until the socket drains.
-                for part in [bytes(p) for p in pending]:
+                # The buffer is full: what is left is copied (the tensors may change once this awaits,
+                # unless the answer says they never do), and asyncio's own send waits until the socket
+                # drains.
+                for part in list(pending) if unchanging else [bytes(p) for p in pending]:
                     await self.loop.sock_sendall(self.conn, part)
                 return
 
@@ -540,9 +545,10 @@ class _StreamIO:
         view[:] = data
         return True
 
-    async def write(self, parts: list[memoryview]) -> None:
-        # Copies: the transport may keep what it cannot encrypt and send at once, past this await.
-        self.writer.writelines([bytes(p) for p in parts])
+    async def write(self, parts: list[memoryview], unchanging: bool = False) -> None:
+        # Copies (unless the tensors never change): the transport may keep what it cannot encrypt and send
+        # at once, past this await.
+        self.writer.writelines(parts if unchanging else [bytes(p) for p in parts])
         await self.writer.drain()
 
     def close(self) -> None:

@@ -99,7 +99,8 @@ class ShardOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any], owned: bool = False) -> None:
         """Take a `state_dict` in torch's form over one tensor per parameter (as `state_dict` gives);
-        copied, unless `owned` (this shard's alone) and held one tensor per parameter."""
+        copied, unless `owned` (this shard's alone) and either held one tensor per parameter or, per key,
+        lying back to back in one storage (a replica read from a peer's channel: SGD's momentum)."""
         if self._flat is None:
             # (load_state_dict keeps the tensors it is given when their dtype and device are right.)
             self._optimizer.load_state_dict(state_dict if owned else _copy(state_dict))
@@ -113,7 +114,12 @@ class ShardOptimizer:
             for key, value in first.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     parts = [per_tensor[i][key] for i in group["params"]]
-                    flat_state[key] = torch.cat([p.detach().reshape(-1) for p in parts])
+                    run = _flat_view(parts) if owned else None
+                    flat_state[key] = (
+                        run.detach()
+                        if run is not None
+                        else torch.cat([p.detach().reshape(-1) for p in parts])
+                    )
                 else:
                     flat_state[key] = _copy(value)
             state[0] = flat_state

@@ -141,6 +141,25 @@ def test_an_answer_leaves_as_it_was_when_the_handler_returned() -> None:
         served.close()
 
 
+def test_an_unchanging_answer_larger_than_the_socket_buffer_arrives_whole() -> None:
+    """A replica's tensors never change, so the server sends them from their own memory across awaits
+    (`Frame.unchanging`) instead of copying what the socket did not take at once."""
+    held = torch.arange(8 << 20, dtype=torch.float32)  # 32 MB
+
+    async def handler(frame: Frame) -> Frame:
+        return Frame({"ok": True}, [(Entry("replica", 0, ""), held)], unchanging=True)
+
+    served = Served(handler)
+    link = ShardLink(served.address, timeout=10)
+    try:
+        for _ in range(2):
+            got = link.request(Frame({"op": "replica", "generation": 1}))
+            assert torch.equal(got.tensors[0][1], held)
+    finally:
+        link.close()
+        served.close()
+
+
 def test_a_loop_on_the_shards_machine_uses_its_unix_socket_and_from_elsewhere_tcp(echo: Served) -> None:
     """Same frames either way; the Unix socket (abstract namespace) only where the loop can reach it."""
     assert echo.address.local, "a server without TLS on Linux listens on a Unix socket too"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefect_elastic.data_server import DataServer
+from prefect_elastic.data_server import DataServer, _join_tensors, _split_tensors
 from prefect_elastic.errors import FatalError, StaleGenerationError
 from prefect_elastic.training import prepare, standbys
 
@@ -47,6 +47,10 @@ def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(d
     job, schedule = first._job, first._schedule
 
     async def run() -> None:
+        # A snapshot with the optimizer's state in it (Adam's moments exist from the first step on).
+        assert first._optimizer is not None
+        first._optimizer.step([{n: torch.full_like(p, 0.5) for n, p in first._params.items()}])
+        first._snapshots[0] = first._copy_state()
         await first.set_peer(0, second)
         await settled()
         with torch.no_grad():  # the shard moved on after its snapshot: the replica is of the snapshot
@@ -61,6 +65,18 @@ def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(d
         assert all(torch.equal(empty._params[n], t) for n, t in snapshot.params.items())
         assert not any(torch.equal(empty._params[n], t) for n, t in first._params.items())
         assert empty._optimizer is not None, "the optimizer is built for the adopted parameters"
+        # The tensors came over the peer's channel as one frame: the flat parameters and each of Adam's
+        # moments, flat too, are views of that frame's one buffer, not copies of it.
+        flat = empty._optimizer._flat
+        assert flat is not None
+        (moments,) = empty._optimizer._optimizer.state.values()
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert moments[key].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), key
+        taken, held = empty._optimizer.state_dict()["state"], snapshot.optimizer["state"]
+        assert taken.keys() == held.keys() and taken
+        for i in held:
+            assert held[i].keys() == taken[i].keys()
+            assert all(torch.equal(taken[i][key], value) for key, value in held[i].items())
 
     asyncio.run(run())
 
@@ -116,3 +132,35 @@ def test_without_peer_replicas_snapshots_count_at_once_and_no_copy_is_sent(digit
 def test_standbys_are_the_static_workers_that_hold_no_data_server() -> None:
     assert standbys(("a", "b", "c", "d"), ["b", "a"]) == ("c", "d")
     assert standbys(("a", "b"), ["a", "b"]) == ()
+
+
+def test_a_replica_travels_as_its_tensors_and_an_outline_that_puts_them_back() -> None:
+    """What a standby reads of a replica: the tensors in one frame, the rest (int keys, tuples, settings)
+    as an outline with their places."""
+    replica = {
+        "version": 3,
+        "params": {"w": torch.arange(6.0).reshape(2, 3)},
+        "buffers": {},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(4.0), "exp_avg": torch.ones(2, 3)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.999), "params": [0]}],
+        },
+        "applied": [1, 2],
+    }
+    outline, tensors = _split_tensors(replica)
+    assert len(tensors) == 3 and not any(isinstance(v, torch.Tensor) for v in _leaves(outline))
+    back = _join_tensors(outline, [t.clone() for t in tensors])
+    assert back["optimizer"]["param_groups"] == replica["optimizer"]["param_groups"]
+    assert isinstance(back["optimizer"]["param_groups"][0]["betas"], tuple)
+    assert list(back["optimizer"]["state"]) == [0]
+    assert torch.equal(back["params"]["w"], replica["params"]["w"])
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], torch.ones(2, 3))
+    assert back["applied"] == [1, 2] and back["version"] == 3
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
