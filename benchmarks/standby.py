@@ -253,7 +253,10 @@ def shard_restore(data: str, repeats: int) -> dict[str, Any]:
     from a checkpoint file on the local disk (read and unpickled by the controller, sent to the standby's
     worker, and the data server started from it: what a restart does, and what the checkpoint fallback
     does). Both include starting the data server (reading its data partition). The file is read with the
-    page cache emptied first (`cold`) and again right after (`warm`)."""
+    page cache emptied first (`cold`) and again right after (`warm`). Every restore is on a static worker
+    just started and warmed, as every real promotion is: a process's first large allocation is its slow
+    one (the kernel may compact memory for huge pages first), and a second restore in one process reads
+    several times faster than any promotion would."""
     from distributed import Client
 
     job = make_job("mlp", data, job_id="restore").model_copy(
@@ -282,13 +285,21 @@ def shard_restore(data: str, repeats: int) -> dict[str, Any]:
 
     with (
         tempfile.TemporaryDirectory() as folder,
-        LocalElasticCluster(static_workers=3, elastic_workers=0, memory_limit="8GiB") as cluster,
+        LocalElasticCluster(static_workers=2, elastic_workers=0, memory_limit="8GiB") as cluster,
         Client(cluster.scheduler_address, set_as_default=False) as client,
         client.as_current(),  # actor handles bind to the current client
     ):
-        holder, peer_at, standby = cluster.static_addresses()[:3]
-        # As the controller does for every standby it sees (a cold one builds the optimizer slower).
-        client.submit(warm_standby, job, workers=[standby], pure=False).result()
+        holder, peer_at = cluster.static_addresses()[:2]
+
+        def fresh_standby() -> tuple[str, str]:
+            """A static worker just started and warmed as the controller warms a standby: each promotion
+            lands on a standby whose process has never held a shard, so every restore here is a first."""
+            name = cluster.add_worker(static=True, wait=True)
+            where = cluster.address_of(name)
+            assert where is not None
+            client.submit(warm_standby, job, workers=[where], pure=False).result()
+            return name, where
+
         live = []
         for i, where in ((index, holder), (1 - index, peer_at)):
             scattered = client.scatter([shards[i], {}, optimizers[i]], workers=[where], hash=False)
@@ -311,6 +322,7 @@ def shard_restore(data: str, repeats: int) -> dict[str, Any]:
         peer_runs: list[dict[str, float]] = []
         file_runs: list[dict[str, Any]] = []
         for _ in range(repeats):
+            name, standby = fresh_standby()
             began = time.perf_counter()
             empty = start(client, standby, index, [{}, {}, None], 1)
             restored = empty.result()
@@ -319,7 +331,9 @@ def shard_restore(data: str, repeats: int) -> dict[str, Any]:
             peer_runs.append({"start_s": started, "restore_s": time.perf_counter() - began - started})
             client.cancel([empty])
             del restored
+            cluster.retire_worker(name)
             for cache in ("cold", "warm"):
+                name, standby = fresh_standby()
                 cold = _drop_page_cache() if cache == "cold" else False
                 began = time.perf_counter()
                 found = store.latest()
@@ -338,6 +352,7 @@ def shard_restore(data: str, repeats: int) -> dict[str, Any]:
                 file_runs.append({"cache": cache, "dropped": cold, "read_s": read, "total_s": total})
                 client.cancel([future, *scattered])
                 del checkpoint, start_state, found
+                cluster.retire_worker(name)
     peer_total = [r["start_s"] + r["restore_s"] for r in peer_runs]
     cold_total = [r["total_s"] for r in file_runs if r["cache"] == "cold"]
     warm_total = [r["total_s"] for r in file_runs if r["cache"] == "warm"]

@@ -147,10 +147,16 @@ def _body_size(described: list[list[Any]]) -> int:
     return total
 
 
-def _body_buffer(described: list[list[Any]]) -> np.ndarray:
+def _body_buffer(described: list[list[Any]], huge_pages: bool = True) -> np.ndarray:
     # Not zero-filled (a bytearray is): every byte is overwritten by the read, and a mlp's frame is
-    # megabytes, read every step.
-    return np.empty(_body_size(described), dtype=np.uint8)
+    # megabytes, read every step. numpy asks the kernel for transparent huge pages for a large buffer
+    # (a fresh 200 MB one is touched in 0.015 s instead of 0.04 s), but a kernel with no huge page free
+    # first compacts memory, which took up to 0.4 s here: a one-off buffer (`huge_pages=False`) takes
+    # torch's allocator's 4 KiB pages instead, never the stall.
+    size = _body_size(described)
+    if huge_pages:
+        return np.empty(size, dtype=np.uint8)
+    return torch.empty(size, dtype=torch.uint8).numpy()
 
 
 def decode(header_bytes: bytes, body: bytearray | np.ndarray) -> Frame:
@@ -253,9 +259,10 @@ class ShardLink:
             self.close()
             raise
 
-    def receive(self, timeout: float | None = None) -> Frame:
+    def receive(self, timeout: float | None = None, huge_pages: bool = True) -> Frame:
         """The answer to the last `send`; raises what the shard raised (stale generation, not ready,
-        fatal) as the same error type."""
+        fatal) as the same error type. `huge_pages=False`: read it into memory of 4 KiB pages (a one-off
+        answer of hundreds of megabytes, see `_body_buffer`)."""
         sock = self._sock
         if sock is None or not self.pending:
             raise ConnectionError(f"no request in flight to the shard at {self.address}")
@@ -266,7 +273,7 @@ class ShardLink:
                 raise ConnectionError(f"the shard at {self.address} sent a header of {length} bytes")
             header_bytes = _recv_exactly(sock, length)
             described = json.loads(header_bytes)["tensors"]
-            body = _body_buffer(described)
+            body = _body_buffer(described, huge_pages)
             _recv_into(sock, body.data)
         except BaseException:
             self.close()

@@ -737,7 +737,10 @@ class DataServer:
         def fetch() -> Frame:
             link = ShardLink(address, timeout, worker_tls("connect"))
             try:
-                return link.request(ask, timeout)
+                link.send(ask)
+                # (A one-off buffer of the whole replica: no wait for the kernel to compact memory into
+                # huge pages, which a fresh process's first 200 MB can take 0.4 s for.)
+                return link.receive(timeout, huge_pages=False)
             finally:
                 link.close()
 
