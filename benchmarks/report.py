@@ -646,6 +646,5 @@ def replace_between(docs: Path, start: str, end: str, block: str) -> None:
     docs.write_text(f"{head}{start}\n{block}\n{end}{tail}")
 
 
-
 def _values(summary: dict[str, Any]) -> str:
     return ", ".join(f"{v:.2f}" for v in summary["values"])
