@@ -66,7 +66,7 @@ class Sizes:
     coordinator_kills: int = 5
     restore_repeats: int = 5  # a 200 MB shard from the peer's memory, and from a checkpoint file
     replica_epochs: int = 5  # cnn-20: about 15 s a run
-    replica_repeats: int = 5  # the pairs spread by a few percent: the median of 5 settles it
+    replica_repeats: int = 5  # the pairs spread by ±5%: more pairs than 3 steady the median, not enough
     scaling_workers: tuple[int, ...] = (1, 2, 4)
     scaling_epochs: int = 3
     timeline_epochs: int = 6

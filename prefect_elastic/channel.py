@@ -151,8 +151,8 @@ def _body_buffer(described: list[list[Any]], huge_pages: bool = True) -> np.ndar
     # Not zero-filled (a bytearray is): every byte is overwritten by the read, and a mlp's frame is
     # megabytes, read every step. numpy asks the kernel for transparent huge pages for a large buffer
     # (a fresh 200 MB one is touched in 0.015 s instead of 0.04 s), but a kernel with no huge page free
-    # first compacts memory, which took up to 0.4 s here: a one-off buffer (`huge_pages=False`) takes
-    # torch's allocator's 4 KiB pages instead, never the stall.
+    # first compacts memory, which took up to 0.4 s here: a one-off buffer (`huge_pages=False`) comes
+    # from torch's allocator, which asks for no huge pages (4 KiB pages: 0.04 s, and no compaction).
     size = _body_size(described)
     if huge_pages:
         return np.empty(size, dtype=np.uint8)

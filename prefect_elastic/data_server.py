@@ -241,8 +241,9 @@ class DataServer:
             )
         if header["op"] == "replica":
             # A standby taking shard `source`'s role reads the replica's tensors here (`adopt`).
+            # Each tensor's place in the outline (`replica_outline`) goes as the entry's batch id.
             _, held = _split_tensors(await self.replica(int(header["source"]), int(header["version"])))
-            return Frame({"ok": True}, [(Entry("replica", i, ""), t) for i, t in enumerate(held)], True)
+            return Frame({"ok": True}, [(Entry("replica", place, ""), t) for place, t in held], True)
         if header["op"] == "push":
             grads: dict[int, Tensors] = {}
             buffers: dict[int, Tensors] = {}
@@ -745,7 +746,7 @@ class DataServer:
                 link.close()
 
         frame = await asyncio.to_thread(fetch)
-        replica = _join_tensors(outline, [t for _, t in frame.tensors])
+        replica = _join_tensors(outline, {entry.batch_id: t for entry, t in frame.tensors})
         copied = time.perf_counter() - began
         # The replica arrived as tensors of this process alone: they become the live state as they are, and
         # the snapshot of their version is copied from them in the background, while the promotion goes on
@@ -838,53 +839,38 @@ class _TensorPlace:
     index: int
 
 
-def _split_tensors(value: Any) -> tuple[Any, list[torch.Tensor]]:
+def _split_tensors(value: Any) -> tuple[Any, list[tuple[int, torch.Tensor]]]:
     """`value` (dicts, lists and tuples of tensors and plain values: a replica) with every tensor replaced
-    by its place, and the tensors in the order of their places.
+    by its place (its number in the walk), and the tensors with their places, in the order to send them.
 
-    The order is the walk's, except for an optimizer's per-parameter state (`["optimizer"]["state"][i]
+    That order is the walk's, except for an optimizer's per-parameter state (`["optimizer"]["state"][i]
     [key]`), which goes key by key: every parameter's `exp_avg`, then every `exp_avg_sq`. Each then lies
     back to back in the frame, in the parameters' order, as the parameters themselves do, and a shard takes
     each as one flat run without a copy (`ShardOptimizer.load_state_dict`)."""
     found: list[tuple[tuple[Any, ...], torch.Tensor]] = []
 
-    def collect(v: Any, path: tuple[Any, ...]) -> None:
+    def replace(v: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(v, torch.Tensor):
             found.append((path, v))
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                collect(x, (*path, k))
-        elif isinstance(v, (list, tuple)):
-            for k, x in enumerate(v):
-                collect(x, (*path, k))
-
-    def rank(i: int) -> tuple[int, str, int]:
-        path = found[i][0]
-        if len(path) == 4 and path[:2] == ("optimizer", "state"):
-            return (1, str(path[3]), i)
-        return (0, "", i)
-
-    collect(value, ())
-    order = sorted(range(len(found)), key=rank)
-    place = {i: at for at, i in enumerate(order)}  # walk index -> place in the frame
-    walked = 0
-
-    def replace(v: Any) -> Any:
-        nonlocal walked
-        if isinstance(v, torch.Tensor):
-            walked += 1
-            return _TensorPlace(place[walked - 1])
+            return _TensorPlace(len(found) - 1)
         if isinstance(v, dict):
-            return {k: replace(x) for k, x in v.items()}
+            return {k: replace(x, (*path, k)) for k, x in v.items()}
         if isinstance(v, (list, tuple)):
-            return _same_kind(v, [replace(x) for x in v])
+            return _same_kind(v, [replace(x, (*path, k)) for k, x in enumerate(v)])
         return v
 
-    return replace(value), [found[i][1] for i in order]
+    def rank(place: int) -> tuple[int, str, int]:
+        path = found[place][0]
+        if len(path) == 4 and path[:2] == ("optimizer", "state"):
+            return (1, str(path[3]), place)
+        return (0, "", place)
+
+    outline = replace(value, ())
+    return outline, [(place, found[place][1]) for place in sorted(range(len(found)), key=rank)]
 
 
-def _join_tensors(outline: Any, tensors: list[torch.Tensor]) -> Any:
-    """The inverse of `_split_tensors`."""
+def _join_tensors(outline: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    """The inverse of `_split_tensors`: `tensors` by their places."""
     if isinstance(outline, _TensorPlace):
         return tensors[outline.index]
     if isinstance(outline, dict):

@@ -8,8 +8,9 @@ transformer's 16 tensors is 48 kernels and as many trips through the dispatcher;
 gives the very numbers that one tensor per parameter gives (`tests/test_shard_optimizer.py` checks it
 bit for bit, tails of odd lengths included).
 
-A shard that takes a replica on a promotion keeps its tensors as they came, one per parameter (no copy on
-the promotion's path). Outside this class nothing is flat. `params` maps each name to a view of the flat
+A shard that takes a replica on a promotion keeps its tensors as they came (no copy on the promotion's
+path): flat views where they arrived back to back, as a replica read from the peer's channel does, else
+one tensor per parameter. Outside this class nothing is flat. `params` maps each name to a view of the flat
 tensor; gradients come per name, and a micro-batch's gradients that arrived back to back in one frame
 (`channel.decode` makes every tensor a view of the frame's one buffer, and a compute loop sends a shard's
 gradients in the plan's order) are taken as one flat view without a copy. `state_dict` gives torch's form

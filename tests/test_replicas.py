@@ -147,9 +147,11 @@ def test_a_replica_travels_as_its_tensors_and_an_outline_that_puts_them_back() -
         },
         "applied": [1, 2],
     }
-    outline, tensors = _split_tensors(replica)
-    assert len(tensors) == 3 and not any(isinstance(v, torch.Tensor) for v in _leaves(outline))
-    back = _join_tensors(outline, [t.clone() for t in tensors])
+    outline, placed = _split_tensors(replica)
+    assert len(placed) == 3 and not any(isinstance(v, torch.Tensor) for v in _leaves(outline))
+    # The optimizer's state goes after the parameters, key by key (each key one run in the frame).
+    assert [place for place, _ in placed] == [0, 2, 1]
+    back = _join_tensors(outline, {place: t.clone() for place, t in placed})
     assert back["optimizer"]["param_groups"] == replica["optimizer"]["param_groups"]
     assert isinstance(back["optimizer"]["param_groups"][0]["betas"], tuple)
     assert list(back["optimizer"]["state"]) == [0]
