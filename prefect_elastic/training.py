@@ -96,6 +96,8 @@ SILENT_HEARTBEATS = 2.5
 # Liveness intervals (at least a second each) without a scheduler connection before the job stops: Dask's
 # client tries to reconnect for 30 s, and a scheduler that restarts on the same address is back sooner.
 SCHEDULER_LOST_INTERVALS = 3
+# An error the controller meets is put down to the scheduler's loss if the client loses it within this long.
+SCHEDULER_GRACE_SECONDS = 1.0
 SCHEDULER_POLL_SECONDS = 0.05  # how often the client's connection is looked at while it is down
 # Workers lost within this long of the first are one membership change (`survival.wait_for_losses`): the
 # scheduler removes workers killed together a few milliseconds apart.
@@ -498,23 +500,22 @@ class TrainingRun:
         coordinator whose static worker dies is rebuilt on another one meanwhile."""
         while True:
             try:
-                return self._supervise()
-            except CoordinatorLost as exc:
-                # A call may have broken because the scheduler went, not the coordinator: nothing can be
-                # rebuilt without it, and each call would wait for the client's reconnect (30 s). Wait for
-                # the client to have its scheduler again (a moment's reconnect) or to give it up.
                 try:
+                    return self._supervise()
+                except CoordinatorLost as exc:
+                    # A call may have broken because the scheduler went, not the coordinator: nothing can
+                    # be rebuilt without it, and each call would wait for the client's reconnect (30 s).
+                    # Wait for the client to have its scheduler again (a moment's reconnect) or to give it
+                    # up. (The rebuild's own calls to the scheduler may break the same way: below.)
                     while not self._scheduler_up():
                         time.sleep(SCHEDULER_POLL_SECONDS)
-                except SchedulerGone as gone:
-                    raise self._scheduler_lost(gone.seconds) from None
-                self._rebuild_coordinator(str(exc))
+                    self._rebuild_coordinator(str(exc))
             except SchedulerGone as gone:
                 raise self._scheduler_lost(gone.seconds) from None
             except Exception:
                 # Whatever failed, with the scheduler gone that is why (the client cancels every future,
                 # the compute loops' included, the moment it loses the scheduler).
-                if self._scheduler_up():
+                if not self._scheduler_lost_within(SCHEDULER_GRACE_SECONDS):
                     raise
                 raise self._scheduler_lost(0.0) from None
 
@@ -535,6 +536,18 @@ class TrainingRun:
         ):
             raise SchedulerGone(gone)
         return False
+
+    def _scheduler_lost_within(self, grace: float) -> bool:
+        """Whether the client lost its scheduler, or loses it within `grace` seconds: a call to the
+        scheduler that broke because the scheduler died can fail before the client has seen its own
+        connection close (CI: the coordinator's rebuild failed with a raw CommClosedError, the client still
+        "running")."""
+        deadline = time.monotonic() + grace
+        while self.client.status == "running":
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(SCHEDULER_POLL_SECONDS)
+        return True
 
     def _scheduler_lost(self, seconds: float) -> SchedulerLostError:
         """The error that stops a job without its scheduler, saying where to resume from: the last periodic

@@ -106,7 +106,11 @@ def test_a_data_server_killed_mid_run_is_promoted_on_a_standby(
 ) -> None:
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
-    job = make_job(digits_url, policy, job_id=f"standby-{policy}", model="tests.models:gated_slow_mlp")
+    # 4 epochs: the progress the gate closes on lags the shards, which commit steps themselves; a job of 2
+    # could end on a fast machine before the gate closed at step 12.
+    job = make_job(
+        digits_url, policy, job_id=f"standby-{policy}", model="tests.models:gated_slow_mlp", epochs=4
+    )
     kill = KillWhenSnapshotted(static_cluster, index=1)
     try:
         result = train(job, cluster=static_cluster, on_progress=kill)
@@ -381,7 +385,9 @@ def test_the_coordinators_worker_killed_mid_run_is_rebuilt_on_another(
     takes data server 0 from its peer's replica."""
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
-    job = make_job(digits_url, policy, job_id=f"coordinator-{policy}", model="tests.models:gated_slow_mlp")
+    job = make_job(  # (4 epochs: as in the data server's test above)
+        digits_url, policy, job_id=f"coordinator-{policy}", model="tests.models:gated_slow_mlp", epochs=4
+    )
     kill = KillWhenSnapshotted(static_cluster, index=0)
     try:
         result = train(job, cluster=static_cluster, on_progress=kill)
@@ -621,7 +627,8 @@ def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
     job = make_job(
-        digits_url, "reassign", job_id="no-replicas", model="tests.models:gated_slow_mlp", peer_replicas=False
+        digits_url, "reassign", job_id="no-replicas", model="tests.models:gated_slow_mlp", peer_replicas=False,
+        epochs=4,  # (as in the data server's test above)
     )
     kill = KillWhenSnapshotted(static_cluster, index=1)
     try:
