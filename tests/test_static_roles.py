@@ -626,9 +626,13 @@ def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
 ) -> None:
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
-    job = make_job(
-        digits_url, "reassign", job_id="no-replicas", model="tests.models:gated_slow_mlp", peer_replicas=False,
-        epochs=4,  # (as in the data server's test above)
+    job = make_job(  # (4 epochs: as in the data server's test above)
+        digits_url,
+        "reassign",
+        job_id="no-replicas",
+        model="tests.models:gated_slow_mlp",
+        peer_replicas=False,
+        epochs=4,
     )
     kill = KillWhenSnapshotted(static_cluster, index=1)
     try:
