@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite --docs from --raw; run nothing")
     parser.add_argument(
         "--only",
-        choices=["steady", "standby", "async", "tls"],
+        choices=["steady", "standby", "replicas", "async", "tls"],
         help="run this group of scenarios alone, and merge its results into --raw (the rest stay as stored)",
     )
     args = parser.parse_args(argv)
@@ -491,6 +491,12 @@ def run_only(args: argparse.Namespace) -> int:
         async_figures(results, data, sizes)
     elif args.only == "tls":
         tls_figures(results, data, sizes)
+    elif args.only == "replicas":
+        # (What the peer replicas cost in steady state, alone: one row of the standby group.)
+        results.setdefault("standby", {})["replica_cost"] = attempt(
+            results, "replica cost", standby.replica_cost, "cnn-20", data, sizes.replica_epochs,
+            sizes.replica_repeats,
+        )  # fmt: skip
     else:
         standby_figures(results, data, big, sizes)
     results.setdefault("partial_runs", []).append(

@@ -27,7 +27,7 @@ from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import EventKind, MembershipEvent, Progress
 from prefect_elastic.training import prepare, train
 
-from .elastic import make_job, next_commit, steady_throughput, summary
+from .elastic import make_job, next_commit, snapshot_excess, snapshot_windows, steady_throughput, summary
 
 STANDBY_READY_S = 5.0
 
@@ -214,7 +214,12 @@ def _first_commit_in_a_new_process(job: ElasticJob, address: str) -> float:
 def replica_cost(workload: str, data: str, epochs: int, repeats: int) -> dict[str, Any]:
     """Steady throughput of one compute worker with peer replicas and without (`peer_replicas=False`),
     in alternating pairs on one cluster, snapshots every second; the cost is 1 - the median of the pairs'
-    ratios (with over without)."""
+    ratios (with over without).
+
+    Inside each run too (`elastic.snapshot_excess`): what the steps near a snapshot took over the others,
+    a snapshot's window running from the shards' own copies to the end of their copies to the peers. With
+    replicas it is what snapshots and replicas cost together, a bound on the replicas' share that no drift
+    of the machine between two runs moves (the pairs spread by ±5% here)."""
     with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
         job = make_job(workload, data, epochs=epochs, job_id="replicas")
         train(job.model_copy(update={"epochs": 1}), cluster=cluster)  # warm-up, uncounted
@@ -223,8 +228,12 @@ def replica_cost(workload: str, data: str, epochs: int, repeats: int) -> dict[st
             pair: dict[str, float] = {}
             for on in (True, False) if i % 2 == 0 else (False, True):
                 result = train(job.model_copy(update={"peer_replicas": on}), cluster=cluster)
-                pair["with" if on else "without"] = steady_throughput(result)
-                pair["snapshots_with" if on else "snapshots_without"] = result.counters["snapshots"]
+                side = "with" if on else "without"
+                pair[side] = steady_throughput(result)
+                pair[f"snapshots_{side}"] = result.counters["snapshots"]
+                pair[f"in_run_{side}"] = snapshot_excess(result.commit_times, snapshot_windows(result))[
+                    "overhead"
+                ]
             pairs.append(pair)
     ratios = [p["with"] / p["without"] for p in pairs]
     return {
@@ -232,6 +241,8 @@ def replica_cost(workload: str, data: str, epochs: int, repeats: int) -> dict[st
         "pairs": pairs,
         "ratios": ratios,
         "cost": 1.0 - statistics.median(ratios),
+        "in_run_with": statistics.median(p["in_run_with"] for p in pairs),
+        "in_run_without": statistics.median(p["in_run_without"] for p in pairs),
     }
 
 

@@ -101,7 +101,8 @@ class CoordinatorState:
         self.failure: Failure | None = None
         self.versions: dict[int, int] = {}  # shard -> version it last reported
         self._records: dict[int, dict[int, StepRecord]] = {i: {} for i in range(shards)}
-        self._snapshots: dict[int, dict[int, tuple[float, float]]] = {}  # shard -> version -> (time, s)
+        # shard -> version -> (when taken, seconds its copy took, when whole on the peer or 0)
+        self._snapshots: dict[int, dict[int, tuple[float, float, float]]] = {}
         self.snapshot_wanted: int | None = None  # the version every shard was asked to snapshot
         self._refused: dict[int, int] = {}
         # Where each shard listens for compute loops; handed out with every role (a promoted shard moves).
@@ -378,7 +379,7 @@ class CoordinatorState:
         i = status.index
         self.versions[i] = status.version
         self._refused[i] = status.refused
-        self._snapshots[i] = {s.version: (s.time, s.seconds) for s in status.snapshots}
+        self._snapshots[i] = {s.version: (s.time, s.seconds, s.replicated) for s in status.snapshots}
         if self.mode == "async":
             # (The only snapshot in async mode is the last: every shard applied every batch id.)
             return self._absorb_async(i, status) + self._confirm_snapshot()
@@ -423,9 +424,10 @@ class CoordinatorState:
             self.snapshot_versions = (wanted,) * self.shards
         self.snapshot_wanted = None
         self.counters["snapshots"] += 1
-        # The window in which the snapshot could slow a step: from the first copy's start to the last end.
-        began = min(t - s for t, s in times)
-        end = max(t for t, _ in times)
+        # The window in which the snapshot could slow a step: from the first copy's start to the last end,
+        # its copy to the peer (sent in the background, as steps go on) included.
+        began = min(t - s for t, s, _ in times)
+        end = max(max(t, replicated) for t, _, replicated in times)
         # The event's step is the snapshot's own: the ledger may have committed further while the last
         # shard was copying, and a rollback goes back to `wanted`, not to where the ledger stands.
         return [

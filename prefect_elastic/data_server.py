@@ -139,7 +139,8 @@ class DataServer:
         # A snapshot counts (is reported to the coordinator) once its copy is whole on the peer.
         self._replicas_on = schedule.data_servers > 1 and job.peer_replicas
         self._peer: Any = None  # the peer's actor handle, once the coordinator names it (`set_peer`)
-        self._replicated: set[int] = set()  # versions of this shard's snapshots whole on the peer
+        # Versions of this shard's snapshots whole on the peer, with when each became whole (wall clock).
+        self._replicated: dict[int, float] = {}
         self._replicating: dict[int, asyncio.Task[None]] = {}  # copies to the peer in flight, by version
         self._keep = version  # the snapshot every shard holds (from `snapshot_at`): kept, and its replica
         self._replicas: dict[int, dict[str, Any]] = {}  # version -> a snapshot of shard (index - 1) % D
@@ -516,7 +517,7 @@ class DataServer:
             version=self.version,
             records=tuple(self._records[first:]),
             snapshots=tuple(
-                SnapshotInfo(s.version, s.time, s.seconds)
+                SnapshotInfo(s.version, s.time, s.seconds, self._replicated.get(s.version, 0.0))
                 for s in self._snapshots.values()
                 if s.version in self._replicated or not self._replicas_on
             ),
@@ -598,7 +599,7 @@ class DataServer:
         self._keep = keep
         for v in [v for v in self._snapshots if v not in (keep, version)]:
             del self._snapshots[v]
-        self._replicated &= set(self._snapshots)
+        self._replicated = {v: t for v, t in self._replicated.items() if v in self._snapshots}
         self._prune_replicas()
         self._snapshot_wanted = version
         if self.version == version and not self._applying and version not in self._snapshots:
@@ -669,7 +670,7 @@ class DataServer:
                 )
                 return
             if self._peer is peer and snap.version in self._snapshots:
-                self._replicated.add(snap.version)
+                self._replicated[snap.version] = time.time()
 
         task = asyncio.ensure_future(send())
         self._replicating[snap.version] = task

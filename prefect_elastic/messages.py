@@ -96,11 +96,13 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class SnapshotInfo:
-    """A snapshot a shard holds: the version it is of, when it was taken and how long the copy took."""
+    """A snapshot a shard holds: the version it is of, when it was taken and how long the copy took, and
+    when its copy became whole on the peer (0 without peer replicas)."""
 
     version: int
     time: float
     seconds: float
+    replicated: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ shards brought back to one version when a worker died between its pushes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from prefect_elastic.coordinator_state import CoordinatorState, Failure
@@ -107,6 +109,25 @@ def test_a_snapshot_is_confirmed_when_every_shard_holds_it() -> None:
     assert state.ledger.snapshot_step == 2 and state.snapshot_wanted is None
     assert events[0].seconds > 0
     assert state.want_snapshot(progressed=False) is None, "nothing new since"
+
+
+def test_a_snapshots_window_runs_to_the_end_of_its_copy_to_the_peer() -> None:
+    """The window a snapshot could slow steps in (the event's time and seconds: the benchmark's in-run
+    measure of what snapshots cost) spans the shards' own copies and their copies to the peers, which go on
+    in the background while steps commit."""
+    state = new_state()
+    admit(state, {"a", "b"})
+    state.absorb(status(0, 1))
+    state.absorb(status(1, 1))
+    assert state.want_snapshot(progressed=True) == 2
+    for index, replicated in ((0, 52.3), (1, 52.1)):
+        shard = status(index, 2, snapshots=(0,), since=1)
+        taken = SnapshotInfo(2, 52.0 + index / 100, 0.01, replicated=replicated)
+        events = state.absorb(replace(shard, snapshots=(*shard.snapshots, taken)))
+    (snapshot,) = events
+    assert snapshot.kind is EventKind.SNAPSHOT
+    assert snapshot.time == 52.3, "the last copy to a peer ends the window"
+    assert abs(snapshot.time - snapshot.seconds - 51.99) < 1e-9, "the first shard's own copy starts it"
 
 
 def test_a_snapshot_confirmed_late_records_its_own_step_which_a_rollback_goes_back_to() -> None:
