@@ -437,6 +437,8 @@ class Coordinator:
         async with lock:
             if index not in state.lost:
                 raise FatalError(f"data server {index} is not lost; nothing to promote")
+            # The same data server, taken for lost while silent, that answered after all: it keeps its role.
+            kept = _key_of(shard) is not None and _key_of(shard) == _key_of(self._shards[index])
             self._shards[index] = direct(shard)
             self._gone[index] = asyncio.Event()
             generation = state.generation + 1
@@ -453,8 +455,9 @@ class Coordinator:
                 applied = frozenset(await shard.applied_ids())
             version = next(f.version for f in fenced if f.index == index)
             event = state.promote_shard(
-                index, worker, generation, where, time.time(), began, applied=applied, version=version
-            )
+                index, worker, generation, where, time.time(), began, applied=applied, version=version,
+                kept=kept,
+            )  # fmt: skip
             self._take([event])
             # The promoted shard copies its snapshot to its peer, and the shard whose peer it is now copies
             # its own to it (the copies the lost worker held are gone).

@@ -598,10 +598,12 @@ class CoordinatorState:
         began: float,
         applied: frozenset[int] = frozenset(),
         version: int = 0,
+        kept: bool = False,
     ) -> MembershipEvent:
         """A standby (`worker`) holds shard `index` again, taken from its peer's replica of the last
         snapshot every shard holds, and every other shard was fenced into `generation` and brought back to
-        that snapshot: the ledger drops the steps after it, and training goes on from there.
+        that snapshot: the ledger drops the steps after it, and training goes on from there. `kept`: the
+        data server itself, taken for lost while silent, answered and keeps its role on `worker`.
 
         Async mode: the other shards stay where they are; the promoted one stands at `version` with the
         batch ids `applied` of its snapshot, and what it lacks is trained again (`_rejoin_async`)."""
@@ -619,11 +621,15 @@ class CoordinatorState:
             where = f"step {self.ledger.committed_steps}"
         self._forget_open_records()
         self.generation = generation
-        self.counters["promotions"] += 1
+        self.counters["promotions"] += not kept
         return self.record(
             EventKind.PROMOTED,
             steps_lost=steps_lost,
-            reason=f"data server {index} on standby {worker}, from its peer's replica of {where}",
+            reason=(
+                f"data server {index} on {worker} answered after its silence and keeps its role, at {where}"
+                if kept
+                else f"data server {index} on standby {worker}, from its peer's replica of {where}"
+            ),
             now=now,
             seconds=now - began,
         )

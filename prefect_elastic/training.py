@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -147,6 +148,8 @@ GATHER_SECONDS = 30.0
 
 # How many cancelled starts of one role in a row the controller tries again before it gives up.
 START_TRIES = 3
+# Rebuilds of a lost coordinator, each with the data servers that answered after the last one failed.
+REBUILD_TRIES = 3
 
 
 def settled_result(future: Any, timeout: float) -> Any:
@@ -381,6 +384,9 @@ class WorkersView:
     static: tuple[str, ...] = ()  # static workers that run, in the order roles are placed on them
     pending: int = 0  # workers the cluster object started that the scheduler does not list yet
     graceful: frozenset[str] = frozenset()  # workers that left gracefully lately (retired, not lost)
+    # Static workers the scheduler still lists but has not heard from lately: left out of `static`, but
+    # asked before their loss would cost a shard's last copy (`TrainingRun._answering`).
+    silent_static: frozenset[str] = frozenset()
 
 
 def standbys(static: tuple[str, ...] | list[str], placement: list[str]) -> tuple[str, ...]:
@@ -460,6 +466,9 @@ class TrainingRun:
         self.committed_seen = 0  # the committed steps of the last progress read
         self.warmed: dict[str, Future] = {}  # standbys made ready to take a role (`warm_standby`)
         self._told_lost: set[int] = set()  # data servers the coordinator was told of during a long call
+        # Static workers that answered a direct call while silent to the scheduler (`_answering`), and
+        # when: the answer counts as a heartbeat.
+        self._answered_at: dict[str, float] = {}
         # The controller's copy of the coordinator's record (ledger, history, events), taken after every
         # survival check: a coordinator whose worker dies is rebuilt from it and from the shards.
         self.journal = Journal()
@@ -926,6 +935,19 @@ class TrainingRun:
             for i in lost
             if replicas[i] is None and targets[i] != self.persistence.shard_start(i, []).version
         ]
+        back = self._answering(lost) if unrestorable else set()
+        if back:
+            # Only silent for a moment (`_answering`): each keeps its role, and the rest are promoted.
+            for i in sorted(back):
+                event = self._call(coordinator.promote(i, shards[i], self.channels[i], self.placement[i]))
+                self._told_lost.discard(i)
+                log.warning("job %s: data server %d keeps its role at step %d", job.job_id, i, event.step)
+            rest = [i for i in lost if i not in back]
+            if rest:
+                self._promote_standbys(rest)
+            else:
+                self._copy_journal()
+            return
         if unrestorable and job.mode == "async":
             raise DataServerLostError(
                 f"data servers {unrestorable} of job {job.job_id} were lost with the replicas of their "
@@ -956,7 +978,13 @@ class TrainingRun:
                 self._promote_standbys(sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}))
                 return
             clock = time.monotonic()
-            event = self._call(coordinator.promote(i, shard, channel, standby))
+            try:
+                event = self._call(coordinator.promote(i, shard, channel, standby))
+            except CoordinatorLost:
+                # The role goes to a standby again after the coordinator's rebuild: release this one.
+                with contextlib.suppress(Exception):
+                    self.client.cancel([future])
+                raise
             promotion = Promotion(
                 index=i, lost_worker=self.placement[i], standby=standby, step=event.step, seen=seen,
                 suspend=suspended, start=started, adopt=adopted, promote=time.monotonic() - clock,
@@ -1177,6 +1205,47 @@ class TrainingRun:
                 return False
             time.sleep(WATCH_WHILE_CALLING_SECONDS)
 
+    def _answering(self, indices: Iterable[int]) -> set[int]:
+        """Of the data servers `indices`, taken for lost, those that answer a call within `call_timeout`.
+
+        A static worker the scheduler lists but has not heard from for a moment is taken for lost, so that
+        a cut or frozen one's roles move within seconds. But a worker, or the scheduler itself, starved of
+        CPU is silent for a moment too (CI's chaos soak on 2 cores: the coordinator's worker and both data
+        servers' silent at once, and a job that had lost nothing failed for want of a live shard). So where
+        silence would cost a shard its last copy (the job would go back to a checkpoint, or fail), the
+        silent ones are asked first: one that answers is not lost, and its answer counts as a heartbeat."""
+        view = self._workers_view()
+        listed = {*view.static, *view.silent_static}  # (heard again, perhaps, since it was taken for lost)
+        asked: dict[int, Any] = {}
+        for i in sorted({i for i in indices if self.placement[i] in listed}):
+            with contextlib.suppress(RuntimeError):  # Dask already knows its worker is gone
+                asked[i] = self.shards[i].status(self.schedule.total_steps)
+        if asked:
+            log.warning(
+                "job %s: data servers %s, taken for lost, are still listed by the scheduler; asking them "
+                "before they count as lost (up to %g s, call_timeout)", self.job.job_id, sorted(asked), self.job.call_timeout,
+            )  # fmt: skip
+        answered: set[int] = set()
+        deadline = time.monotonic() + self.job.call_timeout
+        while asked and time.monotonic() < deadline:
+            for i, future in list(asked.items()):
+                if self.placement[i] in self.left:
+                    del asked[i]  # the scheduler removed its worker: lost after all
+                    continue
+                try:
+                    future.result(timeout=CALL_SLICE_SECONDS)
+                except TimeoutError:
+                    continue
+                except Exception:  # its worker died meanwhile
+                    del asked[i]
+                    continue
+                del asked[i]
+                answered.add(i)
+                self._answered_at[self.placement[i]] = time.monotonic()
+        if answered:
+            log.warning("job %s: data servers %s answered: not lost", self.job.job_id, sorted(answered))
+        return answered
+
     def _tell_lost_shards(self) -> None:
         """While a coordinator call waits (it may be calling every shard), look at the static workers: a
         call to a shard whose worker just died waits for Dask's connect timeout, so the coordinator is told
@@ -1235,20 +1304,27 @@ class TrainingRun:
             self.loop_restarts[addr] = max(0, self.loop_restarts.get(addr, 1) - 1)
         self.loops.clear()
         self.worker_event.set()
-        try:
-            event: MembershipEvent = self._call(
-                coordinator.rebuild(
-                    self.journal, self.shards, self.channels, lost, where, reason, began,
-                    EventKind.COORDINATOR_REBUILT,
-                ),
-                timeout=3 * job.call_timeout,
-            )  # fmt: skip
-        except CoordinatorLost:
-            raise
-        except DataServerLostError as exc:
-            # Data servers died with it, and with them the replicas of their shards.
-            self._restore_from_checkpoint(lost, f"the coordinator's static worker {lost_at} died: {exc}")
-            return
+        for attempt in range(1, REBUILD_TRIES + 1):
+            try:
+                event: MembershipEvent = self._call(
+                    coordinator.rebuild(
+                        self.journal, self.shards, self.channels, lost, where, reason, began,
+                        EventKind.COORDINATOR_REBUILT,
+                    ),
+                    timeout=3 * job.call_timeout,
+                )  # fmt: skip
+                break
+            except CoordinatorLost:
+                raise
+            except DataServerLostError as exc:
+                # Data servers died with it, and with them the replicas of their shards; or they were
+                # only silent for a moment, and answer (then the rebuild takes them in).
+                back = self._answering(lost) if attempt < REBUILD_TRIES else set()
+                if not back:
+                    why = f"the coordinator's static worker {lost_at} died: {exc}"
+                    self._restore_from_checkpoint(lost, why)
+                    return
+                lost = [i for i in lost if i not in back]
         self.journal = Journal()
         self._copy_journal()
         log.warning(
@@ -1303,8 +1379,14 @@ class TrainingRun:
         # minutes), and every call to its data server waits meanwhile. It is never a standby; its roles
         # move only while a standby that is heard from can take them: with none, declaring it lost would
         # turn a pause into a job that fails after `min_workers_timeout`, so they stay and the controller
-        # waits for it (or for Dask to remove it).
-        heard = [r for r in static if r["silent"] <= max(silent_after, r["silent_limit"])]
+        # waits for it (or for Dask to remove it). One that answered a direct call lately was heard then.
+        answered = self._answered_at
+        heard = [
+            r
+            for r in static
+            if min(r["silent"], time.monotonic() - answered.get(r["address"], -math.inf))
+            <= max(silent_after, r["silent_limit"])
+        ]
         if not standbys([r["address"] for r in heard], self.placement):
             roles = {*self.placement, self.coordinator_at}
             heard += [r for r in static if r not in heard and r["address"] in roles]
@@ -1313,6 +1395,7 @@ class TrainingRun:
             # job (docs/design/async.md): a worker only starved of CPU for a moment (seen in the chaos
             # soak on 2 cores) would otherwise end it. Dask's removal still counts.
             heard += [r for r in static if r not in heard and r["address"] == self.coordinator_at]
+        silent = frozenset(r["address"] for r in static if r not in heard)
         static = heard
         requested = getattr(self.cluster, "requested", None)
         pending = len(set(map(str, requested)) - {str(r["name"]) for r in rows}) if requested else 0
@@ -1323,6 +1406,7 @@ class TrainingRun:
             listed={r["address"] for r in elastic},
             static=tuple(r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))),
             graceful=frozenset(view["graceful"]),
+            silent_static=silent,
         )
 
     def _loops_to_restart(self, live: list[str]) -> bool:
