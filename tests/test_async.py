@@ -583,6 +583,7 @@ def test_async_training_survives_a_kill_and_a_join(
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
+@pytest.mark.heavy  # (a long fault run: in .ci/run's second stage, to keep the main suite under 20 minutes)
 def test_async_training_keeps_exactly_once_under_a_random_schedule(
     cluster: LocalElasticCluster, reference: References, digits_url: str
 ) -> None:
@@ -642,6 +643,7 @@ def test_workers_take_candidate_steps_when_the_shards_are_slow_and_not_when_they
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
+@pytest.mark.heavy  # (a long fault run: in .ci/run's second stage, to keep the main suite under 20 minutes)
 def test_a_lost_data_server_of_an_async_job_moves_to_a_standby(
     reference: References, digits_url: str
 ) -> None:
@@ -727,6 +729,7 @@ def test_the_coordinators_worker_of_an_async_job_killed_mid_run_is_rebuilt_on_an
 
 
 @pytest.mark.parametrize("role", ["data-server", "coordinator"])
+@pytest.mark.heavy  # (a long fault run: in .ci/run's second stage, to keep the main suite under 20 minutes)
 def test_an_async_static_worker_retired_gracefully_hands_over_with_nothing_redone(
     digits_url: str, role: str
 ) -> None:

@@ -427,6 +427,7 @@ def test_fault_schedule_random_is_reproducible() -> None:
     assert signal.SIGKILL in {f.sig for f in a.faults}
 
 
+@pytest.mark.heavy  # (a long fault run: in .ci/run's second stage, to keep the main suite under 20 minutes)
 def test_four_workers_added_at_once_join_as_one_generation(reference: References, digits_url: str) -> None:
     """Seed 001's node groups: workers a cluster starts together (`cluster.scale(+4)`, a SLURM job array)
     are one membership change, not one per worker, although they register one by one."""

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.timeout(300)]
 
 
 @pytest.mark.cluster
+@pytest.mark.heavy  # (a long fault run: in .ci/run's second stage, to keep the main suite under 20 minutes)
 def test_the_scheduler_killed_mid_run_stops_the_job_and_a_new_run_resumes(
     reference: References, digits_url: str, tmp_path: Path
 ) -> None:

@@ -257,6 +257,7 @@ def test_waiting_in_short_slices_for_a_result_leaves_the_client_working(
         assert client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
 
 
+@pytest.mark.heavy  # (a long fault run: in .ci/run's second stage, to keep the main suite under 20 minutes)
 def test_a_standby_that_joins_after_the_loss_takes_the_role(reference: References, digits_url: str) -> None:
     with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
         job = make_job(digits_url, "reassign", job_id="late-standby", min_workers_timeout=120.0)
@@ -644,6 +645,7 @@ def test_without_peer_replicas_a_lost_data_server_ends_the_job_saying_why(
     assert "resumes from the last checkpoint" in str(failed.value)
 
 
+@pytest.mark.heavy  # (a long fault run: in .ci/run's second stage, to keep the main suite under 20 minutes)
 def test_random_kills_of_static_and_elastic_workers(
     static_cluster: LocalElasticCluster, reference: References, digits_url: str
 ) -> None:
