@@ -1223,7 +1223,8 @@ class TrainingRun:
         if asked:
             log.warning(
                 "job %s: data servers %s, taken for lost, are still listed by the scheduler; asking them "
-                "before they count as lost (up to %g s, call_timeout)", self.job.job_id, sorted(asked), self.job.call_timeout,
+                "before they count as lost (up to %g s, call_timeout)",
+                self.job.job_id, sorted(asked), self.job.call_timeout,
             )  # fmt: skip
         answered: set[int] = set()
         deadline = time.monotonic() + self.job.call_timeout
