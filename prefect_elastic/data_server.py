@@ -31,6 +31,8 @@ import asyncio
 import bisect
 import contextlib
 import logging
+import os
+import signal
 import time
 import weakref
 from dataclasses import dataclass, field, replace
@@ -553,6 +555,10 @@ class DataServer:
         step and any snapshot asked for; returns where the shard is (from step 0 on)."""
         if generation < self.generation:
             raise StaleGenerationError(generation, self.generation, "fence")
+        if _plugin_seconds(FENCE_DEATH):
+            # A standby that dies in the middle of its promotion, whose first call is this fence (test hook,
+            # see local/slow.py): the worker's process group, its nanny with it, as `kill_worker` does.
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         self.generation = generation
         self._hold = None
         if self._apply_lock is not None:
@@ -890,12 +896,14 @@ def _same_kind(like: list[Any] | tuple[Any, ...], items: list[Any]) -> Any:
 SHARD_DELAY = "prefect-elastic-shard-delay"
 HAND_OVER_DELAY = "prefect-elastic-hand-over-delay"
 START_DELAY = "prefect-elastic-start-delay"
+FENCE_DEATH = "prefect-elastic-fence-death"
 
 
 def _plugin_seconds(name: str) -> float:
     """The test hooks' delays (`prefect_elastic.local.slow`): the `seconds` of the worker plugin named
     `name` where this worker has one (`SHARD_DELAY`: before each async apply; `HAND_OVER_DELAY`: in a
-    hand-over's `hold_at`; `START_DELAY`: as a data server starts); 0 elsewhere."""
+    hand-over's `hold_at`; `START_DELAY`: as a data server starts; `FENCE_DEATH`, non-zero: the worker
+    dies at a data server's fence); 0 elsewhere."""
     try:
         from distributed import get_worker
 

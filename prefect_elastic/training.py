@@ -469,6 +469,7 @@ class TrainingRun:
         # Static workers that answered a direct call while silent to the scheduler (`_answering`), and
         # when: the answer counts as a heartbeat.
         self._answered_at: dict[str, float] = {}
+        self._promoting: tuple[int, str, str] | None = None  # the shard, standby and key being promoted
         # The controller's copy of the coordinator's record (ledger, history, events), taken after every
         # survival check: a coordinator whose worker dies is rebuilt from it and from the shards.
         self.journal = Journal()
@@ -969,22 +970,21 @@ class TrainingRun:
         for i in lost:
             replica = replicas[i]
             start = None if replica is not None else self.persistence.shard_start(i, self.plan[i])
-            try:
-                standby, future, shard, channel, started, adopted = self._start_on_standby(
-                    i, start, targets[i], replica
-                )
-            except StaticWorkerLeft:
-                # The peer died too (after the first loss was seen): its replica is gone with it.
-                self._promote_standbys(sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}))
-                return
-            clock = time.monotonic()
-            try:
-                event = self._call(coordinator.promote(i, shard, channel, standby))
-            except CoordinatorLost:
-                # The role goes to a standby again after the coordinator's rebuild: release this one.
-                with contextlib.suppress(Exception):
-                    self.client.cancel([future])
-                raise
+            while True:
+                try:
+                    standby, future, shard, channel, started, adopted = self._start_on_standby(
+                        i, start, targets[i], replica
+                    )
+                except StaticWorkerLeft:
+                    # The peer died too (after the first loss was seen): its replica is gone with it.
+                    self._promote_standbys(sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}))
+                    return
+                clock = time.monotonic()
+                try:
+                    event = self._promote_on(i, standby, future, shard, channel)
+                    break
+                except StaticWorkerLeft:
+                    continue  # the standby died in the middle of its promotion: the next one
             promotion = Promotion(
                 index=i, lost_worker=self.placement[i], standby=standby, step=event.step, seen=seen,
                 suspend=suspended, start=started, adopt=adopted, promote=time.monotonic() - clock,
@@ -1007,6 +1007,30 @@ class TrainingRun:
             suspended = 0.0
         self.standbys = tuple(w for w in self.standbys if w not in self.placement)
         self._copy_journal()
+
+    def _promote_on(
+        self, index: int, standby: str, future: Future, shard: ShardHandle, channel: ChannelAddress
+    ) -> MembershipEvent:
+        """`Coordinator.promote`: the data server just started on `standby` takes the role of lost shard
+        `index`. If the standby dies meanwhile, the coordinator is told at once (`_tell_lost_shards`: a
+        call to a dead worker waits for Dask's connect timeout), the data server is released and
+        `StaticWorkerLeft` raised, for the next standby; so is it when the coordinator is lost (its
+        rebuild promotes a standby again)."""
+        self._promoting = (index, standby, str(getattr(shard, "key", "")))  # (a Dask actor handle's key)
+        try:
+            return self._call(self.coordinator.promote(index, shard, channel, standby))
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.client.cancel([future])
+            if isinstance(exc, CoordinatorLost) or not self._leaves_soon(standby, LEAVING_GRACE_SECONDS):
+                raise
+            log.warning(
+                "job %s: standby %s left while data server %d was promoted on it (%s); taking the next",
+                self.job.job_id, standby, index, exc,
+            )  # fmt: skip
+            raise StaticWorkerLeft(standby) from exc
+        finally:
+            self._promoting = None
 
     def _start_on_standby(
         self, index: int, start: ShardStart | None, version: int, replica: ShardHandle | None
@@ -1254,6 +1278,10 @@ class TrainingRun:
         static = set(self._workers_view().static)
         if self.coordinator_at not in static:
             raise CoordinatorLost(f"its static worker {self.coordinator_at} left the cluster")
+        if self._promoting is not None and self._promoting[1] not in static:
+            index, standby, key = self._promoting
+            self._promoting = None  # (told once)
+            self.coordinator.shards_lost([index], f"standby {standby} left during its promotion", [key])
         for i, where in enumerate(self.placement):
             if where not in static and i not in self._told_lost:
                 self._told_lost.add(i)

@@ -220,6 +220,49 @@ def test_a_standby_that_dies_while_its_data_server_starts_is_passed_over_for_the
     assert result.counters["promotions"] == 1
 
 
+@pytest.mark.heavy  # (a long fault run: in .ci/run's second stage, to keep the main suite under 20 minutes)
+def test_a_standby_that_dies_in_the_middle_of_its_promotion_is_passed_over_for_the_next(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """Data server 1's static worker SIGKILLed, then the standby chosen for its role SIGKILLed by the first
+    fence of its data server, which is the promotion's (`slow.DeathAtFence`): the coordinator is told at once
+    and gives that promotion up (its call to the dead worker would wait for Dask's connect timeout), and the
+    next standby takes the role. (Before: the job failed with the coordinator's error.)"""
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 4)
+    job = make_job(
+        digits_url, "reassign", job_id="standby-dies-promoted", model="tests.models:gated_slow_mlp", epochs=6
+    )
+    kill = KillWhenSnapshotted(static_cluster, index=1)
+    doomed: list[str] = []
+
+    def arm_then_kill(p: Progress) -> None:
+        if not doomed and p.committed_steps >= 12 and len(p.standbys) == 2:
+            doomed.append(p.standbys[0])  # the one the controller takes first (they are in name order)
+            with static_cluster.client() as client:
+                slow.register(client, slow.DeathAtFence(doomed[0]))
+        kill(p)
+
+    try:
+        result = train(job, cluster=static_cluster, on_progress=arm_then_kill)
+    finally:
+        GATE.unlink(missing_ok=True)
+        with static_cluster.client() as client:
+            slow.clear(client)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    first, last = kill.placement.seen[0], kill.placement.seen[-1]
+    assert first.standbys[0] == doomed[0] and doomed[0] not in static_cluster.static_addresses(), "it died"
+    assert last.data_servers[1] == first.standbys[1], "the next standby took the role"
+    assert result.counters["promotions"] == 1
+    kinds = [e.kind for e in result.events]
+    lost, promoted = (
+        result.events[kinds.index(EventKind.SHARD_LOST)],
+        result.events[kinds.index(EventKind.PROMOTED)],
+    )
+    print(f"data server 1 promoted {promoted.time - lost.time:.2f} s after its loss, past a dead standby")
+
+
 def test_a_start_that_dask_cancelled_is_told_apart_from_a_broken_one(
     static_cluster: LocalElasticCluster,
 ) -> None:

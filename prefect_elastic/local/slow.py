@@ -13,6 +13,10 @@
 - `SlowStart(worker, seconds)`: a plugin registered under `data_server.START_DELAY`; a data server started
   on the worker it names waits `seconds` before it loads anything (the test hook for a standby that dies
   while it takes a role).
+- `DeathAtFence(worker)`: a plugin registered under `data_server.FENCE_DEATH`; the worker it names
+  SIGKILLs its own process group (worker and nanny) when a data server there is fenced: a standby's first
+  fence is its promotion's (the test hook for a standby that dies in the middle of its promotion). For
+  `LocalElasticCluster` workers, each in a process group of its own.
 
 Registering a plugin under a name that is taken replaces the one there; `clear` removes them all.
 """
@@ -26,7 +30,7 @@ import distributed
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..compute import SLOWDOWN
-from ..data_server import HAND_OVER_DELAY, SHARD_DELAY, START_DELAY
+from ..data_server import FENCE_DEATH, HAND_OVER_DELAY, SHARD_DELAY, START_DELAY
 
 
 class Straggler(WorkerPlugin):
@@ -84,13 +88,24 @@ class SlowStart(_OnOneWorker):
     name = START_DELAY
 
 
-def register(client: distributed.Client, plugin: Straggler | SlowShards | SlowHandOver | SlowStart) -> None:
+class DeathAtFence(_OnOneWorker):
+    """Makes the worker it names die (its process group SIGKILLed) when a data server there is fenced."""
+
+    name = FENCE_DEATH
+
+    def __init__(self, worker: str) -> None:
+        super().__init__(worker, 1.0)  # (non-zero `seconds` arms it)
+
+
+def register(
+    client: distributed.Client, plugin: Straggler | SlowShards | SlowHandOver | SlowStart | DeathAtFence
+) -> None:
     """Register `plugin` on every worker, present and future (one with its name is replaced)."""
     client.register_plugin(plugin, name=plugin.name)
 
 
 def clear(client: distributed.Client) -> None:
     """Remove every plugin of this module from every worker (where registered)."""
-    for name in (SLOWDOWN, SHARD_DELAY, HAND_OVER_DELAY, START_DELAY):
+    for name in (SLOWDOWN, SHARD_DELAY, HAND_OVER_DELAY, START_DELAY, FENCE_DEATH):
         with contextlib.suppress(ValueError):  # not registered
             client.unregister_worker_plugin(name)
