@@ -603,7 +603,8 @@ class CoordinatorState:
         """A standby (`worker`) holds shard `index` again, taken from its peer's replica of the last
         snapshot every shard holds, and every other shard was fenced into `generation` and brought back to
         that snapshot: the ledger drops the steps after it, and training goes on from there. `kept`: the
-        data server itself, taken for lost while silent, answered and keeps its role on `worker`.
+        data server itself, taken for lost while silent, answered and keeps its role on `worker` (event
+        `kept`, not counted as a promotion).
 
         Async mode: the other shards stay where they are; the promoted one stands at `version` with the
         batch ids `applied` of its snapshot, and what it lacks is trained again (`_rejoin_async`)."""
@@ -623,7 +624,7 @@ class CoordinatorState:
         self.generation = generation
         self.counters["promotions"] += not kept
         return self.record(
-            EventKind.PROMOTED,
+            EventKind.KEPT if kept else EventKind.PROMOTED,
             steps_lost=steps_lost,
             reason=(
                 f"data server {index} on {worker} answered after its silence and keeps its role, at {where}"

@@ -80,7 +80,17 @@ class PrefectReporter:
         update_progress_artifact(self.progress_id, progress=100.0 * fraction)
 
     def event(self, e: MembershipEvent) -> None:
-        table = ("start", "rollback", "reassign", "waiting", "failed", "shard-lost", "promoted", "excluded")
+        table = (
+            "start",
+            "rollback",
+            "reassign",
+            "waiting",
+            "failed",
+            "shard-lost",
+            "promoted",
+            "kept",
+            "excluded",
+        )
         if e.kind in table:
             self.rows.append(
                 {

@@ -43,6 +43,7 @@ class EventKind(StrEnum):
     WAITING = "waiting"  # fewer live workers than min_workers: no work until more join
     SHARD_LOST = "shard-lost"  # a data server's static worker died: training suspended until promotion
     PROMOTED = "promoted"  # a standby static worker took the lost data server's role, from its peer's replica
+    KEPT = "kept"  # a data server taken for lost while silent answered, and keeps its role (not a promotion)
     COORDINATOR_REBUILT = "coordinator-rebuilt"  # its worker died: rebuilt from the journal and the shards
     RESTORED = "restored"  # data servers lost with their replicas: every shard back to the last checkpoint
     EXCLUDED = "excluded"  # a compute worker's model failed on a batch: it trains no more for this job

@@ -150,6 +150,9 @@ GATHER_SECONDS = 30.0
 START_TRIES = 3
 # Rebuilds of a lost coordinator, each with the data servers that answered after the last one failed.
 REBUILD_TRIES = 3
+# How many times a data server taken for lost may keep its role because it answered (`_answering`): a
+# worker that stays silent to the scheduler while it answers would otherwise be fenced over and over.
+KEEP_TRIES = 3
 
 
 def settled_result(future: Any, timeout: float) -> Any:
@@ -470,6 +473,7 @@ class TrainingRun:
         # when: the answer counts as a heartbeat.
         self._answered_at: dict[str, float] = {}
         self._promoting: tuple[int, str, str] | None = None  # the shard, standby and key being promoted
+        self._kept: Counter[tuple[int, str]] = Counter()  # data servers (index, worker) kept by `_answering`
         # The controller's copy of the coordinator's record (ledger, history, events), taken after every
         # survival check: a coordinator whose worker dies is rebuilt from it and from the shards.
         self.journal = Journal()
@@ -936,14 +940,10 @@ class TrainingRun:
             for i in lost
             if replicas[i] is None and targets[i] != self.persistence.shard_start(i, []).version
         ]
-        back = self._answering(lost) if unrestorable else set()
-        if back:
-            # Only silent for a moment (`_answering`): each keeps its role, and the rest are promoted.
-            for i in sorted(back):
-                event = self._call(coordinator.promote(i, shards[i], self.channels[i], self.placement[i]))
-                self._told_lost.discard(i)
-                log.warning("job %s: data server %d keeps its role at step %d", job.job_id, i, event.step)
-            rest = [i for i in lost if i not in back]
+        # Only silent for a moment (`_answering`): each keeps its role, and the rest are promoted.
+        kept = [i for i in sorted(self._answering(lost) if unrestorable else ()) if self._keep(i)]
+        if kept:
+            rest = [i for i in lost if i not in kept]
             if rest:
                 self._promote_standbys(rest)
             else:
@@ -1008,6 +1008,29 @@ class TrainingRun:
         self.standbys = tuple(w for w in self.standbys if w not in self.placement)
         self._copy_journal()
 
+    def _keep(self, index: int) -> bool:
+        """Data server `index`, taken for lost, answered (`_answering`): it keeps its role, every shard
+        brought to the snapshot as in a promotion (`Coordinator.promote` with its own handle: event `kept`).
+        False if that failed (it died or stalled meanwhile): it is lost after all."""
+        where = self.placement[index]
+        try:
+            event = self._call(
+                self.coordinator.promote(index, self.shards[index], self.channels[index], where)
+            )
+        except CoordinatorLost:
+            raise
+        except Exception as exc:
+            log.warning("job %s: data server %d could not keep its role (%s)", self.job.job_id, index, exc)
+            return False
+        self._kept[(index, where)] += 1
+        self._told_lost.discard(index)
+        log.warning("job %s: data server %d keeps its role at step %d", self.job.job_id, index, event.step)
+        return True
+
+    @staticmethod
+    def _promoting_key(shard: Any) -> str:
+        return str(getattr(shard, "key", ""))  # a Dask actor handle's key, which `shards_lost` matches
+
     def _promote_on(
         self, index: int, standby: str, future: Future, shard: ShardHandle, channel: ChannelAddress
     ) -> MembershipEvent:
@@ -1016,7 +1039,7 @@ class TrainingRun:
         call to a dead worker waits for Dask's connect timeout), the data server is released and
         `StaticWorkerLeft` raised, for the next standby; so is it when the coordinator is lost (its
         rebuild promotes a standby again)."""
-        self._promoting = (index, standby, str(getattr(shard, "key", "")))  # (a Dask actor handle's key)
+        self._promoting = (index, standby, self._promoting_key(shard))
         try:
             return self._call(self.coordinator.promote(index, shard, channel, standby))
         except Exception as exc:
@@ -1028,6 +1051,10 @@ class TrainingRun:
                 "job %s: standby %s left while data server %d was promoted on it (%s); taking the next",
                 self.job.job_id, standby, index, exc,
             )  # fmt: skip
+            # It may have died after the coordinator counted it promoted (while peers were named again):
+            # then it is lost again, for the next standby (keyed: a no-op where it was not promoted).
+            reason = f"standby {standby} left during its promotion"
+            self._call(self.coordinator.shards_lost([index], reason, [self._promoting_key(shard)]))
             raise StaticWorkerLeft(standby) from exc
         finally:
             self._promoting = None
@@ -1237,11 +1264,16 @@ class TrainingRun:
         CPU is silent for a moment too (CI's chaos soak on 2 cores: the coordinator's worker and both data
         servers' silent at once, and a job that had lost nothing failed for want of a live shard). So where
         silence would cost a shard its last copy (the job would go back to a checkpoint, or fail), the
-        silent ones are asked first: one that answers is not lost, and its answer counts as a heartbeat."""
+        silent ones are asked first: one that answers is not lost, and its answer counts as a heartbeat
+        (for one silence limit). A worker being handed over is not asked, nor one whose data server was kept
+        `KEEP_TRIES` times (silent to the scheduler while it answers, it would be fenced over and over)."""
         view = self._workers_view()
         listed = {*view.static, *view.silent_static}  # (heard again, perhaps, since it was taken for lost)
         asked: dict[int, Any] = {}
-        for i in sorted({i for i in indices if self.placement[i] in listed}):
+        for i in sorted(set(indices)):
+            where = self.placement[i]
+            if where not in listed or where in self.leaving or self._kept[(i, where)] >= KEEP_TRIES:
+                continue  # gone; handing its roles over; or kept too often already
             with contextlib.suppress(RuntimeError):  # Dask already knows its worker is gone
                 asked[i] = self.shards[i].status(self.schedule.total_steps)
         if asked:
@@ -1279,8 +1311,9 @@ class TrainingRun:
         if self.coordinator_at not in static:
             raise CoordinatorLost(f"its static worker {self.coordinator_at} left the cluster")
         if self._promoting is not None and self._promoting[1] not in static:
+            # Told again at each look while the promotion lasts: a report that reaches the coordinator
+            # before the promotion put the standby's data server in place does not match its key.
             index, standby, key = self._promoting
-            self._promoting = None  # (told once)
             self.coordinator.shards_lost([index], f"standby {standby} left during its promotion", [key])
         for i, where in enumerate(self.placement):
             if where not in static and i not in self._told_lost:
@@ -1354,6 +1387,9 @@ class TrainingRun:
                     self._restore_from_checkpoint(lost, why)
                     return
                 lost = [i for i in lost if i not in back]
+                self._told_lost -= back
+                for i in back:
+                    self._kept[(i, self.placement[i])] += 1
         self.journal = Journal()
         self._copy_journal()
         log.warning(

@@ -5,7 +5,7 @@ and both data servers' silent at once: the coordinator was rebuilt, with every d
 and a job that had lost nothing failed for want of a live shard. Where silence would cost a shard its last
 copy, the silent data servers are now asked first, and those that answer keep their roles.
 
-Here the silence is a SIGSTOP of a few seconds (more than the 2.5 heartbeats, 1.25 s, after which the
+Here the silence is a SIGSTOP of 8 seconds (more than the 2.5 heartbeats, 1.25 s, after which the
 scheduler's view calls a worker silent; less than `call_timeout`), of the static workers of two roles at
 once, with a standby that is heard."""
 
@@ -26,7 +26,7 @@ from .models import GATE
 
 pytestmark = [pytest.mark.cluster, pytest.mark.heavy, pytest.mark.timeout(300)]
 
-FREEZE_S = 4.0
+FREEZE_S = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +104,17 @@ def test_the_coordinators_worker_and_a_data_servers_silent_together_keep_every_s
     assert last.coordinator_at in first.standbys, "the coordinator was rebuilt on a standby"
     kinds = [e.kind for e in result.events]
     assert kinds.count(EventKind.COORDINATOR_REBUILT) == 1 and EventKind.PROMOTED not in kinds
-    assert result.counters["promotions"] == 0
+    assert result.counters["promotions"] == 0 and result.counters["coordinator_rebuilds"] == 1
 
 
 def test_two_data_servers_silent_together_keep_their_roles_where_a_promotion_would_lose_a_shard(
     cluster: LocalElasticCluster, reference: References, digits_url: str
 ) -> None:
     """Of 3 data servers, 1 and 2 silent together: data server 1's replica is held by data server 2, so
-    promoting both would lose shard 1 (the job would fail without a checkpoint). They are asked, answer once
-    woken, and keep their roles; the coordinator, never silent, stays where it is."""
+    promoting both would lose shard 1 (the job would fail without a checkpoint). Data server 1 is asked,
+    answers once woken, and keeps its role; data server 2 keeps its role too, or (seen silent first, a
+    heartbeat before the other, with its replica on data server 0) is promoted to the standby. The
+    coordinator, never silent, stays where it is."""
     freeze, job, result = run_frozen(cluster, "silent-shards", (1, 2), digits_url, data_servers=3)
 
     assert_same_parameters(result, reference(job))
@@ -120,9 +122,10 @@ def test_two_data_servers_silent_together_keep_their_roles_where_a_promotion_wou
     first, last = freeze.first, freeze.last
     assert first is not None and last is not None and len(freeze.frozen) == 2
     assert len(first.data_servers) == 3 and first.coordinator_at not in freeze.frozen
-    assert last.data_servers == first.data_servers and last.coordinator_at == first.coordinator_at
-    kept = [e for e in result.events if e.kind is EventKind.PROMOTED]
-    assert sorted(int(e.reason.split()[2]) for e in kept) == [1, 2]
-    assert all("keeps its role" in e.reason for e in kept), [e.reason for e in kept]
-    assert result.counters["promotions"] == 0
+    assert last.data_servers[:2] == first.data_servers[:2] and last.coordinator_at == first.coordinator_at
+    kept = {int(e.reason.split()[2]) for e in result.events if e.kind is EventKind.KEPT}
+    promoted = {int(e.reason.split()[2]) for e in result.events if e.kind is EventKind.PROMOTED}
+    assert 1 in kept and kept | promoted == {1, 2} and not kept & promoted, (kept, promoted)
+    assert result.counters["promotions"] == len(promoted)
+    assert (last.data_servers[2] == first.data_servers[2]) == (2 in kept)
     assert EventKind.COORDINATOR_REBUILT not in [e.kind for e in result.events]
