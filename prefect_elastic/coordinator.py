@@ -430,7 +430,9 @@ class Coordinator:
     async def promote(self, index: int, shard: Any, channel: ChannelAddress, worker: str) -> MembershipEvent:
         """`shard` (a data server started on the standby `worker`, holding the replica of the last
         snapshot) takes the role of lost shard `index`: every shard is fenced into a new generation and
-        brought to that snapshot, peers are named again, and roles go out with the new channel."""
+        brought to that snapshot, peers are named again, and roles go out with the new channel. Given the
+        lost data server's own handle (it was only silent, and answered: `TrainingRun._keep`), the same
+        happens with it in place: event `kept`."""
         began = time.time()
         lock, _ = self._primitives()
         state = self._state
