@@ -338,7 +338,7 @@ class Coordinator:
         answer, so the report can arrive after the promotion it caused."""
         began = time.time()
         if keys is not None:
-            indices = [i for i, key in zip(indices, keys, strict=True) if _key_of(self._shards[i]) == key]
+            indices = [i for i, key in zip(indices, keys, strict=True) if actor_key(self._shards[i]) == key]
         lock, _ = self._primitives()
         state = self._state
         # Calls to them in flight (holding the lock) give up now instead of at their timeout; all of them
@@ -440,7 +440,7 @@ class Coordinator:
             if index not in state.lost:
                 raise FatalError(f"data server {index} is not lost; nothing to promote")
             # The same data server, taken for lost while silent, that answered after all: it keeps its role.
-            kept = _key_of(shard) is not None and _key_of(shard) == _key_of(self._shards[index])
+            kept = actor_key(shard) is not None and actor_key(shard) == actor_key(self._shards[index])
             self._shards[index] = direct(shard)
             self._gone[index] = asyncio.Event()
             generation = state.generation + 1
@@ -708,6 +708,6 @@ class Coordinator:
         return self._state.snapshot_record()
 
 
-def _key_of(shard: Any) -> str | None:
+def actor_key(shard: Any) -> str | None:
     """The actor key of a data server's handle (a Dask `Actor`); None for one that has none."""
     return getattr(shard, "key", None)

@@ -41,7 +41,7 @@ from .connect import (
     is_static_worker,
     scheduler_view_of_workers,
 )
-from .coordinator import Coordinator, ShardUnreachable
+from .coordinator import Coordinator, ShardUnreachable, actor_key
 from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
 from .errors import (
@@ -148,8 +148,6 @@ GATHER_SECONDS = 30.0
 
 # How many cancelled starts of one role in a row the controller tries again before it gives up.
 START_TRIES = 3
-# Rebuilds of a lost coordinator, each with the data servers that answered after the last one failed.
-REBUILD_TRIES = 3
 # How many times a data server taken for lost may keep its role because it answered (`_answering`): a
 # worker that stays silent to the scheduler while it answers would otherwise be fenced over and over.
 KEEP_TRIES = 3
@@ -901,10 +899,12 @@ class TrainingRun:
         self.client.retire_workers([worker], close_workers=True)
         self.worker_event.set()  # a survival check hands roles out again at once
 
-    def _promote_standbys(self, lost: list[int]) -> None:
+    def _promote_standbys(self, lost: list[int], ask: bool = True) -> None:
         """Suspend training, then for each lost data server: start one on a standby static worker, from
         its peer's in-memory replica of the last snapshot every shard holds, and let the coordinator bring
-        every shard to that snapshot in a new generation (`Coordinator.promote`)."""
+        every shard to that snapshot in a new generation (`Coordinator.promote`). Where that would lose a
+        shard, lost data servers are asked first if `ask` (`_answering`; once: not again when this calls
+        itself after asking)."""
         job, coordinator, shards = self.job, self.coordinator, self.shards
         seen, clock = time.time(), time.monotonic()
         left = ", ".join(sorted({self.placement[i] for i in lost}))
@@ -932,7 +932,7 @@ class TrainingRun:
         except StaticWorkerLeft as left:
             # A peer died too, after the first loss was seen: its replica is gone with it.
             self._promote_standbys(
-                sorted({*lost, *(j for j, w in enumerate(self.placement) if w == left.worker)})
+                sorted({*lost, *(j for j, w in enumerate(self.placement) if w == left.worker)}), ask
             )
             return
         unrestorable = [
@@ -941,11 +941,12 @@ class TrainingRun:
             if replicas[i] is None and targets[i] != self.persistence.shard_start(i, []).version
         ]
         # Only silent for a moment (`_answering`): each keeps its role, and the rest are promoted.
-        kept = [i for i in sorted(self._answering(lost) if unrestorable else ()) if self._keep(i)]
+        asked = ask and bool(unrestorable)
+        kept = [i for i in sorted(self._answering(lost) if asked else ()) if self._keep(i)]
         if kept:
             rest = [i for i in lost if i not in kept]
             if rest:
-                self._promote_standbys(rest)
+                self._promote_standbys(rest, ask=False)
             else:
                 self._copy_journal()
             return
@@ -977,7 +978,9 @@ class TrainingRun:
                     )
                 except StaticWorkerLeft:
                     # The peer died too (after the first loss was seen): its replica is gone with it.
-                    self._promote_standbys(sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}))
+                    self._promote_standbys(
+                        sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}), ask=not asked
+                    )
                     return
                 clock = time.monotonic()
                 try:
@@ -1027,10 +1030,6 @@ class TrainingRun:
         log.warning("job %s: data server %d keeps its role at step %d", self.job.job_id, index, event.step)
         return True
 
-    @staticmethod
-    def _promoting_key(shard: Any) -> str:
-        return str(getattr(shard, "key", ""))  # a Dask actor handle's key, which `shards_lost` matches
-
     def _promote_on(
         self, index: int, standby: str, future: Future, shard: ShardHandle, channel: ChannelAddress
     ) -> MembershipEvent:
@@ -1039,7 +1038,8 @@ class TrainingRun:
         call to a dead worker waits for Dask's connect timeout), the data server is released and
         `StaticWorkerLeft` raised, for the next standby; so is it when the coordinator is lost (its
         rebuild promotes a standby again)."""
-        self._promoting = (index, standby, self._promoting_key(shard))
+        key = actor_key(shard) or ""  # what `shards_lost` matches
+        self._promoting = (index, standby, key)
         try:
             return self._call(self.coordinator.promote(index, shard, channel, standby))
         except Exception as exc:
@@ -1054,7 +1054,7 @@ class TrainingRun:
             # It may have died after the coordinator counted it promoted (while peers were named again):
             # then it is lost again, for the next standby (keyed: a no-op where it was not promoted).
             reason = f"standby {standby} left during its promotion"
-            self._call(self.coordinator.shards_lost([index], reason, [self._promoting_key(shard)]))
+            self._call(self.coordinator.shards_lost([index], reason, [key]))
             raise StaticWorkerLeft(standby) from exc
         finally:
             self._promoting = None
@@ -1366,7 +1366,7 @@ class TrainingRun:
             self.loop_restarts[addr] = max(0, self.loop_restarts.get(addr, 1) - 1)
         self.loops.clear()
         self.worker_event.set()
-        for attempt in range(1, REBUILD_TRIES + 1):
+        for ask in (True, False):  # the second time with the data servers that answered
             try:
                 event: MembershipEvent = self._call(
                     coordinator.rebuild(
@@ -1381,7 +1381,7 @@ class TrainingRun:
             except DataServerLostError as exc:
                 # Data servers died with it, and with them the replicas of their shards; or they were
                 # only silent for a moment, and answer (then the rebuild takes them in).
-                back = self._answering(lost) if attempt < REBUILD_TRIES else set()
+                back = self._answering(lost) if ask else set()
                 if not back:
                     why = f"the coordinator's static worker {lost_at} died: {exc}"
                     self._restore_from_checkpoint(lost, why)

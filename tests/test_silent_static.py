@@ -11,6 +11,7 @@ once, with a standby that is heard."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -87,13 +88,14 @@ def run_frozen(
 
 
 def test_the_coordinators_worker_and_a_data_servers_silent_together_keep_every_shard(
-    cluster: LocalElasticCluster, reference: References, digits_url: str
+    cluster: LocalElasticCluster, reference: References, digits_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The coordinator's worker (with data server 0) and data server 1's, silent together: the coordinator
     is taken for lost and rebuilt on the standby that is heard. Its first rebuild, with both data servers
     taken for lost, has no live shard; they are asked, answer once woken, and the rebuild takes them in.
     (Before: the job failed, "the coordinator died with every data server".)"""
-    freeze, job, result = run_frozen(cluster, "silent-coordinator", (0, 1), digits_url)
+    with caplog.at_level(logging.WARNING, logger="prefect_elastic.training"):
+        freeze, job, result = run_frozen(cluster, "silent-coordinator", (0, 1), digits_url)
 
     assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
@@ -105,6 +107,8 @@ def test_the_coordinators_worker_and_a_data_servers_silent_together_keep_every_s
     kinds = [e.kind for e in result.events]
     assert kinds.count(EventKind.COORDINATOR_REBUILT) == 1 and EventKind.PROMOTED not in kinds
     assert result.counters["promotions"] == 0 and result.counters["coordinator_rebuilds"] == 1
+    # (Not a rebuild that began after the freeze ended: the data servers were asked, and answered.)
+    assert "data servers [0, 1] answered: not lost" in caplog.text
 
 
 def test_two_data_servers_silent_together_keep_their_roles_where_a_promotion_would_lose_a_shard(
