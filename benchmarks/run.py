@@ -32,9 +32,6 @@ from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 ROOT = Path(__file__).resolve().parent.parent
 SCALED = ("cnn", "mlp")  # the workloads measured with 1, 2 and 4 compute workers
 FROZEN_WORKLOAD = "cnn-20"  # a light step: the bound on the frozen worker's stall is tightest there
-# torchrun's timeline counts from its launch, which takes 5 to 6 s to the first step on this machine;
-# its kill and join come this much later so both systems train about as long before each.
-TORCHRUN_STARTUP = 6.0
 
 
 NO_SNAPSHOTS = 1e6  # a liveness interval longer than any run
@@ -72,7 +69,7 @@ class Sizes:
     timeline_epochs: int = 6
     kill_at: float = 4.0
     join_at: float = 8.0
-    torchrun_duration: float = 45.0
+    torchrun_duration: float = 40.0  # s after its first step, as kill_at and join_at
     call_repeats: int = 200
     # Async mode (issue 11): 4 compute workers, one 3x slower, sync against async to a target loss; and 1
     # worker in async mode over the plain loop (mlp, communication-bound).
@@ -115,7 +112,7 @@ SMOKE = Sizes(
     replica_epochs=2,
     replica_repeats=1,
     join_at=0.6,
-    torchrun_duration=20.0,
+    torchrun_duration=14.0,
     call_repeats=5,
     straggler_epochs=1,
     straggler_workers=2,
@@ -397,8 +394,7 @@ def torchrun_figures(results: dict[str, Any], data: str, workdir: Path, sizes: S
     )  # fmt: skip
     tl = attempt(
         results, "torchrun timeline", torchrun_bench.timeline, "cnn", data, workdir / "torchrun-timeline",
-        kill_at=sizes.kill_at + TORCHRUN_STARTUP, join_at=sizes.join_at + TORCHRUN_STARTUP,
-        duration=sizes.torchrun_duration,
+        kill_at=sizes.kill_at, join_at=sizes.join_at, duration=sizes.torchrun_duration,
     )  # fmt: skip
     results["torchrun"] = {"recovery": rec, "timeline": tl}
 

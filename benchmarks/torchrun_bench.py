@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import shlex
@@ -427,6 +428,7 @@ def timeline(
     duration: float,
     *,
     checkpoint_every: int = 10,
+    startup_limit: float = 120.0,
 ) -> dict[str, Any]:
     """Two torchrun agents (nodes) of one worker each on one c10d rendezvous, `--nnodes=1:2`.
 
@@ -436,7 +438,10 @@ def timeline(
     a new agent joins the same endpoint; the survivor's agent sees a node waiting, restarts its worker, and
     the group re-forms with world 2 (again from the last checkpoint). The first agent hosts the rendezvous
     store, as the endpoint host does on a real cluster; killing it instead ends the job (the store dies with
-    it), so the second node is the one that dies. Times are seconds from the start of the first agent.
+    it), so the second node is the one that dies. `kill_at`, `join_at` and `duration` count from the
+    group's first step, as prefect-elastic's timeline does: torchrun's start-up (5 to 6 s here, more on a
+    loaded machine) is not in them. If no step comes within `startup_limit` s, nothing is killed and the
+    result says so (`started` False). Times in the result are seconds from the start of the first agent.
     """
     log_file, checkpoint, output = prepare(workdir, f"timeline-{workload}")
     port = free_port()
@@ -459,15 +464,19 @@ def timeline(
         group.start(command(is_host=False), env, output)
         node = group.procs[-1]
         events.append({"event": "agents_started", "agents": 2, "t": time.time() - started})
-        until(kill_at)
-        killed = group.kill_agent(node)
-        t_kill = time.time() - started
-        events.append({"event": "kill", "pids": killed, "t": t_kill})
-        until(join_at)
-        group.start(command(is_host=False), env, output)
-        t_join = time.time() - started
-        events.append({"event": "join", "t": t_join})
-        until(duration)
+        stepping = steplog.wait(lambda s: bool(s.steps()) or host.poll() is not None, startup_limit)
+        t_kill = t_join = float("inf")
+        if stepping and host.poll() is None:
+            first = min(r["t"] for r in steplog.steps()) - started
+            until(first + kill_at)
+            killed = group.kill_agent(node)
+            t_kill = time.time() - started
+            events.append({"event": "kill", "pids": killed, "t": t_kill})
+            until(first + join_at)
+            group.start(command(is_host=False), env, output)
+            t_join = time.time() - started
+            events.append({"event": "join", "t": t_join})
+            until(first + duration)
         host_exit = host.poll()
     steplog.poll()
     keep = ("restart", "rank", "world", "pid", "resume_step")
@@ -490,6 +499,7 @@ def timeline(
         "kill_at": kill_at,
         "join_at": join_at,
         "duration": duration,
+        "started": math.isfinite(t_kill),  # a step came within `startup_limit` s, and the kill was made
         "shrink_s": min(shrunk) - t_kill if shrunk else None,  # kill -> first step of the world-1 group
         "grow_s": min(grown) - t_join if grown else None,  # join -> first step of the world-2 group
         "split_brain": overlapping_groups(steps),
@@ -528,7 +538,9 @@ if __name__ == "__main__":
     parser.add_argument("--limit", type=float, default=60.0)
     parser.add_argument("--share-store", action="store_true", help="torch's default store sharing")
     parser.add_argument("--standalone", action="store_true", help="recovery with --standalone")
-    parser.add_argument("--times", default="15,30,45", help="timeline: kill_at,join_at,duration")
+    parser.add_argument(
+        "--times", default="10,25,40", help="timeline: kill_at,join_at,duration (s from the first step)"
+    )
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--full", action="store_true", help="print the per-step log too")
     cli = parser.parse_args()

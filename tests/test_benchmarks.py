@@ -134,7 +134,8 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert sum(s["replica_bytes"] for s in servers) == 2 * sum(s["param_bytes"] for s in servers) > 0
     kinds = [e["kind"] for e in r["timeline"]["events"]]
     assert "kill" in kinds and "join" in kinds
-    assert r["torchrun"]["recovery"] and r["torchrun"]["timeline"]["steps"]
+    assert r["torchrun"]["recovery"] and r["torchrun"]["timeline"]["started"], r["torchrun"]["timeline"]
+    assert r["torchrun"]["timeline"]["steps"]
     # A data server's static worker killed: promoted on a standby from the replica, and the baseline ran.
     promo, restart = r["standby"]["promotion"], r["standby"]["restart"]
     assert promo["promotions"] == promo["kills"] == 1 and promo["per_kill"][0]["source"] == "replica", promo
