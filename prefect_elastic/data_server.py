@@ -35,6 +35,7 @@ import os
 import signal
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,7 +48,7 @@ from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
 from .messages import ShardStatus, SnapshotInfo, StepRecord, Tensors, direct
 from .schedule import Schedule
-from .shard_optimizer import ShardOptimizer
+from .shard_optimizer import Gradient, ShardOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class _Snapshot:
 class _OpenStep:
     """What the shard holds of the step it has not applied yet."""
 
-    grads: dict[int, Tensors] = field(default_factory=dict)  # batch id -> gradient of this shard's params
+    grads: dict[int, Gradient] = field(default_factory=dict)  # batch id -> gradient of this shard's params
     buffers: dict[int, Tensors] = field(default_factory=dict)  # batch id -> buffers after its forward
     losses: dict[int, float] = field(default_factory=dict)
     workers: dict[int, str] = field(default_factory=dict)
@@ -248,27 +249,43 @@ class DataServer:
             _, held = _split_tensors(await self.replica(int(header["source"]), int(header["version"])))
             return Frame({"ok": True}, [(Entry("replica", place, ""), t) for place, t in held], True)
         if header["op"] == "push":
-            grads: dict[int, Tensors] = {}
+            grads: dict[int, Gradient] = {}
             buffers: dict[int, Tensors] = {}
             for entry, tensor in frame.tensors:
-                target = grads if entry.kind == "grad" else buffers
+                if entry.kind == "grads":  # packed: one flat run over the parameters `order` names
+                    grads[entry.batch_id] = self._packed(header.get("order") or [], tensor)
+                    continue
+                target: dict[int, Any] = grads if entry.kind == "grad" else buffers
                 target.setdefault(entry.batch_id, {})[entry.name] = tensor
             losses = {int(b): float(v) for b, v in header["losses"].items()}
             await self.push(generation, int(header["step"]), str(header["worker"]), grads, buffers, losses)
         then = header.get("then")
         if then is None:
             return Frame({"ok": True})
+        answer: dict[str, Any] = {"ok": True}
         tensors: list[tuple[Entry, torch.Tensor]] = []
         try:
             if then.get("step") is not None:
                 state = await self.pull(generation, int(then["step"]), float(then["wait"]))
-                tensors = [(Entry("state", -1, name), t) for name, t in state.items()]
+                flat = self._optimizer.flat if self._optimizer is not None else None
+                if flat is not None:
+                    # The parameters as the one flat tensor they live in, named in the header: one tensor
+                    # to encode instead of one per parameter (the loop takes views of it).
+                    answer["params"] = self._optimizer.names  # type: ignore[union-attr]
+                    tensors = [(Entry("params", -1, ""), flat)]
+                    state = self._buffers
+                tensors += [(Entry("state", -1, name), t) for name, t in state.items()]
             for b in then["batches"]:
                 x, y = await self.get_batch(generation, int(b))
                 tensors += [(Entry("x", int(b), ""), x), (Entry("y", int(b), ""), y)]
         except Exception as exc:
             return Frame({"ok": True, "next_error": error_header(exc)})
-        return Frame({"ok": True}, tensors)
+        return Frame(answer, tensors)
+
+    def _packed(self, order: list[str], flat: torch.Tensor) -> Gradient:
+        if self._optimizer is None:
+            raise FatalError(f"a packed gradient for data server {self.index}, which holds no parameters")
+        return self._optimizer.packed(order, flat)
 
     async def _on_apply(self, generation: int, frame: Frame) -> Frame:
         """Async mode: one micro-batch's gradient (with the version of this shard it was computed on),
@@ -441,7 +458,7 @@ class DataServer:
         generation: int,
         step: int,
         worker: str,
-        grads: dict[int, Tensors],
+        grads: dict[int, Gradient],
         buffers: dict[int, Tensors],
         losses: dict[int, float],
     ) -> None:
@@ -499,7 +516,7 @@ class DataServer:
         if self._snapshot_wanted == self.version:
             self._start_snapshot()
 
-    def _apply(self, grads: list[Tensors], buffers: list[Tensors]) -> None:
+    def _apply(self, grads: Sequence[Gradient], buffers: list[Tensors]) -> None:
         # Summed in batch-id order whatever order they arrived in: this is what makes the result bitwise
         # independent of which worker computed which micro-batch.
         if self._optimizer is not None:

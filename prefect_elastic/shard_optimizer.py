@@ -25,9 +25,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.optim.sgd import sgd
 
+from .errors import FatalError
 from .job import ElasticJob
 from .messages import Tensors
+
+# One micro-batch's gradient of a shard's parameters: by name, or one flat tensor in the shard's order.
+Gradient = Tensors | torch.Tensor
 
 
 class ShardOptimizer:
@@ -57,22 +62,48 @@ class ShardOptimizer:
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [part.view(shape) for part, shape in zip(flat.split(self._sizes), self._shapes, strict=True)]
 
-    def step(self, grads: Sequence[Tensors]) -> None:
-        """One optimizer step with the mean of `grads` (one dict per micro-batch, in batch-id order: the
-        sum runs in that order, so the result does not depend on who computed what)."""
+    @property
+    def flat(self) -> torch.Tensor | None:
+        """The parameters as one flat tensor, in `names`' order (None where they are not held so)."""
+        return self._flat
+
+    def packed(self, order: Sequence[str], flat: torch.Tensor) -> Gradient:
+        """A micro-batch's gradient that came as one flat run over the parameters `order` names (a compute
+        loop packs small gradients: `compute.gradient_entries`): the run itself where it follows this
+        shard's order, else views of it by name. Raises FatalError if it is not this shard's gradient."""
+        if list(order) == self.names and flat.numel() == sum(self._sizes) and flat.dim() == 1:
+            return flat
+        shapes = dict(zip(self.names, self._shapes, strict=True))
+        if sorted(order) != sorted(self.names) or flat.numel() != sum(self._sizes) or flat.dim() != 1:
+            raise FatalError(f"a packed gradient of {len(order)} tensors for a shard of {len(self.names)}")
+        sizes = [shapes[n].numel() for n in order]
+        return {n: part.view(shapes[n]) for n, part in zip(order, flat.split(sizes), strict=True)}
+
+    def step(self, grads: Sequence[Gradient]) -> None:
+        """One optimizer step with the mean of `grads` (one per micro-batch, in batch-id order: the sum runs
+        in that order, so the result does not depend on who computed what). Each is a dict by name, or
+        one flat tensor in `names`' order (`packed`)."""
         with torch.no_grad():
             if self._flat is not None:
-                self._flat.grad = _mean([self._flat_gradient(g) for g in grads])
-                self._optimizer.step()
-                self._flat.grad = None
+                gradient = _mean([self._flat_gradient(g) for g in grads])
+                if not _sgd_step(self._optimizer, self._flat, gradient):
+                    self._flat.grad = gradient
+                    self._optimizer.step()
+                    self._flat.grad = None
                 return
+            per_name = [
+                g if isinstance(g, dict) else dict(zip(self.names, self._views(g), strict=True))
+                for g in grads
+            ]
             for name, p in self.params.items():
-                p.grad = _mean([g[name] for g in grads])
+                p.grad = _mean([g[name] for g in per_name])
             self._optimizer.step()
             for p in self.params.values():
                 p.grad = None
 
-    def _flat_gradient(self, grads: Tensors) -> torch.Tensor:
+    def _flat_gradient(self, grads: Gradient) -> torch.Tensor:
+        if isinstance(grads, torch.Tensor):
+            return grads
         parts = [grads[n] for n in self.names]
         flat = _flat_view(parts)
         if flat is not None:
@@ -125,6 +156,40 @@ class ShardOptimizer:
                     flat_state[key] = _copy(value)
             state[0] = flat_state
         self._optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": [0]}]})
+
+
+def _sgd_step(optimizer: torch.optim.Optimizer, flat: torch.Tensor, gradient: torch.Tensor) -> bool:
+    """`optimizer.step()` for SGD over the one tensor `flat`, with `gradient`, through the function that
+    `SGD.step` calls (`torch.optim.sgd.sgd`) with the arguments it gives: the very same numbers, and the
+    momentum buffer where `SGD.step` keeps it. False, having done nothing, for any other optimizer.
+
+    Why: `Optimizer.step` costs 60 us around 10 us of work (hooks, the profiler's record, the grad mode,
+    `_init_group`), and a shard starts each step woken from idle, when that took 0.44 ms here against
+    0.24 ms for the function alone: on the critical path of every step (docs/benchmarks.md, "Issue 9")."""
+    if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
+        return False
+    group = optimizer.param_groups[0]
+    if group["fused"] or group["differentiable"] or getattr(optimizer, "grad_scale", None) is not None:
+        return False
+    state = optimizer.state[flat]
+    buffers = [state.get("momentum_buffer")]
+    sgd(
+        [flat],
+        [gradient],
+        buffers,
+        weight_decay=group["weight_decay"],
+        momentum=group["momentum"],
+        lr=group["lr"],
+        dampening=group["dampening"],
+        nesterov=group["nesterov"],
+        maximize=group["maximize"],
+        has_sparse_grad=False,
+        foreach=group["foreach"],
+        fused=group["fused"],
+    )
+    if group["momentum"] != 0:
+        state["momentum_buffer"] = buffers[0]
+    return True
 
 
 def _flat_view(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:

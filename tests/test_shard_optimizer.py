@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from prefect_elastic.channel import Entry, Frame, decode, encode
+from prefect_elastic.compute import PACK_BYTES, gradient_entries, unflatten
+from prefect_elastic.errors import FatalError
 from prefect_elastic.job import ElasticJob
 from prefect_elastic.shard_optimizer import ShardOptimizer, _flat_view
 
@@ -178,3 +180,75 @@ def test_a_shard_of_two_dtypes_keeps_one_tensor_per_parameter_and_still_steps() 
     assert shard.params["h"].dtype == torch.float64
     assert torch.allclose(shard.params["h"], params["h"] - 0.02)
     assert set(shard.state_dict()["state"]) == {0, 1}
+
+
+def packed_over_the_wire(batch_id: int, grads: dict[str, torch.Tensor], order: list[str]) -> torch.Tensor:
+    """A micro-batch's gradients as a compute loop sends them when they are small (`gradient_entries`),
+    through the channel's encoding: the one flat tensor the shard takes."""
+    entries = gradient_entries(batch_id, [(n, grads[n]) for n in order])
+    assert [e.kind for e, _ in entries] == ["grads"]
+    parts = encode(Frame({"order": order}, entries))
+    got = decode(bytes(parts[0])[4:], bytearray(b"".join(bytes(p) for p in parts[1:])))
+    ((_, flat),) = got.tensors
+    return flat
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_packed_gradients_give_the_bits_of_one_tensor_per_parameter_in_any_order(
+    optimizer: dict[str, object],
+) -> None:
+    """In the shard's order the flat run is taken as it is; in another order it is taken by name. Either
+    way the step is torch's over one tensor per parameter; a promoted shard (one tensor each) too."""
+    steps = gradient_steps(8)
+    expected = torch_reference(optimizer, steps)
+    names = list(SHAPES)
+    shards = [
+        (ShardOptimizer(job(optimizer), tensors(0)), names),
+        (ShardOptimizer(job(optimizer), tensors(0)), names[::-1]),
+        (ShardOptimizer(job(optimizer), {n: t.clone() for n, t in tensors(0).items()}, owned=True), names),
+    ]
+    assert shards[2][0].flat is None  # (one tensor per parameter, as a promotion leaves it)
+    for shard, order in shards:
+        for micro_batches in steps:
+            shard.step([shard.packed(order, packed_over_the_wire(0, g, order)) for g in micro_batches])
+        for name, p in expected["params"].items():
+            assert torch.equal(shard.params[name], p), (order, name)
+
+
+def test_a_packed_gradient_that_is_not_the_shards_is_refused() -> None:
+    shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
+    names = list(SHAPES)
+    flat = torch.cat([t.reshape(-1) for t in tensors(1).values()])
+    with pytest.raises(FatalError, match="packed gradient of 5 tensors"):
+        shard.packed(names[:-1], flat)
+    with pytest.raises(FatalError, match="packed gradient"):
+        shard.packed(names, flat[:-1])
+    with pytest.raises(FatalError, match="packed gradient"):
+        shard.packed([*names[:-1], "not-a-parameter"], flat)
+
+
+def test_small_gradients_are_packed_and_large_or_mixed_ones_go_one_by_one() -> None:
+    small = [("a", torch.ones(3, 2)), ("b", torch.zeros(4))]
+    ((entry, flat),) = gradient_entries(7, small)
+    assert entry == Entry("grads", 7, "") and flat.tolist() == [1.0] * 6 + [0.0] * 4
+    large = [("a", torch.ones(PACK_BYTES // 4)), ("b", torch.zeros(1))]
+    assert [e.name for e, _ in gradient_entries(7, large)] == ["a", "b"]
+    mixed = [("a", torch.ones(3)), ("b", torch.zeros(2, dtype=torch.float64))]
+    assert [e.kind for e, _ in gradient_entries(7, mixed)] == ["grad", "grad"]
+
+
+def test_flat_parameters_come_back_as_views_by_name_and_a_wrong_count_is_refused() -> None:
+    shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
+    assert shard.flat is not None
+    shapes = {n: torch.Size(s) for n, s in SHAPES.items()}
+    parts = encode(Frame({}, [(Entry("params", -1, ""), shard.flat)]))
+    got = decode(bytes(parts[0])[4:], bytearray(b"".join(bytes(p) for p in parts[1:])))
+    ((_, flat),) = got.tensors
+    views = unflatten(shard.names, flat, shapes)
+    for name, p in shard.params.items():
+        assert torch.equal(views[name], p) and views[name].shape == p.shape
+    assert views[shard.names[0]].data_ptr() == flat.data_ptr()  # views of the frame's bytes, not copies
+    with pytest.raises(FatalError, match="parameter elements"):
+        unflatten(shard.names[:-1], flat, shapes)
+    with pytest.raises(FatalError, match="do not fit the model"):
+        unflatten([*shard.names, "extra"], flat, shapes)
