@@ -400,6 +400,10 @@ class MicroBatchTrainer:
         self.aliases = dict(layout.aliases)
         self.loss_fn = job.loss_fn()
         self.shard_of = {name: i for i, names in enumerate(plan) for name in names}
+        # Each shard's parameters (its plan has its buffers too), in the plan's order: the gradients a
+        # frame carries to it, and the order of a packed run of them (the frame's `order`).
+        params = set(self.param_names)
+        self.shard_params = [[n for n in names if n in params] for names in plan]
         self.shapes = {n: t.shape for n, t in self.model.named_parameters(remove_duplicate=False)}
         self.pull_wait = min(PULL_WAIT_SECONDS, job.call_timeout / 2)
 
@@ -481,7 +485,7 @@ class MicroBatchTrainer:
                     "order": names,  # the parameters a packed gradient covers (`gradient_entries`)
                 }
             )
-            for then, names in zip(following, self.plan, strict=True)
+            for then, names in zip(following, self.shard_params, strict=True)
         ]
         for b in share:
             x, y = batches[b]
@@ -495,7 +499,7 @@ class MicroBatchTrainer:
             # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
             # takes them as one flat gradient without a copy (`shard_optimizer.py`).
             for i, names in enumerate(self.plan):
-                frames[i].tensors += gradient_entries(b, [(n, g[n]) for n in names if n in g])
+                frames[i].tensors += gradient_entries(b, [(n, g[n]) for n in self.shard_params[i]])
                 frames[i].tensors += [(Entry("buffer", b, n), bufs[n]) for n in names if n in bufs]
             lap("compute")
         del state, params, buffers, batches
