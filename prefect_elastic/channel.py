@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -101,7 +102,6 @@ class Frame:
 
 
 _DTYPES: dict[str, torch.dtype] = {}  # a header's dtype name -> the dtype (looked up once per name)
-_DTYPE_NAMES: dict[torch.dtype, str] = {}  # and back
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -112,13 +112,6 @@ def _dtype(name: str) -> torch.dtype:
             raise ValueError(f"not a torch dtype: {name!r}")
         _DTYPES[name] = dtype
     return dtype
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype)
-    return name
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -141,8 +134,7 @@ def encode(frame: Frame) -> list[memoryview]:
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
-        shape = t.shape
-        described.append([entry.kind, entry.batch_id, entry.name, _dtype_name(t.dtype), shape])
+        described.append([entry.kind, entry.batch_id, entry.name, str(t.dtype), t.shape])
         if t.numel():
             bodies.append(_raw(t))
     header = json.dumps({**frame.header, "tensors": described}, separators=(",", ":")).encode()
@@ -185,12 +177,14 @@ def _body_buffer(described: list[list[Any]], huge_pages: bool = True) -> np.ndar
     return torch.empty(size, dtype=torch.uint8).numpy()
 
 
-def _strides(shape: Sequence[int]) -> list[int]:
-    """A contiguous tensor's strides, in elements."""
+@functools.cache
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides, in elements (for `as_strided`, which makes a view in a third of
+    the time `split` or slicing and `view` take)."""
     strides = [1] * len(shape)
     for i in range(len(shape) - 1, 0, -1):
-        strides[i - 1] = strides[i] * max(1, int(shape[i]))
-    return strides
+        strides[i - 1] = strides[i] * max(1, shape[i])
+    return tuple(strides)
 
 
 def decode(header: bytes | bytearray | dict[str, Any], body: bytearray | np.ndarray) -> Frame:
@@ -221,7 +215,7 @@ def decode(header: bytes | bytearray | dict[str, Any], body: bytearray | np.ndar
             as_items = typed.get(dtype)
             if as_items is None:
                 as_items = typed[dtype] = whole[: len(whole) - len(whole) % itemsize].view(dtype)
-            t = as_items.as_strided(shape, _strides(shape), offset // itemsize)
+            t = as_items.as_strided(shape, contiguous_strides(tuple(shape)), offset // itemsize)
         else:  # (after an odd number of bytes: a view of another dtype must be aligned to its items)
             t = torch.frombuffer(body, dtype=dtype, count=count, offset=offset).view(shape)
         offset += count * itemsize

@@ -20,7 +20,6 @@ not finite is reported to the coordinator as a failure that ends the job, naming
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -32,7 +31,16 @@ import torch
 from torch.func import functional_call
 
 from .allocator import tune_allocator
-from .channel import ChannelAddress, Entry, Frame, ShardLink, raise_error, unread_answers_dropped, worker_tls
+from .channel import (
+    ChannelAddress,
+    Entry,
+    Frame,
+    ShardLink,
+    contiguous_strides,
+    raise_error,
+    unread_answers_dropped,
+    worker_tls,
+)
 from .compute_async import run_async
 from .errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
 from .job import GLOBAL_RNG_LOCK, ElasticJob, StateLayout
@@ -137,8 +145,7 @@ def unflatten(names: Sequence[str], flat: torch.Tensor, shapes: dict[str, torch.
     try:
         for name in names:
             shape = shapes[name]
-            # (`as_strided` makes a view in a third of the time `split` and `view` take, per tensor.)
-            views[name] = flat.as_strided(shape, _contiguous_strides(shape), at)
+            views[name] = flat.as_strided(shape, contiguous_strides(shape), at)
             at += shape.numel()
     except (KeyError, RuntimeError) as exc:  # not a parameter of the model; past the tensor's end
         raise FatalError(f"a shard sent parameters that do not fit the model: {exc}") from None
@@ -150,29 +157,27 @@ def unflatten(names: Sequence[str], flat: torch.Tensor, shapes: dict[str, torch.
     return views
 
 
-@functools.cache
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 1, 0, -1):
-        strides[i - 1] = strides[i] * max(1, shape[i])
-    return tuple(strides)
-
-
-def gradient_entries(
-    batch_id: int, grads: list[tuple[str, torch.Tensor]]
-) -> list[tuple[Entry, torch.Tensor]]:
-    """One micro-batch's gradients for one shard, in the plan's order: one flat run (`grads`, which the
-    frame's `order` names) where they are of one dtype and `PACK_BYTES` at most, else one entry each.
+def packs(params: Sequence[torch.Tensor]) -> bool:
+    """Whether a shard with these parameters gets each micro-batch's gradients packed into one flat run
+    (`gradient_entries`): more than one tensor, of one dtype, `PACK_BYTES` at most in all.
 
     Why: a frame costs a few microseconds per tensor to encode and decode, on both sides, and a step
     moves two of them each way; a model of many small tensors (a transformer's 16 of 40 KB in all) paid
     more for that than for its bytes. Packing copies the bytes once, which beyond `PACK_BYTES` costs
     more than it saves."""
-    if (
-        len(grads) > 1
-        and len({t.dtype for _, t in grads}) == 1
-        and sum(t.nbytes for _, t in grads) <= PACK_BYTES
-    ):
+    return (
+        len(params) > 1
+        and len({t.dtype for t in params}) == 1
+        and sum(t.numel() * t.element_size() for t in params) <= PACK_BYTES
+    )
+
+
+def gradient_entries(
+    batch_id: int, grads: list[tuple[str, torch.Tensor]], packed: bool
+) -> list[tuple[Entry, torch.Tensor]]:
+    """One micro-batch's gradients for one shard, in the plan's order: one flat run (kind `grads`, which
+    the frame's `order` names) where `packed` (`packs`), else one entry each."""
+    if packed:
         return [(Entry("grads", batch_id, ""), torch.cat([t.reshape(-1) for _, t in grads]))]
     return [(Entry("grad", batch_id, n), t) for n, t in grads]
 
@@ -404,7 +409,10 @@ class MicroBatchTrainer:
         # frame carries to it, and the order of a packed run of them (the frame's `order`).
         params = set(self.param_names)
         self.shard_params = [[n for n in names if n in params] for names in plan]
-        self.shapes = {n: t.shape for n, t in self.model.named_parameters(remove_duplicate=False)}
+        meta = dict(self.model.named_parameters(remove_duplicate=False))
+        self.shapes = {n: t.shape for n, t in meta.items()}
+        # (Decided once: a gradient has its parameter's dtype and shape.)
+        self.packed = [packs([meta[n] for n in names]) for names in self.shard_params]
         self.pull_wait = min(PULL_WAIT_SECONDS, job.call_timeout / 2)
 
     def then(
@@ -499,7 +507,9 @@ class MicroBatchTrainer:
             # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
             # takes them as one flat gradient without a copy (`shard_optimizer.py`).
             for i, names in enumerate(self.plan):
-                frames[i].tensors += gradient_entries(b, [(n, g[n]) for n in self.shard_params[i]])
+                frames[i].tensors += gradient_entries(
+                    b, [(n, g[n]) for n in self.shard_params[i]], self.packed[i]
+                )
                 frames[i].tensors += [(Entry("buffer", b, n), bufs[n]) for n in names if n in bufs]
             lap("compute")
         del state, params, buffers, batches

@@ -267,12 +267,12 @@ class DataServer:
         try:
             if then.get("step") is not None:
                 state = await self.pull(generation, int(then["step"]), float(then["wait"]))
-                flat = self._optimizer.flat if self._optimizer is not None else None
-                if flat is not None:
+                optimizer = self._optimizer
+                if optimizer is not None and optimizer.flat is not None:
                     # The parameters as the one flat tensor they live in, named in the header: one tensor
                     # to encode instead of one per parameter (the loop takes views of it).
-                    answer["params"] = self._optimizer.names  # type: ignore[union-attr]
-                    tensors = [(Entry("params", -1, ""), flat)]
+                    answer["params"] = optimizer.names
+                    tensors = [(Entry("params", -1, ""), optimizer.flat)]
                     state = self._buffers
                 tensors += [(Entry("state", -1, name), t) for name, t in state.items()]
             for b in then["batches"]:

@@ -165,7 +165,7 @@ def _sgd_step(optimizer: torch.optim.Optimizer, flat: torch.Tensor, gradient: to
 
     Why: `Optimizer.step` costs 60 us around 10 us of work (hooks, the profiler's record, the grad mode,
     `_init_group`), and a shard starts each step woken from idle, when that took 0.44 ms here against
-    0.24 ms for the function alone: on the critical path of every step (docs/benchmarks.md, "Issue 9")."""
+    0.24 ms for the function alone: on the critical path of every step (docs/design/step-channel.md)."""
     if type(optimizer) is not torch.optim.SGD or len(optimizer.param_groups) != 1:
         return False
     group = optimizer.param_groups[0]

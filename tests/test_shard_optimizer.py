@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from prefect_elastic.channel import Entry, Frame, decode, encode
-from prefect_elastic.compute import PACK_BYTES, gradient_entries, unflatten
+from prefect_elastic.compute import PACK_BYTES, gradient_entries, packs, unflatten
 from prefect_elastic.errors import FatalError
 from prefect_elastic.job import ElasticJob
 from prefect_elastic.shard_optimizer import ShardOptimizer, _flat_view
@@ -185,7 +185,7 @@ def test_a_shard_of_two_dtypes_keeps_one_tensor_per_parameter_and_still_steps() 
 def packed_over_the_wire(batch_id: int, grads: dict[str, torch.Tensor], order: list[str]) -> torch.Tensor:
     """A micro-batch's gradients as a compute loop sends them when they are small (`gradient_entries`),
     through the channel's encoding: the one flat tensor the shard takes."""
-    entries = gradient_entries(batch_id, [(n, grads[n]) for n in order])
+    entries = gradient_entries(batch_id, [(n, grads[n]) for n in order], packs(list(grads.values())))
     assert [e.kind for e, _ in entries] == ["grads"]
     parts = encode(Frame({"order": order}, entries))
     got = decode(bytes(parts[0])[4:], bytearray(b"".join(bytes(p) for p in parts[1:])))
@@ -227,14 +227,15 @@ def test_a_packed_gradient_that_is_not_the_shards_is_refused() -> None:
         shard.packed([*names[:-1], "not-a-parameter"], flat)
 
 
-def test_small_gradients_are_packed_and_large_or_mixed_ones_go_one_by_one() -> None:
+def test_small_gradients_are_packed_and_large_mixed_or_single_ones_go_one_by_one() -> None:
     small = [("a", torch.ones(3, 2)), ("b", torch.zeros(4))]
-    ((entry, flat),) = gradient_entries(7, small)
+    assert packs([t.to("meta") for _, t in small])  # (decided on the meta model's parameters)
+    ((entry, flat),) = gradient_entries(7, small, True)
     assert entry == Entry("grads", 7, "") and flat.tolist() == [1.0] * 6 + [0.0] * 4
-    large = [("a", torch.ones(PACK_BYTES // 4)), ("b", torch.zeros(1))]
-    assert [e.name for e, _ in gradient_entries(7, large)] == ["a", "b"]
-    mixed = [("a", torch.ones(3)), ("b", torch.zeros(2, dtype=torch.float64))]
-    assert [e.kind for e, _ in gradient_entries(7, mixed)] == ["grad", "grad"]
+    assert not packs([torch.ones(PACK_BYTES // 4), torch.zeros(1)])
+    assert not packs([torch.ones(3), torch.zeros(2, dtype=torch.float64)])
+    assert not packs([torch.ones(3)])
+    assert [e.name for e, _ in gradient_entries(7, small, False)] == ["a", "b"]
 
 
 def test_flat_parameters_come_back_as_views_by_name_and_a_wrong_count_is_refused() -> None:
