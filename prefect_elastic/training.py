@@ -477,6 +477,7 @@ class TrainingRun:
         self.journal = Journal()
         self.left: set[str] = set()  # workers the scheduler said it removed (its events)
         self.retiring: set[str] = set()  # workers someone asked to retire, which the scheduler refused
+        self.retire_waiting: set[str] = set()  # of those, the ones told that no standby can relieve them yet
         self.known_live: list[str] = []
         self.leaving: set[str] = set()  # static workers whose roles are handed over: never a standby
         self._loop_serial = 0  # numbers the compute loops' task keys
@@ -867,26 +868,32 @@ class TrainingRun:
         if lost:
             self._promote_standbys(lost)
         for worker in sorted(self.retiring):
-            self.retiring.discard(worker)
-            if worker in view.static:
-                self._hand_over(worker)
+            # One that no standby can relieve yet stays asked: it goes once a standby is heard from (a
+            # SIGTERMed one closes by itself meanwhile, after `SIGTERM_HAND_OVER_SECONDS`).
+            if worker not in view.static or self._hand_over(worker):
+                self.retiring.discard(worker)
 
-    def _hand_over(self, worker: str) -> None:
+    def _hand_over(self, worker: str) -> bool:
         """Someone asked to retire the static worker `worker` (`Client.retire_workers`, a cluster scaling
         down), which the scheduler refuses while it holds an actor: hand its roles over before it goes.
         Training stops at a step every shard applied, which is snapshotted (its copies whole on the peers);
         its data servers go to standbys from that snapshot and its coordinator is rebuilt elsewhere, so no
-        committed step is redone. Then it is retired."""
+        committed step is redone. Then it is retired. False if no standby can take its data servers now (none
+        is there, or none was heard from lately: a loaded machine delays heartbeats); it is then asked
+        again at the next survival check."""
         job = self.job
         indices = [i for i, w in enumerate(self.placement) if w == worker]
         if indices or worker == self.coordinator_at:
             if indices and not standbys(self._workers_view().static, self.placement):
-                log.warning(
-                    "job %s: static worker %s is asked to retire, but no standby can take data servers %s; "
-                    "it is not retired (start a static worker, then retire it again)",
-                    job.job_id, worker, indices,
-                )  # fmt: skip
-                return
+                if worker not in self.retire_waiting:
+                    self.retire_waiting.add(worker)
+                    log.warning(
+                        "job %s: static worker %s is asked to retire, but no standby can take data servers "
+                        "%s now; it is retired once one can (start a static worker if there is none)",
+                        job.job_id, worker, indices,
+                    )  # fmt: skip
+                return False
+            self.retire_waiting.discard(worker)
             reason = f"static worker {worker} is retiring"
             self.leaving.add(worker)
             log.warning("job %s: %s; handing over its roles", job.job_id, reason)
@@ -898,6 +905,7 @@ class TrainingRun:
                 self._rebuild_coordinator(reason)
         self.client.retire_workers([worker], close_workers=True)
         self.worker_event.set()  # a survival check hands roles out again at once
+        return True
 
     def _promote_standbys(self, lost: list[int], ask: bool = True) -> None:
         """Suspend training, then for each lost data server: start one on a standby static worker, from

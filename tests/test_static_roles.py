@@ -511,6 +511,56 @@ def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_re
     assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
 
 
+def test_a_retire_that_no_standby_can_take_yet_waits_for_one_and_loses_nothing(
+    reference: References, digits_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`Client.retire_workers` on data server 1's static worker while no standby can take its role (none
+    is there; in CI, a standby whose heartbeats a loaded machine delayed, which once made a SIGTERMed worker's
+    hand-over give up for good): the controller says so once and keeps asking. A static worker that joins
+    then takes the role from where it stands, and the worker is retired: no committed step redone."""
+    job = make_job(
+        digits_url, "rollback", job_id="retire-waits", model="tests.models:gated_slow_mlp", epochs=4
+    )
+    placement = Placement()
+    asked: list[str] = []
+    joined: list[str] = []
+    waiting = "no standby can take data servers [1] now"  # (the warning, said once)
+
+    with LocalElasticCluster(static_workers=2, elastic_workers=2) as cluster:
+
+        def retire_then_start_a_standby(p: Progress) -> None:
+            placement(p)
+            if p.committed_steps < 12 or p.state != "running" or joined:
+                return
+            if not asked:
+                asked.append(p.data_servers[1])
+                GATE.touch()  # training waits at step 12 or so until a standby is there
+                with cluster.client() as client:
+                    client.retire_workers([asked[0]], close_workers=True)
+            elif any(waiting in r.getMessage() for r in caplog.records):
+                joined.append(cluster.add_worker(static=True))
+                GATE.unlink(missing_ok=True)
+
+        try:
+            result = train(job, cluster=cluster, on_progress=retire_then_start_a_standby)
+        finally:
+            GATE.unlink(missing_ok=True)
+        (worker,), (standby,) = asked, joined
+        cluster.wait_until_gone([worker], timeout=30)
+        new_home = placement.seen[-1].data_servers[1]
+        assert str(cluster.workers_info()[new_home]["name"]) == standby, "data server 1 went to the standby"
+
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    assert sum(waiting in r.getMessage() for r in caplog.records) == 1, "said once, not at every check"
+    assert worker not in placement.seen[-1].data_servers
+    redone = [(e.kind, e.steps_lost, e.reason) for e in result.events if e.steps_lost]
+    assert not redone, f"no committed step was redone: {redone}"
+    handed = [e for e in result.events if e.kind == EventKind.SHARD_LOST]
+    assert len(handed) == 1 and "retiring" in handed[0].reason
+    assert result.counters["promotions"] == 1
+
+
 def test_shards_held_for_a_hand_over_stop_at_one_version_whatever_order_the_holds_reach_them_in(
     digits_url: str,
 ) -> None:
