@@ -59,9 +59,11 @@ class Sizes:
     standby_kills: int = 5
     standby_epochs: int = 7  # 5 epochs ended before the 5th kill (4 measured)
     standby_settle: int = 30  # steps on a placement, and a snapshot of half-way, before the next kill
+    standby_ready_s: float = standby.STANDBY_READY_S  # a standby listed this long before a kill onto it
     restart_epochs: int = 1
     coordinator_kills: int = 5
     restore_repeats: int = 5  # a 200 MB shard from the peer's memory, and from a checkpoint file
+    restore_model: str = "benchmarks.workloads:wide_mlp"  # (the 200 MB shard)
     replica_epochs: int = 5  # cnn-20: about 15 s a run
     replica_repeats: int = 5  # the pairs spread by ±5%: more pairs than 3 steady the median, not enough
     scaling_workers: tuple[int, ...] = (1, 2, 4)
@@ -104,11 +106,13 @@ SMOKE = Sizes(
     timeline_epochs=3,
     kill_at=0.3,
     standby_kills=1,
-    standby_epochs=24,  # 192 steps: past STANDBY_READY_S (5 s) however fast the machine runs the cnn
+    standby_epochs=8,  # 64 steps: the kill comes after about 10, and its recovery takes about as many
     standby_settle=6,
-    restart_epochs=12,  # 96 steps: the kill (at step 6) comes well before the end
+    standby_ready_s=1.0,
+    restart_epochs=5,  # 40 steps: the kill (at step 6) comes well before the end
     coordinator_kills=1,
     restore_repeats=1,
+    restore_model="benchmarks.workloads:wide_mlp_smoke",
     replica_epochs=2,
     replica_repeats=1,
     join_at=0.6,
@@ -344,7 +348,7 @@ def standby_figures(results: dict[str, Any], data: str, big: str, sizes: Sizes) 
     results["standby"] = {
         "promotion": attempt(
             results, "standby promotion", standby.standby_recovery, "cnn", data, sizes.standby_kills,
-            sizes.standby_epochs, settle=sizes.standby_settle,
+            sizes.standby_epochs, settle=sizes.standby_settle, ready_s=sizes.standby_ready_s,
         ),
         "restart": attempt(
             results, "restart from the checkpoint", standby.restart_from_checkpoint, "cnn", data,
@@ -353,8 +357,11 @@ def standby_figures(results: dict[str, Any], data: str, big: str, sizes: Sizes) 
         "coordinator": attempt(
             results, "coordinator lost", standby.standby_recovery, "cnn", data, sizes.coordinator_kills,
             sizes.standby_epochs, settle=sizes.standby_settle, role="coordinator",
+            ready_s=sizes.standby_ready_s,
         ),
-        "restore": attempt(results, "shard restore", standby.shard_restore, data, sizes.restore_repeats),
+        "restore": attempt(
+            results, "shard restore", standby.shard_restore, data, sizes.restore_repeats, sizes.restore_model
+        ),
         "replica_cost": attempt(
             results, "replica cost", standby.replica_cost, "cnn-20", data, sizes.replica_epochs,
             sizes.replica_repeats,
@@ -379,10 +386,7 @@ def async_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
 
 def tls_figures(results: dict[str, Any], data: str, sizes: Sizes) -> None:
     """What TLS on every connection costs in steady state, on a light model and a communication-bound one."""
-    results["tls"] = {
-        w: attempt(results, f"tls {w}", tls.tls_cost, w, data, sizes.tls_epochs[w], sizes.tls_repeats)
-        for w in ("cnn-20", "mlp")
-    }
+    results["tls"] = attempt(results, "tls", tls.tls_costs, sizes.tls_epochs, data, sizes.tls_repeats) or {}
 
 
 def torchrun_figures(results: dict[str, Any], data: str, workdir: Path, sizes: Sizes) -> None:

@@ -33,12 +33,19 @@ STANDBY_READY_S = 5.0
 
 
 def standby_recovery(
-    workload: str, data: str, kills: int, epochs: int, settle: int = 30, role: str = "data-server"
+    workload: str,
+    data: str,
+    kills: int,
+    epochs: int,
+    settle: int = 30,
+    role: str = "data-server",
+    ready_s: float = STANDBY_READY_S,
 ) -> dict[str, Any]:
     """3 static workers (the job's roles on 2, one standby) and 2 compute workers; `kills` times, once
     training went `settle` steps on the current placement and a snapshot of that time is confirmed,
     SIGKILL the static worker of data server 1 (`role` "coordinator": of the coordinator, which shares it
-    with a data server) for good and start a new static worker (the next standby).
+    with a data server) for good and start a new static worker (the next standby). A standby is killed onto
+    only once it has been listed `ready_s` seconds (the smoke run waits less: it checks the code).
 
     Per kill: seconds from the kill to the next committed step, and its parts: detection (the kill to the
     controller seeing it), the coordinator's rebuild (for the coordinator), then the promotion's own parts
@@ -61,7 +68,7 @@ def standby_recovery(
                 listed.setdefault(w, now)
             # A standby that has been there a while, as in a job that runs for hours (one that joined a
             # second ago is still importing the model, which a promotion onto it waits for).
-            ready = any(now - listed[w] >= STANDBY_READY_S for w in p.standbys)
+            ready = any(now - listed[w] >= ready_s for w in p.standbys)
             settled = p.committed_steps >= first + settle and p.snapshot_step >= first + settle // 2
             if settled and ready:
                 kill_times.append(time.time())
@@ -257,7 +264,7 @@ def _drop_page_cache() -> bool:
         return False
 
 
-def shard_restore(data: str, repeats: int) -> dict[str, Any]:
+def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wide_mlp") -> dict[str, Any]:
     """A data server's shard of 200 MB (`workloads.wide_mlp`: the 5000x5000 weight and its SGD momentum)
     restored on a standby, `repeats` times each way, in one run: from its peer's memory (a data server
     started empty, then `DataServer.adopt`: the peer sends its replica straight to the standby), against
@@ -270,9 +277,7 @@ def shard_restore(data: str, repeats: int) -> dict[str, Any]:
     several times faster than any promotion would."""
     from distributed import Client
 
-    job = make_job("mlp", data, job_id="restore").model_copy(
-        update={"model": "benchmarks.workloads:wide_mlp"}
-    )
+    job = make_job("mlp", data, job_id="restore").model_copy(update={"model": model})
     prepared = prepare(job)
     _, initial = job.initial_tensors()
     plan = plan_shards(initial, job.data_servers, job.min_shard_bytes)

@@ -13,21 +13,31 @@ from prefect_elastic.training import train
 from .elastic import make_job, steady_throughput
 
 
-def tls_cost(workload: str, data: str, epochs: int, repeats: int) -> dict[str, Any]:
-    """1 - the median of the pairs' ratios (throughput with TLS / without)."""
-    job = make_job(workload, data, epochs=epochs, job_id="tls")
+def tls_costs(epochs: dict[str, int], data: str, repeats: int) -> dict[str, dict[str, Any]]:
+    """For each workload (-> its epochs): 1 - the median of the pairs' ratios (throughput with TLS /
+    without), on one pair of clusters started once for all of them."""
+    pairs: dict[str, list[dict[str, float]]] = {w: [] for w in epochs}
     with (
         LocalElasticCluster(static_workers=2, elastic_workers=1) as plain,
         LocalElasticCluster(static_workers=2, elastic_workers=1, security=True) as tls,
     ):
-        for cluster in (plain, tls):  # warm-up, uncounted
-            train(job.model_copy(update={"epochs": 1}), cluster=cluster)
-        pairs: list[dict[str, float]] = []
-        for i in range(repeats):
-            pair: dict[str, float] = {}
-            for name in ("tls", "plain") if i % 2 == 0 else ("plain", "tls"):
-                result = train(job, cluster=tls if name == "tls" else plain)
-                pair[name] = steady_throughput(result)
-            pairs.append(pair)
-    ratios = [p["tls"] / p["plain"] for p in pairs]
-    return {"workload": workload, "pairs": pairs, "ratios": ratios, "cost": 1.0 - statistics.median(ratios)}
+        for workload, n in epochs.items():
+            job = make_job(workload, data, epochs=n, job_id="tls")
+            for cluster in (plain, tls):  # warm-up, uncounted
+                train(job.model_copy(update={"epochs": 1}), cluster=cluster)
+            for i in range(repeats):
+                pair: dict[str, float] = {}
+                for name in ("tls", "plain") if i % 2 == 0 else ("plain", "tls"):
+                    result = train(job, cluster=tls if name == "tls" else plain)
+                    pair[name] = steady_throughput(result)
+                pairs[workload].append(pair)
+    out: dict[str, dict[str, Any]] = {}
+    for workload, runs in pairs.items():
+        ratios = [p["tls"] / p["plain"] for p in runs]
+        out[workload] = {
+            "workload": workload,
+            "pairs": runs,
+            "ratios": ratios,
+            "cost": 1.0 - statistics.median(ratios),
+        }
+    return out

@@ -118,6 +118,13 @@ def wide_mlp() -> nn.Module:
     )
 
 
+def wide_mlp_smoke() -> nn.Module:
+    """784-1000-1000-10: `wide_mlp`'s shape with a shard of 8 MB, for the smoke run (`--smoke`)."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 1000), nn.ReLU(), nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 10)
+    )
+
+
 WORKLOADS = {
     "cnn": Workload("cnn", "benchmarks.workloads:cnn", "compute-bound"),
     "cnn-20": Workload("cnn-20", "benchmarks.workloads:cnn20", "light compute, a fifth of the cnn"),

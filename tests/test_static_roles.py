@@ -511,6 +511,7 @@ def test_a_static_worker_retired_gracefully_hands_its_roles_over_with_no_step_re
     assert result.counters["coordinator_rebuilds"] == (1 if role == "coordinator" else 0)
 
 
+@pytest.mark.heavy  # (a cluster of its own, about a minute: in .ci/run's second stage)
 def test_a_retire_that_no_standby_can_take_yet_waits_for_one_and_loses_nothing(
     reference: References, digits_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
