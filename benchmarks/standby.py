@@ -277,7 +277,10 @@ def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wi
     several times faster than any promotion would."""
     from distributed import Client
 
-    job = make_job("mlp", data, job_id="restore").model_copy(update={"model": model})
+    # (1 MiB: the smoke run's small shards split as the 200 MB one does, its own weight on one server)
+    job = make_job("mlp", data, job_id="restore").model_copy(
+        update={"model": model, "min_shard_bytes": 2**20}
+    )
     prepared = prepare(job)
     _, initial = job.initial_tensors()
     plan = plan_shards(initial, job.data_servers, job.min_shard_bytes)
