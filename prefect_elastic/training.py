@@ -868,10 +868,12 @@ class TrainingRun:
         if lost:
             self._promote_standbys(lost)
         for worker in sorted(self.retiring):
-            # One that no standby can relieve yet stays asked: it goes once a standby is heard from (a
-            # SIGTERMed one closes by itself meanwhile, after `SIGTERM_HAND_OVER_SECONDS`).
-            if worker not in view.static or self._hand_over(worker):
-                self.retiring.discard(worker)
+            # (Dropped first: a hand-over that raises is not tried again at every check.)
+            self.retiring.discard(worker)
+            if worker in view.static and not self._hand_over(worker):
+                # No standby can relieve it yet: asked again at the next check, so it goes once one is
+                # heard from (a SIGTERMed one closes by itself meanwhile, after `SIGTERM_HAND_OVER_SECONDS`).
+                self.retiring.add(worker)
 
     def _hand_over(self, worker: str) -> bool:
         """Someone asked to retire the static worker `worker` (`Client.retire_workers`, a cluster scaling
