@@ -250,6 +250,7 @@ def test_a_cut_compute_worker_leaves_within_two_liveness_intervals_and_joins_aga
 
 
 @pytest.mark.cluster
+@pytest.mark.heavy  # (35 s: in .ci/run's second stage, to keep the main suite under 20 minutes)
 def test_a_short_cut_of_a_compute_worker_and_it_is_a_member_again_once_healed(
     network: HostNetwork, reference: References, digits_url: str
 ) -> None:

@@ -315,6 +315,7 @@ def test_a_standby_that_joins_after_the_loss_takes_the_role(reference: Reference
     assert result.counters["promotions"] == 1
 
 
+@pytest.mark.heavy  # (it waits out `min_workers_timeout`, 36 s in all: in .ci/run's second stage)
 def test_no_standby_fails_naming_the_role_and_what_to_start(digits_url: str) -> None:
     with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
         job = make_job(digits_url, "reassign", job_id="no-standby", min_workers_timeout=2.0)
