@@ -265,8 +265,9 @@ def _drop_page_cache() -> bool:
 
 
 def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wide_mlp") -> dict[str, Any]:
-    """A data server's shard of 200 MB (`workloads.wide_mlp`: the 5000x5000 weight and its SGD momentum)
-    restored on a standby, `repeats` times each way, in one run: from its peer's memory (a data server
+    """A data server's shard of 200 MB (`model`, by default `workloads.wide_mlp`: the 5000x5000 weight and its
+    SGD momentum; the smoke run's `wide_mlp_smoke` makes one of 8 MB) restored on a standby, `repeats`
+    times each way, in one run: from its peer's memory (a data server
     started empty, then `DataServer.adopt`: the peer sends its replica straight to the standby), against
     from a checkpoint file on the local disk (read and unpickled by the controller, sent to the standby's
     worker, and the data server started from it: what a restart does, and what the checkpoint fallback
