@@ -7,7 +7,7 @@ import threading
 import torch
 
 from prefect_elastic import ElasticJob
-from prefect_elastic.compute import MicroBatchTrainer, micro_batch_seed
+from prefect_elastic.compute import MicroBatchTrainer, micro_batch_seed, push_order
 
 
 def test_gradient_equals_an_ordinary_model_with_tied_weights_and_dropout(digits_url: str) -> None:
@@ -72,3 +72,13 @@ def test_a_micro_batch_draws_its_dropout_mask_alone_while_another_thread_builds_
     assert loss == alone_loss, "the micro-batch drew the dropout mask it draws alone"
     assert all(torch.equal(grads[n], alone_grads[n]) for n in alone_grads)
     assert all(torch.equal(built[0][n], other_alone[n]) for n in other_alone), "the other model as alone"
+
+
+def test_a_step_is_pushed_first_to_the_shards_that_hold_the_most_parameters(digits_url: str) -> None:
+    assert push_order([0, 40_000]) == [1, 0]
+    assert push_order([5, 0, 5, 9]) == [3, 0, 2, 1], "ties keep the shards' order"
+    # A small model's parameters all on the last data server (`plan_shards`): its frame goes first.
+    job = ElasticJob(model="tests.models:tied_dropout", dataset=digits_url, data_servers=3, seed=3)
+    layout, tensors = job.initial_tensors()
+    trainer = MicroBatchTrainer(job, [[], [], list(tensors)], layout, torch.device("cpu"))
+    assert trainer.push_order == [2, 0, 1]
