@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 from torch.func import functional_call
 
-from .allocator import tune_allocator
+from .allocator import freeze_startup_objects, tune_allocator
 from .channel import (
     ChannelAddress,
     Entry,
@@ -247,6 +247,7 @@ def compute_loop(
     torch.set_num_threads(job.threads_per_worker)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     trainer = MicroBatchTrainer(job, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN))
+    freeze_startup_objects()  # (after the model is built: its modules live as long as the loop)
     hook: PushHook | None = worker.plugins.get(PUSH_HOOK)  # type: ignore[assignment]
     stats = LoopStats(worker=address, device=str(device))
     timeout = job.call_timeout

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .allocator import freeze_startup_objects
 from .channel import Entry, Frame, ShardLink, raise_error
 from .errors import StaleGenerationError
 from .messages import CoordinatorHandle, Role, Tensors
@@ -382,6 +383,7 @@ def run_async(
     warm = torch.zeros(1, requires_grad=True)
     warm.grad = torch.zeros(1)
     job.build_optimizer([warm]).step()
+    freeze_startup_objects()  # (what that imported too: see allocator.py)
     while wanted():
         role, errors = ask_role(coordinator, address, known, stats, job, errors)
         if role is None:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .allocator import tune_allocator
+from .allocator import freeze_startup_objects, tune_allocator
 from .channel import ChannelAddress, Entry, Frame, ShardLink, ShardServer, error_header, worker_tls
 from .dataset import DatasetInfo, load_partition, partition_bounds
 from .errors import FatalError, RecoverableError, StaleGenerationError
@@ -154,6 +154,7 @@ class DataServer:
         self._async = job.mode == "async"
         self._apply_lock: asyncio.Lock | None = None  # one apply at a time (async mode; made on first use)
         self._published: tuple[int, Tensors] | None = None  # (version, a copy of the state) for pulls
+        freeze_startup_objects()  # see allocator.py: no full collection pauses a step for 0.1 s or more
         log.info(
             "data server %d of job %s: samples [%d, %d), %d params, %d buffers, version %d",
             index,
@@ -842,6 +843,7 @@ def warm_standby(job: ElasticJob) -> None:
     tune_allocator()
     job.initial_model()
     job.build_optimizer([torch.zeros(1, requires_grad=True)])
+    freeze_startup_objects()
 
 
 def _replica_of(snap: _Snapshot) -> dict[str, Any]:

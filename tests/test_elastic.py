@@ -3,6 +3,7 @@ the one-worker, no-fault run and the ledger holds every batch id exactly once.""
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from collections.abc import Callable
@@ -130,6 +131,18 @@ def test_a_small_model_on_one_data_server_trains_bit_for_bit_as_when_spread_over
     assert [bool(names) for names in spread.shard_plan] == [True, True]
     check_run(result, spread, "reassign")
     assert faults.log[0].target in lost_workers(result)
+
+
+def test_the_processes_that_train_freeze_their_startup_objects(
+    reference_cluster: LocalElasticCluster, digits_url: str
+) -> None:
+    """Data servers and compute loops move the objects their process holds when it starts its first role
+    out of the collector's reach (`allocator.freeze_startup_objects`), so that no full collection, which
+    scans them all, pauses a step for a tenth of a second."""
+    train(make_job(digits_url, epochs=1, job_id="frozen-heap"), cluster=reference_cluster)
+    with reference_cluster.client() as client:
+        frozen = client.run(gc.get_freeze_count)
+    assert len(frozen) == 2 and all(count > 100_000 for count in frozen.values()), frozen
 
 
 @pytest.mark.parametrize("policy", POLICIES)
