@@ -27,7 +27,7 @@ MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's ceiling for its dynamic mmap thresh
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # the ratio glibc's dynamic mode keeps
 
 _tuned = False
-_frozen_modules = 0  # how many modules the process had imported at its last freeze
+_frozen = False
 
 
 def tune_allocator() -> bool:
@@ -53,22 +53,24 @@ def tune_allocator() -> bool:
 
 
 def freeze_startup_objects() -> bool:
-    """Move every live object Python's collector tracks into its permanent generation (`gc.freeze`),
-    once per process and again where it has imported modules since; True where it froze.
+    """Move every live object Python's collector tracks into its permanent generation (`gc.freeze`), once
+    per process; True the first time.
 
     Why: a Dask worker that has imported torch tracks about 210,000 objects (340,000 with a job's model
     built), nearly all of them modules, classes and functions that live as long as the process. Every full
     collection scans them all, and one came about every 20 s of training: 116 to 204 ms each here, a pause
     of the shard or the compute loop that the whole step waits for (a sync transformer run of 23 s paused
     320 ms in full collections, about 1.4% of it). Frozen, they are never scanned again: the same run had
-    no full collection at all, and its young collections scanned only the objects made since. Garbage is
-    collected first, so none is frozen; what costs is a frozen object that later becomes part of a garbage
-    cycle, never freed, which is why this runs when a role starts and the process has imported something
-    new (async mode's first optimizer imports 130,000 objects' worth of torch), not at every step."""
-    global _frozen_modules
-    if len(sys.modules) <= _frozen_modules:
+    no full collection at all, and its young collections scanned only the objects made since.
+
+    Garbage is collected first, so none is frozen: that collection is the one full scan left, and it is why
+    the callers run this where nobody waits for it (a data server's start, a standby's warm-up, a compute
+    loop after its first step: not on a joining worker's or a promotion's way to its first step). A frozen
+    object that later becomes part of a garbage cycle is never freed, which is why it runs once."""
+    global _frozen
+    if _frozen:
         return False
+    _frozen = True
     gc.collect()
     gc.freeze()
-    _frozen_modules = len(sys.modules)
     return True

@@ -247,7 +247,6 @@ def compute_loop(
     torch.set_num_threads(job.threads_per_worker)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     trainer = MicroBatchTrainer(job, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN))
-    freeze_startup_objects()  # (after the model is built: its modules live as long as the loop)
     hook: PushHook | None = worker.plugins.get(PUSH_HOOK)  # type: ignore[assignment]
     stats = LoopStats(worker=address, device=str(device))
     timeout = job.call_timeout
@@ -318,6 +317,7 @@ def _run(
             with unread_answers_dropped(shards):
                 ahead = trainer.step(role, step, share, shards, schedule, stats, ahead, hook)
             stats.trained()
+            freeze_startup_objects()  # (once per process, after its first step: see allocator.py)
             step += 1
             errors = retries = 0
             unreachable.clear()

@@ -260,6 +260,7 @@ class AsyncSession:
         self.exchange = self.postman.submit(self._exchange, frames)
         self.pending.append(Pending(b))
         self.stats.batches += 1
+        freeze_startup_objects()  # (once per process, after its first push: see allocator.py)
         sent = time.perf_counter()
         self.stats.add("push", sent - computed)
         late = [i for i in range(len(self.shards)) if i not in arrived]
@@ -383,7 +384,6 @@ def run_async(
     warm = torch.zeros(1, requires_grad=True)
     warm.grad = torch.zeros(1)
     job.build_optimizer([warm]).step()
-    freeze_startup_objects()  # (what that imported too: see allocator.py)
     while wanted():
         role, errors = ask_role(coordinator, address, known, stats, job, errors)
         if role is None:

@@ -136,9 +136,9 @@ def test_a_small_model_on_one_data_server_trains_bit_for_bit_as_when_spread_over
 def test_the_processes_that_train_freeze_their_startup_objects(
     reference_cluster: LocalElasticCluster, digits_url: str
 ) -> None:
-    """Data servers and compute loops move the objects their process holds when it starts its first role
-    out of the collector's reach (`allocator.freeze_startup_objects`), so that no full collection, which
-    scans them all, pauses a step for a tenth of a second."""
+    """Data servers (at their start) and compute loops (after their first step) move the objects their
+    process holds out of the collector's reach (`allocator.freeze_startup_objects`), so that no full
+    collection, which scans them all, pauses a step for a tenth of a second."""
     train(make_job(digits_url, epochs=1, job_id="frozen-heap"), cluster=reference_cluster)
     with reference_cluster.client() as client:
         frozen = client.run(gc.get_freeze_count)
