@@ -63,10 +63,11 @@ def freeze_startup_objects() -> bool:
     320 ms in full collections, about 1.4% of it). Frozen, they are never scanned again: the same run had
     no full collection at all, and its young collections scanned only the objects made since.
 
-    Garbage is collected first, so none is frozen: that collection is the one full scan left, and it is why
-    the callers run this where nobody waits for it (a data server's start, a standby's warm-up, a compute
-    loop after its first step: not on a joining worker's or a promotion's way to its first step). A frozen
-    object that later becomes part of a garbage cycle is never freed, which is why it runs once."""
+    Garbage is collected first, so none is frozen: that collection is the one full scan left (0.1 to 0.2 s),
+    and it is why the callers run this where it costs least: a data server's start (the job's start), a
+    standby's warm-up (so a promotion finds it done, unless the standby joined too late to be warmed), a
+    compute loop after its first step (not on a joining worker's way to that step). A frozen object that
+    later becomes part of a garbage cycle is never freed, which is why it runs once."""
     global _frozen
     if _frozen:
         return False
