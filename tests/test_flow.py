@@ -213,6 +213,7 @@ def test_cancelled_flow_run_ends_cancelled_with_a_final_checkpoint(
     assert os.path.basename(written[1]).startswith("ckpt-")
 
 
+@pytest.mark.heavy  # (in .ci/run's second stage: the main suite stays under issue 9's 15 minutes)
 def test_flow_process_sigkilled_then_run_again_resumes(
     prefect_server: PrefectServer,
     cluster: LocalElasticCluster,

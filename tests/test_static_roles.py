@@ -165,6 +165,7 @@ def test_two_data_servers_lost_at_different_times_with_two_standbys(
     assert [e.step >= at for e, at in zip(promoted, (12, 30), strict=True)] == [True, True]
 
 
+@pytest.mark.heavy  # (in .ci/run's second stage: the main suite stays under issue 9's 15 minutes)
 def test_a_standby_that_dies_while_its_data_server_starts_is_passed_over_for_the_next(
     static_cluster: LocalElasticCluster, reference: References, digits_url: str
 ) -> None:
@@ -363,7 +364,9 @@ class KillWhenCheckpointed:
 
 @pytest.mark.parametrize(
     ("shards", "indices"),
-    [(3, (1, 2)), (2, (0, 1))],
+    # (two data servers in .ci/run's heavy stage, about 20 s: the main suite stays under issue 9's 15
+    # minutes, and the other case takes the same way back to the checkpoint, the coordinator's loss too)
+    [pytest.param(3, (1, 2), marks=pytest.mark.heavy), (2, (0, 1))],
     ids=["two-data-servers", "every-data-server-and-the-coordinator"],
 )
 def test_a_shard_lost_with_its_replica_goes_back_to_the_checkpoint_in_the_same_run(
