@@ -37,8 +37,11 @@ def plain_process(workload: str, data: str, steps: int, tuned: bool = False) -> 
 def plain_loop(workload: str, data: str, steps: int, warmup: int = 5) -> dict[str, Any]:
     """Train `steps` steps of batch 128 in this process; samples/s over the steps after `warmup`."""
     torch.set_num_threads(THREADS)
+    # The device a compute worker picks (`compute.training_device`'s rule), as a user's script would:
+    # the batches stay in host memory and go to the GPU one at a time, as a compute worker's do.
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     x, y = load_dataset(data)
-    model = WORKLOADS[workload].make()
+    model = WORKLOADS[workload].make().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     per_epoch = len(y) // BATCH
@@ -47,7 +50,7 @@ def plain_loop(workload: str, data: str, steps: int, warmup: int = 5) -> dict[st
     for step in range(steps + warmup):
         idx = order[(step % per_epoch) * BATCH : (step % per_epoch + 1) * BATCH]
         optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(x[idx]), y[idx])
+        loss = F.cross_entropy(model(x[idx].to(device)), y[idx].to(device))
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
@@ -59,6 +62,7 @@ def plain_loop(workload: str, data: str, steps: int, warmup: int = 5) -> dict[st
         "steps": steps,
         "samples_per_s": steps * BATCH / elapsed,
         "step_ms": 1000 * elapsed / steps,
+        "device": str(device),
         "final_loss": losses[-1],
     }
 

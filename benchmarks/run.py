@@ -171,7 +171,7 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
     # The first job on a fresh cluster ran up to 20% slower in every phase (workers still settling, caches
     # cold): one short job first, not counted.
     attempt(results, "warm-up", elastic.steady, pool, "cnn-20", data, 1, NO_SNAPSHOTS)
-    for w in WORKLOADS:
+    for w in dict(sizes.steady_epochs):  # (not cnn-gpu: too slow on CPUs; benchmarks/gpu.py measures it)
         plain: list[float] = []
         tuned: list[float] = []
         with_snap: list[float] = []

@@ -77,6 +77,24 @@ def mlp() -> nn.Module:
     )
 
 
+def cnn_gpu() -> nn.Module:
+    """A CNN sized for a GPU step of a few milliseconds: three 3x3 convolutions of 128, 256 and 256
+    channels, all at the full 28x28 (no pooling between them), then global average pooling and a linear
+    layer (888,330 parameters, 3.6 MB). About 0.5 TFLOP a step of 128: too slow for this machine's CPUs
+    (seconds a step), measured on a GPU only (`benchmarks/gpu.py`)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 128, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(128, 256, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(256, 256, kernel_size=3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(256, 10),
+    )
+
+
 class RowTransformer(nn.Module):
     """Each 28x28 image as a sequence of 28 rows of 28 pixels, through one transformer encoder layer."""
 
@@ -104,7 +122,8 @@ class Workload:
 
     def make(self) -> nn.Module:
         torch.manual_seed(0)
-        return {"cnn": cnn, "cnn-20": cnn20, "transformer": transformer, "mlp": mlp}[self.name]()
+        makers = {"cnn": cnn, "cnn-20": cnn20, "transformer": transformer, "mlp": mlp, "cnn-gpu": cnn_gpu}
+        return makers[self.name]()
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.make().parameters())
@@ -132,6 +151,7 @@ WORKLOADS = {
         "transformer", "benchmarks.workloads:transformer", "torch's TransformerEncoder, light compute"
     ),
     "mlp": Workload("mlp", "benchmarks.workloads:mlp", "communication-bound"),
+    "cnn-gpu": Workload("cnn-gpu", "benchmarks.workloads:cnn_gpu", "compute-bound on a GPU (GPU runs only)"),
 }
 
 

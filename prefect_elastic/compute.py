@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -245,7 +246,7 @@ def compute_loop(
     secede()
     tune_allocator()
     torch.set_num_threads(job.threads_per_worker)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = training_device()
     trainer = MicroBatchTrainer(job, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN))
     hook: PushHook | None = worker.plugins.get(PUSH_HOOK)  # type: ignore[assignment]
     stats = LoopStats(worker=address, device=str(device))
@@ -607,6 +608,30 @@ class MicroBatchTrainer:
             {n: g.detach().cpu() for n, g in zip(params, grads, strict=True)},
             {n: t.detach().cpu() for n, t in bufs.items()},
         )
+
+
+def training_device() -> torch.device:
+    """The device a compute worker trains on: its GPU where it has one, with deterministic kernels.
+
+    A micro-batch must give the same gradient bits on every worker (invariant 2: the result is bitwise
+    equal to the one-worker, no-fault run). On CPU it does; on CUDA, cuDNN may pick a different algorithm
+    from one call to the next (`benchmark`), some backward kernels sum with atomics in whatever order
+    threads finish, and cuBLAS does so across streams unless its workspace is fixed. These settings are
+    the process's, so every job's loop in this worker shares them; an op with no deterministic CUDA
+    kernel warns (rather than failing the user's model) and then bitwise equality is not promised.
+    Bits are the same across workers of one GPU model and software stack, not across models.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # Read when cuBLAS makes its first handle: before this process's first CUDA matrix product.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # (That setting also fills every new tensor with NaN, host buffers included: a pass over the receive
+    # buffers of each step for nothing, since the step overwrites them.)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    return torch.device("cuda")
 
 
 def micro_batch_seed(seed: int, batch_id: int) -> int:
