@@ -20,6 +20,7 @@ after every part, so a run cut short keeps what it measured, and skips the parts
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -44,8 +45,6 @@ from .workloads import BATCH, write_dataset
 
 SAMPLES = 16384  # 128 steps of 128 an epoch, as benchmarks/run.py
 CHECK_SAMPLES = 4096
-STEADY_SECONDS = 6.0  # a steady run's length, from the plain loop's step
-PAIRS = 2
 
 
 def exactly_once(result: TrainResult) -> bool:
@@ -115,14 +114,19 @@ def check_jobs(work: Path) -> dict[str, ElasticJob]:
     }
 
 
-def steady_pairs(pool: elastic.ClusterPool, workload: str, data: str) -> dict[str, Any]:
-    """Alternating pairs of the plain loop and one compute worker; the run's length from a short probe."""
+def steady_pairs(
+    pool: elastic.ClusterPool, workload: str, data: str, seconds: float, repeats: int
+) -> dict[str, Any]:
+    """Alternating pairs of the plain loop and one compute worker, runs of about `seconds` (from a short
+    probe of the plain loop); and the plain loop once with the kernels a compute worker on a GPU is held
+    to (`compute.training_device`), which is what bitwise reproducibility costs apart from the framework."""
     probe = plain_process(workload, data, steps=30)
     per_epoch = SAMPLES // BATCH
-    epochs = max(1, min(20, round(STEADY_SECONDS * 1000 / probe["step_ms"] / per_epoch)))
+    epochs = max(1, min(20, round(seconds * 1000 / probe["step_ms"] / per_epoch)))
     steps = epochs * per_epoch
+    deterministic = plain_process(workload, data, steps=steps, deterministic=True)
     pairs = []
-    for i in range(PAIRS):
+    for i in range(repeats):
         order = ("plain", "elastic") if i % 2 == 0 else ("elastic", "plain")
         got: dict[str, Any] = {}
         for side in order:
@@ -142,6 +146,7 @@ def steady_pairs(pool: elastic.ClusterPool, workload: str, data: str) -> dict[st
         "epochs": epochs,
         "steps": steps,
         "probe_step_ms": probe["step_ms"],
+        "plain_deterministic_step_ms": deterministic["step_ms"],
         "pairs": pairs,
         "ratio": statistics.median(p["ratio"] for p in pairs),
     }
@@ -165,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="cnn-gpu,transformer,cnn-20,mlp")
     parser.add_argument("--checks", default="digits-cnn,transformer,cnn-20")
     parser.add_argument("--async-epochs", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=6.0, help="a steady run's length, about")
+    parser.add_argument("--pairs", type=int, default=2, help="plain and prefect-elastic runs of each")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -191,13 +198,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             jobs = check_jobs(work)
             for name in filter(None, args.checks.split(",")):
-                part("check", name, lambda name=name: check_model(pool, name, jobs[name]))  # type: ignore[misc]
+                part("check", name, functools.partial(check_model, pool, name, jobs[name]))
             data = write_dataset(work / "steady.npz", SAMPLES)
             for workload in filter(None, args.workloads.split(",")):
-                part("steady", workload, lambda w=workload: steady_pairs(pool, w, data))  # type: ignore[misc]
+                run = functools.partial(steady_pairs, pool, workload, data, args.seconds, args.pairs)
+                part("steady", workload, run)
         finally:
             pool.close()
-        part("steady", "async-mlp", lambda: async_mode.steady("mlp", data, args.async_epochs, PAIRS))
+        part("steady", "async-mlp", lambda: async_mode.steady("mlp", data, args.async_epochs, args.pairs))
     print(f"done in {time.monotonic() - start:.0f} s")
     return 0
 

@@ -15,22 +15,27 @@ import torch.nn.functional as F
 from .workloads import BATCH, LR, MOMENTUM, THREADS, WORKLOADS, load_dataset
 
 
-def plain_process(workload: str, data: str, steps: int, tuned: bool = False) -> dict[str, Any]:
+def plain_process(
+    workload: str, data: str, steps: int, tuned: bool = False, deterministic: bool = False
+) -> dict[str, Any]:
     """`plain_loop` in a new Python process, as a user runs a script: nothing of the benchmark's process
     (its Dask client, its heap after earlier runs) weighs on it.
 
     `tuned`: with the allocator settings prefect-elastic gives its workers (`allocator.tune_allocator`),
-    to show how much of a comparison is the allocator's; glibc's defaults otherwise.
+    to show how much of a comparison is the allocator's; glibc's defaults otherwise. `deterministic`: with
+    the kernels a compute worker on a GPU is held to (`compute.training_device`), to show what bitwise
+    reproducibility costs there.
     """
     allocator = "tuned" if tuned else "default"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.plain", workload, data, str(steps), allocator],
+        [sys.executable, "-m", "benchmarks.plain", workload, data, str(steps), allocator, str(deterministic)],
         capture_output=True, text=True, timeout=1800, cwd=Path(__file__).resolve().parent.parent,
     )  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"plain loop ({workload}) exited {done.returncode}: {done.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     result["allocator"] = allocator
+    result["deterministic"] = deterministic
     return result
 
 
@@ -68,9 +73,13 @@ def plain_loop(workload: str, data: str, steps: int, warmup: int = 5) -> dict[st
 
 
 if __name__ == "__main__":
-    name, path, count, allocator = sys.argv[1:5]
+    name, path, count, allocator, deterministic = sys.argv[1:6]
     if allocator == "tuned":
         from prefect_elastic.allocator import tune_allocator
 
         tune_allocator()
+    if deterministic == "True":
+        from prefect_elastic.compute import training_device
+
+        training_device()
     print(json.dumps(plain_loop(name, path, int(count))))

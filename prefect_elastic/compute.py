@@ -429,6 +429,9 @@ class MicroBatchTrainer:
         self.shapes = {n: t.shape for n, t in meta.items()}
         # (Decided once: a gradient has its parameter's dtype and shape.)
         self.packed = [packs([meta[n] for n in names]) for names in self.shard_params]
+        # On a GPU, the parameters go to it and their gradients come back as one flat run each way, where
+        # they share a dtype (`on_device`, `to_host`).
+        self.one_run = len({meta[n].dtype for n in self.param_names}) == 1
         self.push_order = push_order(
             [sum(meta[n].numel() * meta[n].element_size() for n in names) for names in self.shard_params]
         )
@@ -496,7 +499,7 @@ class MicroBatchTrainer:
         ]
         send_all(shards, early_asks)
         lap("pull")
-        params = {n: state[n].to(self.device).requires_grad_(True) for n in self.param_names}
+        params = self.on_device(state)
         buffers = {n: t for n, t in state.items() if n not in params}
 
         following = self.then(role, step + 1, schedule, batches=False)
@@ -562,6 +565,25 @@ class MicroBatchTrainer:
         if factor > 1.0:
             time.sleep((factor - 1.0) * took)
 
+    def on_device(self, state: Tensors) -> Tensors:
+        """The parameters in `state` on this worker's device, as the leaves that `gradient` differentiates
+        against (the loop's own tensors stay as they are). To a GPU they go as one transfer, not one per
+        tensor: each is a synchronous copy of its own, and a model of many small tensors paid more for
+        the copies' count than for their bytes."""
+        names = self.param_names
+        if self.device.type == "cuda" and self.one_run:
+            state = unflatten(
+                names, torch.cat([state[n].reshape(-1) for n in names]).to(self.device), self.shapes
+            )
+        return {n: state[n].to(self.device).detach().requires_grad_(True) for n in names}
+
+    def to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients (in `param_names`' order) in host memory, for the push: from a GPU as one transfer."""
+        if self.device.type == "cuda" and self.one_run:
+            flat = torch.cat([g.reshape(-1) for g in grads]).cpu()
+            return list(unflatten(self.param_names, flat, self.shapes).values())
+        return [g.detach().cpu() for g in grads]
+
     def gradient(
         self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int
     ) -> tuple[float, Tensors, Tensors]:
@@ -587,14 +609,15 @@ class MicroBatchTrainer:
                     torch.cuda.manual_seed(seed)
                 out = functional_call(self.model, tensors, (x.to(self.device),))
                 loss = self.loss_fn(out, y.to(self.device))
-                value = float(loss.detach())
-                # Checked before backward: a loss that is not finite fails the job; its gradient is
-                # never computed, let alone pushed.
-                if not math.isfinite(value):
-                    raise ModelFailure(step, batch_id, f"loss is {value} at step {step}, batch {batch_id}")
                 grads = torch.autograd.grad(
                     loss, list(params.values()), allow_unused=True, materialize_grads=True
                 )
+                # Read after backward, not before: on a GPU, reading it waits for the device, which then
+                # idles while backward's kernels are queued. A loss that is not finite fails the job; its
+                # gradient is never pushed.
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise ModelFailure(step, batch_id, f"loss is {value} at step {step}, batch {batch_id}")
         except ModelFailure:
             raise
         except Exception as exc:
@@ -605,7 +628,7 @@ class MicroBatchTrainer:
             ) from exc
         return (
             value,
-            {n: g.detach().cpu() for n, g in zip(params, grads, strict=True)},
+            dict(zip(params, self.to_host(grads), strict=True)),
             {n: t.detach().cpu() for n, t in bufs.items()},
         )
 

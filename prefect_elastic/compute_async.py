@@ -220,8 +220,8 @@ class AsyncSession:
         # The version of each shard the model came from: the tag of this gradient, whatever arrives while
         # it computes (a candidate's version is that of the parameters it was made from).
         base = list(self.versions)
-        # (detach: the loop's copy stays a plain tensor, which a candidate step changes in place)
-        params = {n: merged[n].to(trainer.device).detach().requires_grad_(True) for n in trainer.param_names}
+        # (detached: the loop's copy stays a plain tensor, which a candidate step changes in place)
+        params = trainer.on_device(merged)
         buffers = {n: t for n, t in merged.items() if n not in params}
         waited = time.perf_counter()
         self.stats.add("pull", waited - began)
