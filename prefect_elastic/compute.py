@@ -139,6 +139,14 @@ class Ahead:
         return state, {b: (x, ys[b]) for b, x in xs.items()}
 
 
+def moved_as_one(
+    names: Sequence[str], tensors: Sequence[torch.Tensor], shapes: dict[str, torch.Size], device: torch.device
+) -> Tensors:
+    """`tensors` (named `names`, of one dtype) on `device`, as views of one flat tensor: one transfer
+    between host and GPU where there would be one per tensor."""
+    return unflatten(names, torch.cat([t.detach().reshape(-1) for t in tensors]).to(device), shapes)
+
+
 def unflatten(names: Sequence[str], flat: torch.Tensor, shapes: dict[str, torch.Size]) -> Tensors:
     """Views of a shard's flat parameters (`names` in their order), one per parameter."""
     views: Tensors = {}
@@ -572,16 +580,14 @@ class MicroBatchTrainer:
         the copies' count than for their bytes."""
         names = self.param_names
         if self.device.type == "cuda" and self.one_run:
-            state = unflatten(
-                names, torch.cat([state[n].reshape(-1) for n in names]).to(self.device), self.shapes
-            )
+            state = moved_as_one(names, [state[n] for n in names], self.shapes, self.device)
         return {n: state[n].to(self.device).detach().requires_grad_(True) for n in names}
 
     def to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Gradients (in `param_names`' order) in host memory, for the push: from a GPU as one transfer."""
         if self.device.type == "cuda" and self.one_run:
-            flat = torch.cat([g.reshape(-1) for g in grads]).cpu()
-            return list(unflatten(self.param_names, flat, self.shapes).values())
+            host = torch.device("cpu")
+            return list(moved_as_one(self.param_names, grads, self.shapes, host).values())
         return [g.detach().cpu() for g in grads]
 
     def gradient(

@@ -156,3 +156,26 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
     assert (tmp_path / "img" / "bench-timeline.png").stat().st_size > 10_000
     assert (tmp_path / "img" / "bench-ratios.png").stat().st_size > 10_000
     assert (tmp_path / "img" / "bench-fixed-cost.png").stat().st_size > 10_000
+
+
+@pytest.mark.heavy  # (about 2 minutes on 2 cores)
+@pytest.mark.timeout(600)
+def test_the_gpu_check_runs_and_finds_the_invariants(tmp_path: Path) -> None:
+    """`python -m benchmarks.gpu`, which a session lent a GPU runs there (CI has none): on this machine it
+    trains on the CPU, and its check must still find what it looks for on CUDA."""
+    from benchmarks.gpu import main
+
+    args = ["--out", str(tmp_path), "--checks", "transformer", "--workloads", "mlp", "--seconds", "0.5"]
+    assert main([*args, "--pairs", "1", "--async-epochs", "1"]) == 0
+    results = json.loads((tmp_path / "gpu.json").read_text())
+    check = results["check"]["transformer"]
+    assert "error" not in check, check.get("error")
+    assert "error" not in results["steady"]["mlp"], results["steady"]["mlp"].get("error")
+    assert check["reference_devices"] == ["cpu"]
+    for policy in ("rollback", "reassign"):
+        assert check[policy]["bitwise_equal"] and check[policy]["exactly_once"], check[policy]
+        assert check[policy]["generations"] >= 2 and check[policy]["killed"], "a worker was killed"
+    assert check["async"]["exactly_once"] and check["async"]["last_loss"] < check["async"]["first_loss"]
+    steady = results["steady"]
+    assert steady["mlp"]["ratio"] > 0 and steady["mlp"]["plain_deterministic_step_ms"] > 0
+    assert steady["async-mlp"]["ratio"] > 0

@@ -7,7 +7,13 @@ import threading
 import torch
 
 from prefect_elastic import ElasticJob
-from prefect_elastic.compute import MicroBatchTrainer, micro_batch_seed, push_order
+from prefect_elastic.compute import (
+    MicroBatchTrainer,
+    micro_batch_seed,
+    moved_as_one,
+    push_order,
+    training_device,
+)
 
 
 def test_gradient_equals_an_ordinary_model_with_tied_weights_and_dropout(digits_url: str) -> None:
@@ -82,3 +88,38 @@ def test_a_step_is_pushed_first_to_the_shards_that_hold_the_most_parameters(digi
     layout, tensors = job.initial_tensors()
     trainer = MicroBatchTrainer(job, [[], [], list(tensors)], layout, torch.device("cpu"))
     assert trainer.push_order == [2, 0, 1]
+
+
+def test_a_worker_without_a_gpu_trains_on_the_cpu_with_torchs_settings_left_alone() -> None:
+    """Deterministic kernels are for CUDA (`training_device`; checked on a lent GPU by benchmarks/gpu.py,
+    docs/benchmarks.md "On a GPU"): a CPU worker's kernels give the same bits anyway, and the global
+    setting would slow every process that imports prefect-elastic."""
+    assert not torch.cuda.is_available(), "this test is about a machine without a GPU"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    assert training_device() == torch.device("cpu")
+    assert torch.are_deterministic_algorithms_enabled() == deterministic
+
+
+def test_parameters_moved_as_one_transfer_give_the_same_gradients(digits_url: str) -> None:
+    """On a GPU the parameters go in, and the gradients come out, as views of one flat tensor each way
+    (`on_device`, `to_host`); the same function on the CPU gives every tensor its own values and shape,
+    and the gradient against those views is the gradient against the separate tensors."""
+    job = ElasticJob(model="tests.models:tied_dropout", dataset=digits_url, seed=3)
+    layout, tensors = job.initial_tensors()
+    trainer = MicroBatchTrainer(job, [list(tensors)], layout, torch.device("cpu"))
+    names = trainer.param_names
+    moved = moved_as_one(names, [tensors[n] for n in names], trainer.shapes, torch.device("cpu"))
+    assert list(moved) == names
+    assert all(torch.equal(moved[n], tensors[n]) for n in names)
+    assert len({t.untyped_storage().data_ptr() for t in moved.values()}) == 1, "one flat tensor"
+
+    buffers = {n: t for n, t in tensors.items() if n not in names}
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    separate = {n: tensors[n].clone().requires_grad_(True) for n in names}
+    views = {n: t.requires_grad_(True) for n, t in moved.items()}
+    loss, expected, _ = trainer.gradient(separate, buffers, x, y, step=0, batch_id=5)
+    again, got, _ = trainer.gradient(views, buffers, x, y, step=0, batch_id=5)
+    assert loss == again
+    assert all(torch.equal(got[n], expected[n]) for n in names)
+    back = moved_as_one(names, [expected[n] for n in names], trainer.shapes, torch.device("cpu"))
+    assert all(torch.equal(back[n], expected[n]) for n in names), "and the gradients come back as they were"
