@@ -437,9 +437,10 @@ class MicroBatchTrainer:
         self.shapes = {n: t.shape for n, t in meta.items()}
         # (Decided once: a gradient has its parameter's dtype and shape.)
         self.packed = [packs([meta[n] for n in names]) for names in self.shard_params]
-        # On a GPU, the parameters go to it and their gradients come back as one flat run each way, where
-        # they share a dtype (`on_device`, `to_host`).
+        # On a GPU, the gradients come back as one flat run where they share a dtype (`to_host`), and so do
+        # the parameters go to it where they are small besides (`on_device`).
         self.one_run = len({meta[n].dtype for n in self.param_names}) == 1
+        self.small = sum(meta[n].numel() * meta[n].element_size() for n in self.param_names) <= PACK_BYTES
         self.push_order = push_order(
             [sum(meta[n].numel() * meta[n].element_size() for n in names) for names in self.shard_params]
         )
@@ -575,16 +576,19 @@ class MicroBatchTrainer:
 
     def on_device(self, state: Tensors) -> Tensors:
         """The parameters in `state` on this worker's device, as the leaves that `gradient` differentiates
-        against (the loop's own tensors stay as they are). To a GPU they go as one transfer, not one per
-        tensor: each is a synchronous copy of its own, and a model of many small tensors paid more for
-        the copies' count than for their bytes."""
+        against (the loop's own tensors stay as they are). Small parameters go to a GPU as one transfer,
+        not one per tensor: each is a synchronous copy of its own, and a model of many small tensors paid
+        more for the copies' count than for their bytes. Large ones go one by one: joining them into one
+        run is a copy of their bytes in host memory, which cost more than it saved (docs/benchmarks.md,
+        "On a GPU": cnn-gpu's 3.6 MB)."""
         names = self.param_names
-        if self.device.type == "cuda" and self.one_run:
+        if self.device.type == "cuda" and self.one_run and self.small:
             state = moved_as_one(names, [state[n] for n in names], self.shapes, self.device)
         return {n: state[n].to(self.device).detach().requires_grad_(True) for n in names}
 
     def to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients (in `param_names`' order) in host memory, for the push: from a GPU as one transfer."""
+        """Gradients (in `param_names`' order) in host memory, for the push: from a GPU as one transfer
+        (joined into one run on the GPU, where that copy costs next to nothing)."""
         if self.device.type == "cuda" and self.one_run:
             host = torch.device("cpu")
             return list(moved_as_one(self.param_names, grads, self.shapes, host).values())
