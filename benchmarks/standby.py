@@ -253,6 +253,12 @@ def replica_cost(workload: str, data: str, epochs: int, repeats: int) -> dict[st
     }
 
 
+def _actors_on(address: str, dask_scheduler: Any = None) -> int:
+    """How many actors the scheduler places on the worker at ``address`` (run on the scheduler)."""
+    worker = dask_scheduler.workers.get(address)
+    return 0 if worker is None else len(worker.actors)
+
+
 def _drop_page_cache() -> bool:
     """Empty the kernel's page cache (root only), so a file read next comes from the disk."""
     try:
@@ -320,6 +326,16 @@ def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wi
             client.submit(warm_standby, job, workers=[where], pure=False).result()
             return name, where
 
+        def retire(name: str, where: str) -> None:
+            """Retire a standby once the scheduler has let go of the actor on it: a cancel reaches the
+            scheduler asynchronously, and Dask refuses to retire a worker that still holds an actor."""
+            deadline = time.monotonic() + 30
+            while client.run_on_scheduler(_actors_on, where):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the scheduler still holds an actor on {where} 30 s after its cancel")
+                time.sleep(0.05)
+            cluster.retire_worker(name)
+
         live = []
         for i, where in ((index, holder), (1 - index, peer_at)):
             scattered = client.scatter([shards[i], {}, optimizers[i]], workers=[where], hash=False)
@@ -351,7 +367,7 @@ def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wi
             peer_runs.append({"start_s": started, "restore_s": time.perf_counter() - began - started})
             client.cancel([empty])
             del restored
-            cluster.retire_worker(name)
+            retire(name, standby)
             for cache in ("cold", "warm"):
                 name, standby = fresh_standby()
                 cold = _drop_page_cache() if cache == "cold" else False
@@ -372,7 +388,7 @@ def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wi
                 file_runs.append({"cache": cache, "dropped": cold, "read_s": read, "total_s": total})
                 client.cancel([future, *scattered])
                 del checkpoint, start_state, found
-                cluster.retire_worker(name)
+                retire(name, standby)
     peer_total = [r["start_s"] + r["restore_s"] for r in peer_runs]
     cold_total = [r["total_s"] for r in file_runs if r["cache"] == "cold"]
     warm_total = [r["total_s"] for r in file_runs if r["cache"] == "warm"]
