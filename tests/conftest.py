@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,21 @@ logging.getLogger("prefect_elastic").setLevel(logging.INFO)
 @pytest.fixture(scope="session")
 def digits_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     return digits_dataset(str(tmp_path_factory.mktemp("digits")), shards=3)
+
+
+@pytest.fixture(scope="session")
+def tokens_url(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Sequences of token ids, as a language model's data: x int64 (N, 16), y the next token of each
+    position (x shifted by one), in 2 .npz files; `tests.models:char_lm` reads them."""
+    from prefect_elastic.dataset import write_npz
+
+    from .models import TOKENS
+
+    folder = tmp_path_factory.mktemp("tokens")
+    text = np.random.default_rng(0).integers(1, TOKENS, size=(512, 17), dtype=np.int64)
+    for i, rows in enumerate((text[:256], text[256:])):
+        write_npz(str(folder / f"tokens-{i}.npz"), rows[:, :-1].copy(), rows[:, 1:].copy())
+    return f"file://{folder}"
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Small model factories that tests name by import path (`tests.models:mlp`), as a user's job would.
 
 Each returns a fresh `torch.nn.Module` for the 8x8 digits (input (N, 1, 8, 8), 10 classes), or, on purpose,
-something broken that an error path must report.
+something broken that an error path must report; `char_lm` is for the token dataset (`tokens_url`).
 """
 
 from __future__ import annotations
@@ -106,6 +106,36 @@ class _TiedDropout(nn.Module):
 
 def tied_dropout() -> nn.Module:
     return _TiedDropout()
+
+
+TOKENS = 20  # the vocabulary of `char_lm` and of the tests' token dataset (`tests/conftest.py`)
+
+
+class _CharLM(nn.Module):
+    """A language model over tokens: integer inputs (N, T), an embedding with a padding row, a two-layer
+    LSTM (its weights one flat buffer inside cuDNN-style RNN code), dropout between its layers, LayerNorm,
+    and an output layer tied to the embedding. Targets (N, T): the next token at every position."""
+
+    def __init__(self, vocab: int = TOKENS, dim: int = 24) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.lstm = nn.LSTM(dim, dim, num_layers=2, batch_first=True, dropout=0.2)
+        self.norm = nn.LayerNorm(dim)
+        self.out = nn.Linear(dim, vocab)
+        self.out.weight = self.embed.weight  # tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.embed(x))
+        return self.out(self.norm(h))
+
+
+def char_lm() -> nn.Module:
+    return _CharLM()
+
+
+def sequence_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy at every position of (N, T, vocab) logits against (N, T) next tokens."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def _signal_file(variable: str) -> Path:

@@ -38,6 +38,30 @@ def test_gradient_equals_an_ordinary_model_with_tied_weights_and_dropout(digits_
     assert set(grads) == set(layout.params)
 
 
+def test_gradient_equals_an_ordinary_language_model_with_an_lstm(tokens_url: str) -> None:
+    """Token inputs, an LSTM (whose weights torch keeps as one flat buffer), an embedding tied to the
+    output layer and a loss of the user's own: the trainer's gradient is the ordinary model's."""
+    job = ElasticJob(
+        model="tests.models:char_lm", loss="tests.models:sequence_loss", dataset=tokens_url, seed=4
+    )
+    layout, tensors = job.initial_tensors()
+    trainer = MicroBatchTrainer(job, [list(tensors)], layout, torch.device("cpu"))
+    params = {n: tensors[n].clone().requires_grad_(True) for n in trainer.param_names}
+    x = torch.randint(1, 20, (8, 16))
+    y = torch.randint(1, 20, (8, 16))
+
+    loss, grads, _ = trainer.gradient(params, {}, x, y, step=0, batch_id=2)
+
+    ordinary = job.initial_model()
+    torch.manual_seed(micro_batch_seed(job.seed, 2))
+    expected = job.loss_fn()(ordinary(x), y)
+    expected.backward()
+    assert loss == expected.item()
+    for name, p in ordinary.named_parameters():  # out.weight is embed.weight, its gradient both uses
+        assert torch.equal(grads[name], p.grad), name
+    assert "out.weight" not in grads and set(grads) == set(layout.params)
+
+
 def test_a_micro_batch_draws_its_dropout_mask_alone_while_another_thread_builds_a_model(
     digits_url: str,
 ) -> None:

@@ -428,6 +428,25 @@ def test_tied_weights_dropout_and_tiny_shards(
     assert "scale" not in result.state_dict
 
 
+def test_a_language_model_on_token_sequences(
+    cluster: LocalElasticCluster, reference: References, tokens_url: str
+) -> None:
+    """A model unlike the digits ones, as a user brings it: integer token inputs, an embedding, a
+    two-layer LSTM with dropout, LayerNorm, an output layer tied to the embedding and a loss of the user's
+    own over (N, T) targets. A worker killed mid-run still leaves the one-worker run's bits."""
+    top_up(cluster, 2)
+    job = make_job(
+        tokens_url, "rollback", model="tests.models:char_lm", loss="tests.models:sequence_loss",
+        batch_size=16, epochs=2, job_id="lm",
+    )  # fmt: skip
+    faults = FaultSchedule(seed=8).kill_worker(at_step=5)
+    result = train(job, cluster=cluster, faults=faults)
+    expected = reference(job)
+    check_run(result, expected, "rollback")
+    assert result.state_dict["out.weight"] is result.state_dict["embed.weight"], "exported tied"
+    assert result.history[-1] < result.history[0], "the loss fell"
+
+
 def ts_equal(a: object, b: object) -> bool:
     import torch
 
