@@ -28,7 +28,7 @@ import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.data_server import DataServer, plan_shards
-from prefect_elastic.dataset import digits_dataset
+from prefect_elastic.dataset import digits_dataset, write_npz
 from prefect_elastic.local.chaos import SoakFigures
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -105,9 +105,7 @@ def digits_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tokens_url(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Sequences of token ids, as a language model's data: x int64 (N, 16), y the next token of each
     position (x shifted by one), in 2 .npz files; `tests.models:char_lm` reads them."""
-    from prefect_elastic.dataset import write_npz
-
-    from .models import TOKENS
+    from .models import TOKENS  # (not at the top: on import it reads the gate variables set after them)
 
     folder = tmp_path_factory.mktemp("tokens")
     text = np.random.default_rng(0).integers(1, TOKENS, size=(512, 17), dtype=np.int64)

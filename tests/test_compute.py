@@ -15,6 +15,8 @@ from prefect_elastic.compute import (
     training_device,
 )
 
+from .models import TOKENS
+
 
 def test_gradient_equals_an_ordinary_model_with_tied_weights_and_dropout(digits_url: str) -> None:
     job = ElasticJob(model="tests.models:tied_dropout", dataset=digits_url, data_servers=4, seed=3)
@@ -47,8 +49,8 @@ def test_gradient_equals_an_ordinary_language_model_with_an_lstm(tokens_url: str
     layout, tensors = job.initial_tensors()
     trainer = MicroBatchTrainer(job, [list(tensors)], layout, torch.device("cpu"))
     params = {n: tensors[n].clone().requires_grad_(True) for n in trainer.param_names}
-    x = torch.randint(1, 20, (8, 16))
-    y = torch.randint(1, 20, (8, 16))
+    x = torch.randint(1, TOKENS, (8, 16))
+    y = torch.randint(1, TOKENS, (8, 16))
 
     loss, grads, _ = trainer.gradient(params, {}, x, y, step=0, batch_id=2)
 
