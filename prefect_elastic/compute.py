@@ -20,6 +20,7 @@ not finite is reported to the coordinator as a failure that ends the job, naming
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -444,6 +445,10 @@ class MicroBatchTrainer:
         self.push_order = push_order(
             [sum(meta[n].numel() * meta[n].element_size() for n in names) for names in self.shard_params]
         )
+        # Data servers that hold no state (`plan_shards` gave a small model's to as few as it needs): a
+        # push there only counts the step's batch ids, and the loop reads its answer a step later
+        # instead of waiting for it (see `step`).
+        self.stateless = [not names for names in plan]
         self.pull_wait = min(PULL_WAIT_SECONDS, job.call_timeout / 2)
 
     def then(
@@ -466,6 +471,11 @@ class MicroBatchTrainer:
 
     def fetch(self, role: Role, step: int, shards: list[ShardLink], schedule: Schedule) -> Ahead:
         """Ask every shard for `step` alone (a loop's first step in a generation, or after a failure)."""
+        if any(link.pending for link in shards):
+            # A stateless data server's answer to the last push of a step or generation that ended: what
+            # became of that push no longer matters (a fence voided it, or the run ended).
+            with contextlib.suppress(RecoverableError):  # (a stale generation's too)
+                receive_all(shards, [link.pending for link in shards], self.job.call_timeout)
         frames = [
             Frame({"op": "pull", "generation": role.generation, "then": then})
             for then in self.then(role, step, schedule)
@@ -520,11 +530,11 @@ class MicroBatchTrainer:
                     "step": step,
                     "worker": role.members[role.rank],
                     "losses": {},
-                    "then": then if hook is None else None,
+                    "then": then if hook is None and not stateless else None,
                     "order": names,  # the parameters a packed gradient covers (`gradient_entries`)
                 }
             )
-            for then, names in zip(following, self.shard_params, strict=True)
+            for then, names, stateless in zip(following, self.shard_params, self.stateless, strict=True)
         ]
         for b in share:
             x, y = batches[b]
@@ -550,8 +560,14 @@ class MicroBatchTrainer:
             # frame during backward, once its gradients are in, was tried: 4% faster on cnn-20, but a
             # worker killed during backward then leaves the shards a version apart, which costs a
             # rollback to the snapshot; see docs/design/step-channel.md.)
+            # A stateless data server's answer to this push is left in its socket and read with the next
+            # step's answers: the step does not wait for a server whose state nothing needs. It may then
+            # get a push of the next step before another worker's push of this one, and keeps it until
+            # then (`DataServer.push`); a push that never comes (its worker died between the frames)
+            # leaves it a version behind, which the fence finds as with any two shards.
             send_all(shards, frames, self.push_order)
-            answers = receive_all(shards, [1 + (e is not None) for e in early_asks], timeout)
+            unread = [link.pending - skip for link, skip in zip(shards, self.stateless, strict=True)]
+            answers = receive_all(shards, unread, timeout)
             lap("push")
             return Ahead(gen, step + 1, answers) if following[0] is not None else None
         for i, (link, frame) in enumerate(zip(shards, frames, strict=True)):

@@ -128,6 +128,9 @@ class DataServer:
         self._y = torch.from_numpy(y)
         self.generation = 0
         self._open = _OpenStep()
+        # A data server that holds no state: pushes of steps after its open one, kept until it gets there
+        # (a loop does not wait for such a server's answer, so its pushes can overtake another's).
+        self._later: dict[int, _OpenStep] = {}
         self._applying = False
         self._records: list[StepRecord] = []
         self._refused = 0
@@ -466,17 +469,33 @@ class DataServer:
         """The gradients (of this shard's parameters), updated buffers and losses of the batch ids in
         `losses`; the push that completes step `step` applies it."""
         self._check(generation, "push")
-        if step != self.version or self._applying:
+        if step < self.version or (step == self.version and self._applying):
             raise RecoverableError(f"push for step {step}, but shard {self.index} is at step {self.version}")
+        if step > self.version and not self.stateless:
+            # (Cannot happen: a loop pushes a step only with its parameters, pulled from every shard
+            # that holds state once it got there.)
+            raise RecoverableError(f"push for step {step}, but shard {self.index} is at step {self.version}")
+        opened = self._open if step == self.version else self._later.setdefault(step, _OpenStep())
         for batch_id in losses:
             if self._schedule.step_of(batch_id) != step:
                 raise FatalError(f"gradient of batch {batch_id} pushed for step {step}")
-            self._open.grads[batch_id] = grads.get(batch_id, {})
-            self._open.buffers[batch_id] = buffers.get(batch_id, {})
-            self._open.losses[batch_id] = losses[batch_id]
-            self._open.workers[batch_id] = worker
-        if self._open_step_complete() and not self._held(step):
-            await self._apply_step(step)
+            opened.grads[batch_id] = grads.get(batch_id, {})
+            opened.buffers[batch_id] = buffers.get(batch_id, {})
+            opened.losses[batch_id] = losses[batch_id]
+            opened.workers[batch_id] = worker
+        await self._apply_complete_steps()
+
+    @property
+    def stateless(self) -> bool:
+        """Holds no parameters and no buffers (`plan_shards` left it none): it only serves batches and
+        counts the steps' batch ids, and a compute loop does not wait for its answer to a push."""
+        return self._optimizer is None and not self._buffers
+
+    async def _apply_complete_steps(self) -> None:
+        """Apply the open step if every gradient of it is here and no hold keeps it; then the next one,
+        from the pushes kept for later (`_later`), as far as they go."""
+        while not self._applying and self._open_step_complete() and not self._held(self.version):
+            await self._apply_step(self.version)
 
     def _open_step_complete(self) -> bool:
         step = self.version
@@ -508,6 +527,8 @@ class DataServer:
         finally:
             self._applying = False
         self.version += 1
+        # (Before any await: a push of the new step may come in at the next one.)
+        self._open = self._later.pop(self.version, self._open)
         self._records.append(
             StepRecord(
                 step, self.generation, tuple(ordered), dict(opened.workers), dict(opened.losses), time.time()
@@ -561,8 +582,8 @@ class DataServer:
             await asyncio.sleep(delay)  # a slowed hand-over (test hook, see local/slow.py)
             self._check(generation, "hold")  # a fence may have come meanwhile
         self._hold = version
-        if self.version < version and not self._applying and self._open_step_complete():
-            await self._apply_step(self.version)  # kept by a lower hold, which this one lifts
+        if self.version < version:
+            await self._apply_complete_steps()  # kept by a lower hold, which this one lifts
         if self.version < version:
             with contextlib.suppress(RecoverableError, StaleGenerationError):
                 await self._wait_for_version(generation, version, wait)
@@ -586,6 +607,7 @@ class DataServer:
                 pass
         pending = len(self._open.grads)
         self._open = _OpenStep()
+        self._later.clear()
         self._snapshot_wanted = None
         if self._snapshotting is not None:
             await self._snapshotting
@@ -612,6 +634,7 @@ class DataServer:
         self.version = snap.version
         self._records = [r for r in self._records if r.step < version]
         self._open = _OpenStep()
+        self._later.clear()
         await self._announce_version()
         return self.version
 
@@ -782,6 +805,7 @@ class DataServer:
         self._start_snapshot()
         self._records = []
         self._open = _OpenStep()
+        self._later.clear()
         self._replicated.clear()
         self._keep = self.version
         log.info(

@@ -3,6 +3,7 @@ the one-worker, no-fault run and the ledger holds every batch id exactly once.""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import signal
 import time
@@ -14,6 +15,7 @@ import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.compute import PUSH_HOOK
+from prefect_elastic.errors import RecoverableError
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.local.push_faults import KillBetweenPushes
@@ -24,6 +26,7 @@ from .conftest import (
     References,
     assert_ledger_exactly_once,
     assert_same_parameters,
+    in_process_servers,
     make_job,
     top_up,
 )
@@ -131,6 +134,42 @@ def test_a_small_model_on_one_data_server_trains_bit_for_bit_as_when_spread_over
     assert [bool(names) for names in spread.shard_plan] == [True, True]
     check_run(result, spread, "reassign")
     assert faults.log[0].target in lost_workers(result)
+
+
+def test_a_stateless_data_server_keeps_a_push_that_overtook_another_workers(digits_url: str) -> None:
+    """A loop does not wait for a stateless data server's answer to its push (`MicroBatchTrainer.step`), so
+    its push of the next step can reach that server before another worker's push of this one: the server
+    keeps it and applies both steps in order. A fence drops what it kept; a data server that holds state
+    refuses a push ahead of its version, which no loop can send."""
+    default = ElasticJob.model_fields["min_shard_bytes"].default
+    (free, holder), plan = in_process_servers(digits_url, min_shard_bytes=default)
+    assert plan[0] == [] and free.stateless and not holder.stateless
+    step0, step1 = (free._schedule.step_batches(s) for s in (0, 1))
+
+    def half(ids: Any, lower: bool) -> dict[int, float]:
+        return {b: float(b) for b in (ids[:2] if lower else ids[2:])}
+
+    async def overtaken() -> None:
+        await free.push(0, 0, "a", {}, {}, half(step0, True))
+        await free.push(0, 1, "a", {}, {}, half(step1, True))  # a's next push, before b's of step 0
+        assert free.version == 0
+        await free.push(0, 0, "b", {}, {}, half(step0, False))
+        assert free.version == 1, "step 0 applied, step 1 open with a's half in it"
+        await free.push(0, 1, "b", {}, {}, half(step1, False))
+        assert free.version == 2
+        records = {r.step: r for r in (await free.status(0)).records}
+        assert [records[s].batch_ids for s in (0, 1)] == [tuple(sorted(step0)), tuple(sorted(step1))]
+        assert records[1].workers == {**dict.fromkeys(step1[:2], "a"), **dict.fromkeys(step1[2:], "b")}
+        # Kept pushes of a generation that a fence ended are dropped with it.
+        await free.push(0, 3, "a", {}, {}, half(free._schedule.step_batches(3), True))
+        await free.fence(1)
+        await free.push(1, 2, "a", {}, {}, half(free._schedule.step_batches(2), True))
+        await free.push(1, 2, "b", {}, {}, half(free._schedule.step_batches(2), False))
+        assert free.version == 3 and not free._later
+        with pytest.raises(RecoverableError, match="push for step 1, but shard 1 is at step 0"):
+            await holder.push(0, 1, "a", {}, {}, half(step1, True))
+
+    asyncio.run(overtaken())
 
 
 def test_the_processes_that_train_freeze_their_startup_objects(
