@@ -131,6 +131,7 @@ class DataServer:
         # A data server that holds no state: pushes of steps after its open one, kept until it gets there
         # (a loop does not wait for such a server's answer, so its pushes can overtake another's).
         self._later: dict[int, _OpenStep] = {}
+        self._advancing = False  # `_apply_complete_steps` under way
         self._applying = False
         self._records: list[StepRecord] = []
         self._refused = 0
@@ -494,8 +495,16 @@ class DataServer:
     async def _apply_complete_steps(self) -> None:
         """Apply the open step if every gradient of it is here and no hold keeps it; then the next one,
         from the pushes kept for later (`_later`), as far as they go."""
-        while not self._applying and self._open_step_complete() and not self._held(self.version):
-            await self._apply_step(self.version)
+        if self._advancing:
+            return  # the call under way checks again after each step it applies
+        self._advancing = True
+        try:
+            # One at a time: a push that completes the next step while `_apply_step` awaits (its version
+            # announced, a snapshot due) leaves the apply to this loop, so each step's own ends run first.
+            while not self._applying and self._open_step_complete() and not self._held(self.version):
+                await self._apply_step(self.version)
+        finally:
+            self._advancing = False
 
     def _open_step_complete(self) -> bool:
         step = self.version
@@ -565,6 +574,7 @@ class DataServer:
             pending=len(self._open.grads),
             refused=self._refused,
             replicas=tuple(sorted(self._replicas)),
+            stateless=self.stateless,
         )
 
     async def hold_at(self, generation: int, version: int, wait: float) -> int:

@@ -120,6 +120,9 @@ class ShardStatus:
     refused: int  # messages of another generation refused since the shard started
     # Versions of the snapshots of shard `(index - 1) % D` this shard holds a whole copy of (its replicas).
     replicas: tuple[int, ...] = ()
+    # Holds no parameters and no buffers: no loop waits for its answer to a push, so it may lag the others
+    # by more than a version when the membership changes (see `CoordinatorState.reconcile`).
+    stateless: bool = False
 
 
 @dataclass(frozen=True)

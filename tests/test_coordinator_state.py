@@ -218,6 +218,19 @@ def test_shards_more_than_a_version_apart_is_a_bug_never_papered_over() -> None:
         state.reconcile(decision, [status(0, 3, 2), status(1, 1, 2)])
 
 
+def test_a_stateless_data_server_two_versions_behind_goes_back_to_the_snapshot_with_the_others() -> None:
+    """A data server that holds no state may lag more than a version (no loop waits for it); the fence
+    finds the versions apart, and every shard goes back to the snapshot, which it holds too."""
+    state = new_state("reassign")
+    admit(state, {"a", "b"})
+    decision = survival_check(state.survival_state(), {"a"}, now=5.0)
+    fenced = [replace(status(0, 1, 2), stateless=True), status(1, 3, 2)]
+    plan = state.reconcile(decision, fenced)
+    assert plan.restore_to == 0 and not plan.consistent
+    event = state.change_membership(decision, plan, fenced, "worker event", now=6.0, began=5.0)
+    assert event.steps_lost == 1 and state.committed_steps == 0 and "[1, 3]" in event.reason
+
+
 def test_shards_that_applied_different_batch_ids_is_a_bug() -> None:
     state = new_state()
     admit(state, {"a", "b"})
