@@ -615,6 +615,11 @@ class DataServer:
             # waiting for the lock are refused (their generation is old now).
             async with self._apply_lock:
                 pass
+        while self._applying:
+            # Sync mode: a step being applied in a thread (a shard too big to apply on the event loop)
+            # ends before the answer says where the shard stands; else a restore would copy the snapshot
+            # into tensors the thread is still changing, and the version would move after the answer.
+            await asyncio.sleep(0.001)
         pending = len(self._open.grads)
         self._open = _OpenStep()
         self._later.clear()

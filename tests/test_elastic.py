@@ -172,6 +172,33 @@ def test_a_stateless_data_server_keeps_a_push_that_overtook_another_workers(digi
     asyncio.run(overtaken())
 
 
+def test_a_fence_waits_for_a_step_being_applied_in_a_thread(digits_url: str) -> None:
+    """A shard too big to apply a step on its event loop applies it in a thread; a fence that comes
+    meanwhile answers once the step is applied, with the version after it, so that no restore copies a
+    snapshot into tensors the thread is still changing and the version does not move after the answer."""
+    server = in_process_servers(digits_url)[0][0]
+    ids = server._schedule.step_batches(0)
+    grads = {b: {n: torch.ones_like(p) for n, p in server._params.items()} for b in ids}
+    server._apply_inline = False  # (as for a big shard)
+    applying = server._apply
+
+    def slow(*args: Any) -> None:
+        time.sleep(0.3)
+        applying(*args)
+
+    server._apply = slow  # type: ignore[method-assign]
+
+    async def fenced_mid_apply() -> None:
+        push = asyncio.ensure_future(server.push(0, 0, "a", grads, {}, {b: 1.0 for b in ids}))
+        await asyncio.sleep(0.1)
+        assert server._applying, "the step is being applied in its thread"
+        status = await server.fence(1)
+        assert (status.version, server.version, server._applying) == (1, 1, False)
+        await push
+
+    asyncio.run(fenced_mid_apply())
+
+
 def test_the_processes_that_train_freeze_their_startup_objects(
     reference_cluster: LocalElasticCluster, digits_url: str
 ) -> None:
