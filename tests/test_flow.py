@@ -178,7 +178,11 @@ def test_flow_run_with_a_worker_killed_and_one_added(
     table = json.loads(next(a for k, a in artifacts.items() if k.endswith("-membership"))["data"])
     assert any(victim in row["lost"] for row in table) and any(newcomer in row["joined"] for row in table)
     summary = next(a for k, a in artifacts.items() if k.endswith("-summary"))["data"]
-    assert "failures survived" in summary and "1 workers lost" in summary
+    # The summary counts every loss the table shows: the victim, and on a loaded machine now and then a
+    # live worker whose heartbeats came late (out of the membership after 2.5 silent heartbeats, back when
+    # heard again; seen in 1 of 15 runs here, with a worker starting on the same 2 cores).
+    lost = sum(len([w for w in row["lost"].split(", ") if w]) for row in table)
+    assert lost >= 1 and f"failures survived | {lost} workers lost" in summary, (summary, table)
 
     tasks = run.task_names()
     for phase in ("validate job", "restore", "start data servers and coordinator", "supervise", "export"):
