@@ -446,8 +446,8 @@ class MicroBatchTrainer:
             [sum(meta[n].numel() * meta[n].element_size() for n in names) for names in self.shard_params]
         )
         # Data servers that hold no state (`plan_shards` gave a small model's to as few as it needs): a
-        # push there only counts the step's batch ids, and the loop reads its answer a step later
-        # instead of waiting for it (see `step`).
+        # push there only counts the step's batch ids, and the loop reads its answer just before its next
+        # push instead of waiting for it (see `step`).
         self.stateless = [not names for names in plan]
         self.pull_wait = min(PULL_WAIT_SECONDS, job.call_timeout / 2)
 

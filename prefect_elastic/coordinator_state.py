@@ -474,7 +474,7 @@ class CoordinatorState:
             return Reconciliation(None, versions, True)
         consistent = len(set(versions)) == 1
         # (Among the shards that hold state. A stateless one may lag further: a loop reads its answer to a
-        # push only before its next push, and a loop with no share of a step pushes nothing then. Every
+        # push only before its next push, and a loop with no share of the next step pushes nothing then. Every
         # shard still holds the snapshot, which is never newer than the ledger, so a restore mends it.)
         held = [s.version for s in fenced if not s.stateless]
         if held and max(held) - min(held) > 1:

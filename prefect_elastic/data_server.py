@@ -132,6 +132,7 @@ class DataServer:
         # (a loop does not wait for such a server's answer, so its pushes can overtake another's).
         self._later: dict[int, _OpenStep] = {}
         self._advancing = False  # `_apply_complete_steps` under way
+        self._step_applied: asyncio.Future[None] | None = None  # done when the last `_apply_step` ends
         self._applying = False
         self._records: list[StepRecord] = []
         self._refused = 0
@@ -524,6 +525,7 @@ class DataServer:
         grads = [opened.grads[b] for b in ordered]
         buffers = [opened.buffers[b] for b in ordered]
         self._applying = True
+        done = self._step_applied = asyncio.get_running_loop().create_future()
         try:
             if self._snapshotting is not None:
                 await self._snapshotting  # a snapshot of this version still reads the tensors
@@ -535,6 +537,7 @@ class DataServer:
             self._apply_seconds += time.perf_counter() - began
         finally:
             self._applying = False
+            done.set_result(None)
         self.version += 1
         # (Before any await: a push of the new step may come in at the next one.)
         self._open = self._later.pop(self.version, self._open)
@@ -615,11 +618,11 @@ class DataServer:
             # waiting for the lock are refused (their generation is old now).
             async with self._apply_lock:
                 pass
-        while self._applying:
+        if self._step_applied is not None:
             # Sync mode: a step being applied in a thread (a shard too big to apply on the event loop)
             # ends before the answer says where the shard stands; else a restore would copy the snapshot
             # into tensors the thread is still changing, and the version would move after the answer.
-            await asyncio.sleep(0.001)
+            await asyncio.shield(self._step_applied)
         pending = len(self._open.grads)
         self._open = _OpenStep()
         self._later.clear()

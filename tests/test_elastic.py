@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -182,17 +183,23 @@ def test_a_fence_waits_for_a_step_being_applied_in_a_thread(digits_url: str) -> 
     server._apply_inline = False  # (as for a big shard)
     applying = server._apply
 
+    started, release = threading.Event(), threading.Event()
+
     def slow(*args: Any) -> None:
-        time.sleep(0.3)
+        started.set()
+        release.wait(10)
         applying(*args)
 
     server._apply = slow  # type: ignore[method-assign]
 
     async def fenced_mid_apply() -> None:
         push = asyncio.ensure_future(server.push(0, 0, "a", grads, {}, {b: 1.0 for b in ids}))
-        await asyncio.sleep(0.1)
-        assert server._applying, "the step is being applied in its thread"
-        status = await server.fence(1)
+        assert await asyncio.to_thread(started.wait, 10), "the step is being applied in its thread"
+        fence = asyncio.ensure_future(server.fence(1))
+        await asyncio.sleep(0)  # (the fence runs up to its wait)
+        assert not fence.done() and server._applying
+        release.set()
+        status = await fence
         assert (status.version, server.version, server._applying) == (1, 1, False)
         await push
 
