@@ -198,6 +198,7 @@ def next_commit(result: TrainResult, after: float) -> float | None:
 
 
 COMPUTE_PHASE = "compute"  # the compute loop's phase of forward and backward (LoopStats.phases)
+SHARD_PHASES = ("handle", "send", "apply")  # the times among a data server's `phases` (not its counts)
 
 
 def fixed_cost(result: TrainResult, skip: int = 5) -> dict[str, Any]:
@@ -228,11 +229,16 @@ def fixed_cost(result: TrainResult, skip: int = 5) -> dict[str, Any]:
     # The shards' side of the step path, per committed step: each shard's `handle` (its part of the push
     # and the answer, the optimizer step included), `apply` (the optimizer step alone) and `send`.
     shard_ms = [
-        {k: 1000 * v / max(1, result.steps) for k, v in shard.items() if k != "frames"}
+        {k: 1000 * v / max(1, result.steps) for k, v in shard.items() if k in SHARD_PHASES}
         for shard in result.shard_phases
     ]
     return {
         "shard_ms": shard_ms,
+        # Frames with tensors each shard received through shared memory and through its sockets.
+        "shard_bodies": [
+            {way: int(shard.get(f"bodies_{way}", 0)) for way in ("shared", "socket")}
+            for shard in result.shard_phases
+        ],
         "step_ms": 1000 * step_s,
         "compute_ms": compute_ms,
         "fixed_ms": None if compute_ms is None else 1000 * step_s - compute_ms,

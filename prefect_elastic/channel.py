@@ -55,6 +55,7 @@ import numpy as np
 import torch
 
 from .errors import FatalError, RecoverableError, StaleGenerationError
+from .inbox import SharedBodies
 
 _LENGTH = struct.Struct("!I")
 # Socket buffers asked for on both ends: a frame of a few megabytes (a shard's share of a model's
@@ -124,8 +125,10 @@ def _raw(t: torch.Tensor) -> memoryview:
         return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
-def encode(frame: Frame) -> list[memoryview]:
-    """The frame as buffers to send in order; tensor bytes are views of the tensors' memory, not copies."""
+def encode(frame: Frame, shared: SharedBodies | None = None) -> list[memoryview]:
+    """The frame as buffers to send in order; tensor bytes are views of the tensors' memory, not copies.
+    With `shared` (the connection's shared memory, `inbox.py`), the body is copied into the peer's inbox
+    where it can be, and only the header is left to send."""
     described = []
     bodies: list[memoryview] = []
     for entry, tensor in frame.tensors:
@@ -137,7 +140,12 @@ def encode(frame: Frame) -> list[memoryview]:
         described.append([entry.kind, entry.batch_id, entry.name, str(t.dtype), t.shape])
         if t.numel():
             bodies.append(_raw(t))
-    header = json.dumps({**frame.header, "tensors": described}, separators=(",", ":")).encode()
+    fields: dict[str, Any] = {}
+    if shared is not None:
+        fields = shared.outgoing(bodies, sum(body.nbytes for body in bodies))
+        if "slot" in fields:
+            bodies = []
+    header = json.dumps({**frame.header, **fields, "tensors": described}, separators=(",", ":")).encode()
     return [memoryview(_LENGTH.pack(len(header)) + header), *bodies]
 
 
@@ -240,6 +248,7 @@ class ShardLink:
         self._sock: socket.socket | None = None
         self.pending = 0  # frames sent whose answer was not read yet
         self.local = False  # whether the connection is to the shard's Unix socket (the same machine)
+        self.shared = SharedBodies(False)  # the connection's shared memory (`inbox.py`): on a Unix socket
         # Once that connect has failed (another machine, another network namespace), it is not tried again.
         self._local_refused = False
 
@@ -247,6 +256,7 @@ class ShardLink:
         if self._sock is None:
             sock = self._connect_local()
             self.local = sock is not None
+            self.shared = SharedBodies(self.local)
             if sock is None:
                 sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout)
                 _tune(sock)
@@ -279,6 +289,7 @@ class ShardLink:
                 self._sock.close()
             self._sock = None
         self.pending = 0
+        self.shared.close()
 
     def interrupt(self) -> None:
         """Wake a thread blocked on this connection (its call fails, and closes the connection)."""
@@ -291,7 +302,7 @@ class ShardLink:
         try:
             sock = self._connected()
             sock.settimeout(self.timeout)
-            _send_all(sock, encode(frame))
+            _send_all(sock, encode(frame, self.shared))
             self.pending += 1
         except BaseException:
             self.close()
@@ -310,8 +321,10 @@ class ShardLink:
             if length > MAX_HEADER_BYTES:
                 raise ConnectionError(f"the shard at {self.address} sent a header of {length} bytes")
             header = json.loads(_recv_exactly(sock, length))
-            body = _body_buffer(header["tensors"], huge_pages)
-            _recv_into(sock, body.data)
+            body = self.shared.incoming(header, _body_size(header["tensors"]))
+            if body is None:
+                body = _body_buffer(header["tensors"], huge_pages)
+                _recv_into(sock, body.data)
         except BaseException:
             self.close()
             raise
@@ -443,6 +456,8 @@ class ShardServer:
         self.phases: dict[str, float] = {"handle": 0.0, "send": 0.0}
         self.frames = 0
         self.connections = {"tcp": 0, "local": 0}  # connections taken, by kind
+        # Bodies received, by the way they came: through shared memory (`inbox.py`) or the socket.
+        self.bodies = {"shared": 0, "socket": 0}
 
     async def start(self, host: str, tls: ssl.SSLContext | None = None, local: bool = True) -> ChannelAddress:
         """Listen on `host` (a free port); with `tls`, every connection is TLS with that context. Without
@@ -473,7 +488,7 @@ class ShardServer:
                 sock = writer.get_extra_info("socket")
                 if sock is not None:
                     _tune(sock)
-                await self._serve(_StreamIO(reader, writer))
+                await self._serve(_StreamIO(reader, writer), SharedBodies(False, self.bodies))
 
             self._tls_server = await asyncio.start_server(serve_stream, sock=listener, ssl=tls)
         return self.address
@@ -493,12 +508,12 @@ class ShardServer:
             conn.setblocking(False)
             _tune(conn)
             self.connections[kind] += 1
-            self._spawn(self._serve(_SocketIO(loop, conn)))
+            self._spawn(self._serve(_SocketIO(loop, conn), SharedBodies(kind == "local", self.bodies)))
 
-    async def _serve(self, io: _SocketIO | _StreamIO) -> None:
+    async def _serve(self, io: _SocketIO | _StreamIO, shared: SharedBodies) -> None:
         try:
             while True:
-                frame = await _read_frame(io)
+                frame = await _read_frame(io, shared)
                 if frame is None:
                     return
                 began = time.perf_counter()
@@ -507,7 +522,7 @@ class ShardServer:
                 except Exception as exc:
                     answer = Frame(error_header(exc))
                 handled = time.perf_counter()
-                await io.write(encode(answer), answer.unchanging)
+                await io.write(encode(answer, shared), answer.unchanging)
                 self.phases["handle"] += handled - began
                 self.phases["send"] += time.perf_counter() - handled
                 self.frames += 1
@@ -515,6 +530,7 @@ class ShardServer:
             return  # the loop went away (killed, cancelled) or sent garbage: drop the connection
         finally:
             io.close()
+            shared.close()
 
     def close(self) -> None:
         if self._tls_server is not None:
@@ -599,7 +615,7 @@ class _StreamIO:
         self.writer.close()
 
 
-async def _read_frame(io: _SocketIO | _StreamIO) -> Frame | None:
+async def _read_frame(io: _SocketIO | _StreamIO, shared: SharedBodies) -> Frame | None:
     head = bytearray(_LENGTH.size)
     if not await io.read_into(memoryview(head), eof_ok=True):
         return None
@@ -609,6 +625,8 @@ async def _read_frame(io: _SocketIO | _StreamIO) -> Frame | None:
     header_bytes = bytearray(length)
     await io.read_into(memoryview(header_bytes))
     header = json.loads(header_bytes)
-    body = _body_buffer(header["tensors"])
-    await io.read_into(body.data)
+    body = shared.incoming(header, _body_size(header["tensors"]))
+    if body is None:
+        body = _body_buffer(header["tensors"])
+        await io.read_into(body.data)
     return decode(header, body)

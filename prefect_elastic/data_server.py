@@ -223,12 +223,15 @@ class DataServer:
 
     async def phases(self) -> dict[str, float]:
         """Seconds spent on the step path by phase, summed over the run: the channel's `handle` and
-        `send`, and `apply` (the optimizer step within `handle`); `frames` counts the frames answered."""
+        `send`, and `apply` (the optimizer step within `handle`); `frames` counts the frames answered,
+        `bodies_shared` and `bodies_socket` the frames with tensors by the way they came (`inbox.py`)."""
         server = self._server
         return {
             **(server.phases if server is not None else {}),
             "apply": self._apply_seconds,
             "frames": float(server.frames if server is not None else 0),
+            "bodies_shared": float(server.bodies["shared"] if server is not None else 0),
+            "bodies_socket": float(server.bodies["socket"] if server is not None else 0),
         }
 
     async def close_channel(self) -> None:
