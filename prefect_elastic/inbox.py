@@ -17,7 +17,8 @@ How, per connection and per direction:
 - The receiver's tensors of that frame are views of the slot. When the last of them is gone (`weakref` on
   the array they all keep alive), the slot is marked free again.
 
-Nothing depends on it working: a sender that cannot map the inbox (another pid namespace: the token does
+Nothing depends on it working (and `PREFECT_ELASTIC_SHARED_MEMORY=0` in the workers' environment turns it
+off): a sender that cannot map the inbox (another pid namespace: the token does
 not match; another user: permission denied), a body too large, or no free slot (the receiver still holds
 every slot's tensors), and the body goes through the socket as before. The header that names a slot is
 sent after the body is written (the system call orders the two), and a slot is reused only after the
@@ -40,6 +41,8 @@ from typing import Any
 
 import numpy as np
 
+# Set to 0 to send every body through the socket (to compare, or to rule this path out).
+ENV = "PREFECT_ELASTIC_SHARED_MEMORY"
 # Bodies smaller than this gain next to nothing from shared memory (a few microseconds of copies).
 MIN_BYTES = 64 << 10
 # Bodies larger than this go through the socket: an inbox holds SLOTS of them, per connection.
@@ -159,7 +162,7 @@ class SharedBodies:
     inbox). `enabled` only on a Unix socket (a peer on this machine)."""
 
     def __init__(self, enabled: bool, counts: dict[str, int] | None = None) -> None:
-        self.enabled = enabled
+        self.enabled = enabled and os.environ.get(ENV, "1") != "0"
         self.inbox: Inbox | None = None
         # The inbox before `inbox`, until the peer writes into the new one: it may have written into the
         # old one before it heard of the new.
