@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from .errors import FatalError, RecoverableError, StaleGenerationError
-from .inbox import SharedBodies
+from .inbox import SharedBodies, peer_pid
 
 _LENGTH = struct.Struct("!I")
 # Socket buffers asked for on both ends: a frame of a few megabytes (a shard's share of a model's
@@ -248,7 +248,7 @@ class ShardLink:
         self._sock: socket.socket | None = None
         self.pending = 0  # frames sent whose answer was not read yet
         self.local = False  # whether the connection is to the shard's Unix socket (the same machine)
-        self.shared = SharedBodies(False)  # the connection's shared memory (`inbox.py`): on a Unix socket
+        self.shared = SharedBodies()  # the connection's shared memory (`inbox.py`): on a Unix socket
         # Once that connect has failed (another machine, another network namespace), it is not tried again.
         self._local_refused = False
 
@@ -256,7 +256,7 @@ class ShardLink:
         if self._sock is None:
             sock = self._connect_local()
             self.local = sock is not None
-            self.shared = SharedBodies(self.local)
+            self.shared = SharedBodies(peer_pid(sock) if sock is not None else 0)
             if sock is None:
                 sock = socket.create_connection((self.address.host, self.address.port), timeout=self.timeout)
                 _tune(sock)
@@ -488,7 +488,7 @@ class ShardServer:
                 sock = writer.get_extra_info("socket")
                 if sock is not None:
                     _tune(sock)
-                await self._serve(_StreamIO(reader, writer), SharedBodies(False, self.bodies))
+                await self._serve(_StreamIO(reader, writer), SharedBodies(0, self.bodies))
 
             self._tls_server = await asyncio.start_server(serve_stream, sock=listener, ssl=tls)
         return self.address
@@ -508,7 +508,8 @@ class ShardServer:
             conn.setblocking(False)
             _tune(conn)
             self.connections[kind] += 1
-            self._spawn(self._serve(_SocketIO(loop, conn), SharedBodies(kind == "local", self.bodies)))
+            shared = SharedBodies(peer_pid(conn) if kind == "local" else 0, self.bodies)
+            self._spawn(self._serve(_SocketIO(loop, conn), shared))
 
     async def _serve(self, io: _SocketIO | _StreamIO, shared: SharedBodies) -> None:
         try:

@@ -12,15 +12,16 @@ How, per connection and per direction:
   from the socket so far) once a body between `MIN_BYTES` and `MAX_BYTES` came through the socket, and
   names it in the header of its next frame to the peer (`advert`: its pid, the descriptor, the slots'
   size, a random token).
-- The sender maps it (`Outbox.open`, through `/proc/<pid>/fd/<fd>`), and from then on writes every body
+- The sender maps it (`Outbox.open`, through `/proc/<pid>/fd/<fd>`, only if that is the peer's own
+  sealed inbox: see there), and from then on writes every body
   that fits into a free slot, marks the slot taken, and names the slot in the header (`slot`).
 - The receiver's tensors of that frame are views of the slot. When the last of them is gone (`weakref` on
   the array they all keep alive), the slot is marked free again.
 
 Nothing depends on it working (and `PREFECT_ELASTIC_SHARED_MEMORY=0` in the workers' environment turns it
-off): a sender that cannot map the inbox (another pid namespace: the token does
-not match; another user: permission denied), a body too large, or no free slot (the receiver still holds
-every slot's tensors), and the body goes through the socket as before. The header that names a slot is
+off): a peer in another pid namespace (the kernel gives its pid as 0), a sender that cannot map the inbox
+(another user: permission denied), no memfd (a sandbox), a body too large, or no free slot (the receiver
+still holds every slot's tensors), and the body goes through the socket as before. The header that names a slot is
 sent after the body is written (the system call orders the two), and a slot is reused only after the
 receiver marked it free, once nothing of it is referenced any more.
 
@@ -32,9 +33,12 @@ from a peer: its link never reads a second answer, so never advertises an inbox)
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
+import socket
+import struct
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +58,18 @@ SLOTS = 4
 _TOKEN = 16  # bytes of the random token at the start of an inbox
 _HEADER = 64  # token, then one byte per slot (1: holds a body the receiver has not let go of)
 _ROUND = 1 << 20  # slot sizes are rounded up to this
+_NAME = "prefect-elastic-inbox"  # the memfd's name (/proc/<pid>/fd/<fd> reads "/memfd:<name> (deleted)")
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a Unix socket (0 when it lives in another pid
+    namespace, or the kernel cannot tell)."""
+    try:
+        pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (OSError, AttributeError):
+        return 0
+    return int(pid)
 
 
 def _slot_size(body: int) -> int:
@@ -70,9 +86,12 @@ class Inbox:
 
     def __init__(self, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
-        self.fd = os.memfd_create("prefect-elastic-inbox", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, _HEADER + SLOTS * slot_bytes)
+            # Sealed at its size: a peer that opens it can neither shrink it (which would kill this
+            # process with SIGBUS at its next read) nor grow it.
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
             self.memory = mmap.mmap(self.fd, _HEADER + SLOTS * slot_bytes)
         except BaseException:
             os.close(self.fd)
@@ -99,8 +118,10 @@ class Inbox:
         return body
 
     def close(self) -> None:
-        """Closes the descriptor; the memory stays mapped while tensors of it live."""
-        os.close(self.fd)
+        """Closes the descriptor (once); the memory stays mapped while tensors of it live."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class Outbox:
@@ -113,23 +134,35 @@ class Outbox:
         self._view = memoryview(memory)
 
     @classmethod
-    def open(cls, advert: Sequence[Any]) -> Outbox | None:
-        """The inbox an `advert` names, mapped; None where this process cannot reach it."""
+    def open(cls, advert: Sequence[Any], peer: int) -> Outbox | None:
+        """The inbox an `advert` names, mapped; None where this process cannot reach it, or where it is not
+        an inbox of `peer` (the pid at the other end of the socket, as the kernel tells it).
+
+        Why so strict: any process of the machine may connect to a shard's Unix socket and send an
+        advert. Only the peer's own inbox is ever written into: the advert must name the peer's pid, a
+        descriptor of it that is a memfd by this module's name, sealed at its size, with the token."""
         try:
             pid, fd, slot_bytes, token = int(advert[0]), int(advert[1]), int(advert[2]), str(advert[3])
+            expected = bytes.fromhex(token)
             size = _HEADER + SLOTS * slot_bytes
-            handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+            if pid != peer or pid <= 0 or len(expected) != _TOKEN:
+                return None
+            path = f"/proc/{pid}/fd/{fd}"
+            if not os.readlink(path).startswith(f"/memfd:{_NAME} "):
+                return None
+            handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except (OSError, ValueError, TypeError, IndexError):
             return None
         try:
-            if os.fstat(handle).st_size != size:
+            sealed = fcntl.fcntl(handle, fcntl.F_GET_SEALS) & _SEALS == _SEALS
+            if not sealed or os.fstat(handle).st_size != size:
                 return None
             memory = mmap.mmap(handle, size)
         except (OSError, ValueError):
             return None
         finally:
             os.close(handle)
-        if memory[:_TOKEN] != bytes.fromhex(token):  # another process's descriptor (another pid namespace)
+        if memory[:_TOKEN] != expected:  # (another inbox of the peer's, of an earlier connection)
             memory.close()
             return None
         return cls(memory, slot_bytes, token[:16])
@@ -158,19 +191,25 @@ class Outbox:
 
 
 class SharedBodies:
-    """One end of a connection: its inbox (bodies the peer writes for it) and its outbox (the peer's
-    inbox). `enabled` only on a Unix socket (a peer on this machine)."""
+    """One end of a connection: its inboxes (bodies the peer writes for it) and its outbox (the peer's
+    inbox). `peer`: the pid at the other end of a Unix socket (`peer_pid`); 0 turns it all off (TCP, a
+    peer in another pid namespace)."""
 
-    def __init__(self, enabled: bool, counts: dict[str, int] | None = None) -> None:
-        self.enabled = enabled and os.environ.get(ENV, "1") != "0"
-        self.inbox: Inbox | None = None
-        # The inbox before `inbox`, until the peer writes into the new one: it may have written into the
-        # old one before it heard of the new.
-        self._previous: Inbox | None = None
+    def __init__(self, peer: int = 0, counts: dict[str, int] | None = None) -> None:
+        self.peer = peer
+        self.enabled = peer > 0 and os.environ.get(ENV, "1") != "0"
+        # This end's inboxes, the newest last. An older one stays until the peer writes into a newer
+        # one: it may have written into the old before it heard of the new.
+        self._inboxes: list[Inbox] = []
         self.outbox: Outbox | None = None
         self._advertise = False
         # Bodies received, by the way they came (a server's connections share one count).
         self.frames = counts if counts is not None else {"shared": 0, "socket": 0}
+
+    @property
+    def inbox(self) -> Inbox | None:
+        """The newest inbox: the one the peer is told of."""
+        return self._inboxes[-1] if self._inboxes else None
 
     def outgoing(self, parts: Sequence[memoryview], size: int) -> dict[str, Any]:
         """Header fields for a frame whose body is `parts`: the slot it was written into (then the body is
@@ -192,7 +231,7 @@ class SharedBodies:
         if advert is not None and self.enabled:
             if self.outbox is not None:
                 self.outbox.close()
-            self.outbox = Outbox.open(advert)
+            self.outbox = Outbox.open(advert, self.peer)
         slot = header.pop("slot", None)
         if slot is None:
             if size:
@@ -200,34 +239,32 @@ class SharedBodies:
                 self._maybe_open(size)
             return None
         key, index = slot
-        if self.inbox is not None and key == self.inbox.key:
-            if self._previous is not None:
-                self._previous.close()
-                self._previous = None
-            inbox = self.inbox
-        elif self._previous is not None and key == self._previous.key:
-            inbox = self._previous
-        else:
+        named = [i for i, inbox in enumerate(self._inboxes) if inbox.key == key]
+        if not named:
             raise ValueError(f"a frame names a slot of shared memory this end does not have ({key})")
+        for older in self._inboxes[: named[0]]:  # the peer writes into a newer one now
+            older.close()
+        del self._inboxes[: named[0]]
         self.frames["shared"] += 1
-        return inbox.body(int(index), size)
+        return self._inboxes[0].body(int(index), size)
 
     def _maybe_open(self, size: int) -> None:
         if not self.enabled or not MIN_BYTES <= size <= MAX_BYTES:
             return
         if self.inbox is not None and size <= self.inbox.slot_bytes:
             return  # (it fits: the sender had no free slot, or has not mapped the inbox yet)
-        if self._previous is not None:
-            self._previous.close()
-        self._previous = self.inbox
-        self.inbox = Inbox(min(MAX_BYTES, _slot_size(size)))
+        try:
+            inbox = Inbox(min(MAX_BYTES, _slot_size(size)))
+        except OSError:  # (no memfd here: a sandbox, the descriptors or the memory used up) the socket
+            self.enabled = False
+            return
+        self._inboxes.append(inbox)
         self._advertise = True
 
     def close(self) -> None:
-        for inbox in (self.inbox, self._previous):
-            if inbox is not None:
-                inbox.close()
-        self.inbox = self._previous = None
+        for inbox in self._inboxes:
+            inbox.close()
+        self._inboxes = []
         if self.outbox is not None:
             self.outbox.close()
             self.outbox = None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,56 +87,82 @@ def test_with_every_slot_held_a_body_takes_the_socket_and_a_slot_freed_is_used_a
         link.close()
 
 
-def test_an_inbox_replaced_by_a_larger_one_still_reads_what_was_written_into_the_old() -> None:
-    """A sender may write into the old inbox before it hears of the new one (a loop sends two frames
-    before it reads an answer): the header names the inbox, and the receiver reads the right one."""
-    receiver, sender = SharedBodies(True), SharedBodies(True)
+def pair() -> tuple[SharedBodies, SharedBodies]:
+    """Both ends of a connection within this process (the peer's pid is this one's)."""
+    return SharedBodies(os.getpid()), SharedBodies(os.getpid())
+
+
+def flat(t: torch.Tensor) -> list[memoryview]:
+    return [memoryview(t.numpy()).cast("B")]
+
+
+def described(t: torch.Tensor) -> list[list[object]]:
+    return [["grad", 0, "w", "torch.float32", list(t.shape)]]
+
+
+def test_inboxes_replaced_twice_in_flight_are_still_read_for_what_was_written_into_them() -> None:
+    """A sender may write into an inbox before it hears of a newer one (a loop sends two frames before
+    it reads an answer): the header names the inbox, and the receiver reads that one; an older one is let
+    go once the sender writes into a newer."""
+    receiver, sender = pair()
     try:
 
         def taught() -> None:
-            advert = receiver.outgoing([], 0)
-            sender.incoming(advert, 0)
+            sender.incoming(receiver.outgoing([], 0), 0)
 
-        assert receiver.incoming({}, 1 << 20) is None  # a 1 MB body through the socket: an inbox
+        bodies = [torch.arange(n << 18, dtype=torch.float32) for n in (1, 2, 3)]  # 1, 2 and 3 MB
+        assert receiver.incoming({}, bodies[0].nbytes) is None  # by the socket: an inbox of 1 MB slots
         taught()
-        small = torch.arange(1 << 18, dtype=torch.float32)  # 1 MB
-        fields = sender.outgoing([memoryview(small.numpy()).cast("B")], small.nbytes)
-        assert fields["slot"][0] == receiver.inbox.key if receiver.inbox else False
-        old_key = fields["slot"][0]
-        assert receiver.incoming({}, 3 << 20) is None  # then a larger body by the socket: a new inbox
-        assert receiver.inbox is not None and receiver.inbox.key != old_key
-        header = {**fields, "tensors": [["grad", 0, "w", "torch.float32", [1 << 18]]]}
-        got = decode(header, receiver.incoming(header, small.nbytes))  # type: ignore[arg-type]
-        assert torch.equal(got.tensors[0][1], small)
-        taught()  # the sender hears of the new inbox, and writes there
-        large = torch.arange(3 << 18, dtype=torch.float32)  # 3 MB
-        fields = sender.outgoing([memoryview(large.numpy()).cast("B")], large.nbytes)
-        assert fields["slot"][0] == receiver.inbox.key
-        got = decode(
-            {**fields, "tensors": [["grad", 0, "w", "torch.float32", [3 << 18]]]},
-            receiver.incoming(dict(fields), large.nbytes),
-        )  # type: ignore[arg-type]
-        assert torch.equal(got.tensors[0][1], large)
+        written = [sender.outgoing(flat(bodies[0]), bodies[0].nbytes)]
+        for body in bodies[1:]:  # two larger bodies by the socket, before the sender hears of either inbox
+            assert receiver.incoming({}, body.nbytes) is None
+        keys = [inbox.key for inbox in receiver._inboxes]
+        assert len(keys) == 3 and written[0]["slot"][0] == keys[0]
+        taught()  # now of the newest (3 MB slots)
+        written += [sender.outgoing(flat(b), b.nbytes) for b in bodies]
+        assert [w["slot"][0] for w in written] == [keys[0], keys[2], keys[2], keys[2]]
+        for fields, body in zip(written, [bodies[0], *bodies], strict=True):
+            header = {**fields, "tensors": described(body)}
+            got = decode(header, receiver.incoming(header, body.nbytes))  # type: ignore[arg-type]
+            assert torch.equal(got.tensors[0][1], body)
+        assert [inbox.key for inbox in receiver._inboxes] == [keys[2]]
         with pytest.raises(ValueError, match="does not have"):
-            receiver.incoming({"slot": [old_key, 0]}, 16)  # the old inbox is let go once the new is used
+            receiver.incoming({"slot": [keys[0], 0]}, 16)
     finally:
         receiver.close()
         sender.close()
 
 
-def test_an_inbox_out_of_reach_is_never_used() -> None:
-    """Another pid namespace (the descriptor number names another process's file: the token differs),
-    another process gone, a body larger than the slots: the socket, as before."""
-    box = Inbox(1 << 20)
-    other = Inbox(1 << 20)
+def test_an_advert_is_taken_only_for_the_peers_own_sealed_inbox(tmp_path: Path) -> None:
+    """Any process of the machine may connect to a shard's Unix socket and send an advert: it must name
+    the peer's pid (as the kernel tells it), a memfd of this module's name, sealed at its size, with its
+    token; nothing else is ever opened for writing."""
+    box, other = Inbox(1 << 20), Inbox(1 << 20)
+    victim = tmp_path / "victim.db"
+    victim.write_bytes(bytes(_HEADER_AND_SLOTS))
     try:
+        me = os.getpid()
         pid, fd, size, token = box.advert()
-        assert Outbox.open([pid, fd, size, token]) is not None
-        assert Outbox.open([pid, other.fd, size, token]) is None  # someone else's memory
-        assert Outbox.open([pid, fd, 2 << 20, token]) is None  # not the size it claims
-        assert Outbox.open([2**22 + 7, fd, size, token]) is None  # no such process
-        assert Outbox.open(["?"]) is None
-        outbox = Outbox.open(box.advert())
+        assert Outbox.open([pid, fd, size, token], me) is not None
+        assert Outbox.open([pid, fd, size, token], me + 1) is None  # not the peer's pid
+        assert Outbox.open([pid, fd, size, token], 0) is None  # a peer in another pid namespace
+        assert Outbox.open([pid, other.fd, size, token], me) is None  # another inbox: not its token
+        assert Outbox.open([pid, fd, 2 << 20, token], me) is None  # not the size it claims
+        assert Outbox.open([pid, fd, size, "00" * 8], me) is None
+        assert Outbox.open(["?"], me) is None
+        with victim.open("r+b") as handle:  # a file this process has open, with the inbox's token in it
+            handle.write(bytes.fromhex(token))
+            handle.flush()
+            assert Outbox.open([pid, handle.fileno(), size, token], me) is None
+        unsealed = os.memfd_create("prefect-elastic-inbox", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(unsealed, len(_HEADER_AND_SLOTS))
+            os.pwrite(unsealed, bytes.fromhex(token), 0)
+            assert Outbox.open([pid, unsealed, size, token], me) is None  # could shrink under the writer
+        finally:
+            os.close(unsealed)
+        assert victim.read_bytes()[16:] == bytes(_HEADER_AND_SLOTS)[16:]
+        outbox = Outbox.open(box.advert(), me)
         assert outbox is not None
         too_big = memoryview(bytes((1 << 20) + 1))
         assert outbox.place([too_big], too_big.nbytes) is None
@@ -143,6 +170,27 @@ def test_an_inbox_out_of_reach_is_never_used() -> None:
     finally:
         box.close()
         other.close()
+
+
+_HEADER_AND_SLOTS = bytes(64 + inbox.SLOTS * (1 << 20))
+
+
+def test_without_memfd_the_bodies_take_the_socket(echo: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sandbox without memfd_create, the descriptors or the memory used up: the connection goes on."""
+
+    def refused(*args: object) -> int:
+        raise PermissionError("memfd_create: operation not permitted")
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    link = ShardLink(echo.address, timeout=5)
+    try:
+        for i in range(3):
+            sent = Frame({"op": f"push {i}"}, body(i))
+            assert same(sent, link.request(sent))
+        assert link.local and link.shared.frames == {"socket": 3, "shared": 0}
+        assert echo.server.bodies == {"socket": 3, "shared": 0}
+    finally:
+        link.close()
 
 
 def test_a_loop_over_tcp_never_makes_an_inbox(echo: Served) -> None:
@@ -166,4 +214,3 @@ def test_a_small_body_takes_the_socket(echo: Served) -> None:
         assert link.shared.inbox is None and echo.server.bodies == {"socket": 3, "shared": 0}
     finally:
         link.close()
-    assert os.getpid()  # (the process survives every close: nothing unmapped under a live view)
