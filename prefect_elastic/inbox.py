@@ -21,9 +21,9 @@ How, per connection and per direction:
 Nothing depends on it working (and `PREFECT_ELASTIC_SHARED_MEMORY=0` in the workers' environment turns it
 off): a peer in another pid namespace (the kernel gives its pid as 0), a sender that cannot map the inbox
 (another user: permission denied), no memfd (a sandbox), a body too large, or no free slot (the receiver
-still holds every slot's tensors), and the body goes through the socket as before. The header that names a slot is
-sent after the body is written (the system call orders the two), and a slot is reused only after the
-receiver marked it free, once nothing of it is referenced any more.
+still holds every slot's tensors), and the body goes through the socket as before. The header that names
+a slot is sent after the body is written (the system call orders the two), and a slot is reused only after
+the receiver marked it free, once nothing of it is referenced any more.
 
 Bounded memory: `SLOTS` slots of at most `MAX_BYTES` per inbox, only on connections that carry bodies of
 that size; larger bodies (a big model's shard) go through the socket, as do one-off frames (a replica taken
@@ -58,6 +58,7 @@ SLOTS = 4
 _TOKEN = 16  # bytes of the random token at the start of an inbox
 _HEADER = 64  # token, then one byte per slot (1: holds a body the receiver has not let go of)
 _ROUND = 1 << 20  # slot sizes are rounded up to this
+_UNLOCKED_COPY = 64 << 10  # parts at least this large are copied by numpy, without the GIL
 _NAME = "prefect-elastic-inbox"  # the memfd's name (/proc/<pid>/fd/<fd> reads "/memfd:<name> (deleted)")
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
@@ -132,6 +133,7 @@ class Outbox:
         self.slot_bytes = slot_bytes
         self.key = key
         self._view = memoryview(memory)
+        self._array = np.frombuffer(self._view, dtype=np.uint8)
 
     @classmethod
     def open(cls, advert: Sequence[Any], peer: int) -> Outbox | None:
@@ -177,12 +179,18 @@ class Outbox:
                 self.memory[_TOKEN + slot] = 1
                 at = _HEADER + slot * self.slot_bytes
                 for part in parts:
-                    self._view[at : at + part.nbytes] = part
+                    if part.nbytes >= _UNLOCKED_COPY:
+                        # numpy copies without the GIL (a memoryview's assignment holds it): a loop's
+                        # exchange thread copies a gradient while its compute thread runs.
+                        self._array[at : at + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
+                    else:
+                        self._view[at : at + part.nbytes] = part
                     at += part.nbytes
                 return slot
         return None
 
     def close(self) -> None:
+        del self._array
         self._view.release()
         # (A copy into it in another thread, on a connection being torn down: then the garbage collector
         # unmaps it.)
