@@ -55,8 +55,8 @@ HOLD_WAIT_SECONDS = 5.0
 SYNC_SECONDS = 0.05
 
 
-def _fence(shard: Any, generation: int) -> Awaitable[ShardStatus]:
-    fenced: Awaitable[ShardStatus] = shard.fence(generation)
+def _fence(shard: Any, generation: int, since: int = 0) -> Awaitable[ShardStatus]:
+    fenced: Awaitable[ShardStatus] = shard.fence(generation, since)
     return fenced
 
 
@@ -351,7 +351,8 @@ class Coordinator:
                 generation = state.generation + 1
                 state.lost.update(new)  # no call to them from now on
                 try:
-                    await self._on_shards(lambda s: s.fence(generation))
+                    since = self._state.since()
+                    await self._on_shards(lambda s: s.fence(generation, since))
                 except ShardUnreachable as other:
                     # Another one lost at the same time: it is suspended with these.
                     self._take(state.lose_shard(other.index, generation, str(other), time.time()))
@@ -475,7 +476,10 @@ class Coordinator:
         state = self._state
         while True:
             try:
-                fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
+                since = self._state.since()
+                fenced: list[ShardStatus] = await self._on_shards(
+                    partial(_fence, generation=generation, since=since)
+                )
                 if target is not None and any(f.version != target for f in fenced):
                     await self._on_shards(lambda s: s.restore(generation, target))
                 return fenced
@@ -532,7 +536,8 @@ class Coordinator:
         state = self._state
         # No role of the new generation goes out before `change_membership`: roles follow the state's
         # generation, which changes there (after the shards are fenced and brought to one version).
-        fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(decision.generation))
+        since = self._state.since()
+        fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(decision.generation, since))
         plan = state.reconcile(decision, fenced)
         if plan.restore_to is not None:
             target = plan.restore_to
@@ -634,7 +639,10 @@ class Coordinator:
                     generation=state.generation + 1,
                     reason="stopped by the controller",
                 )
-                fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(decision.generation))
+                since = self._state.since()
+                fenced: list[ShardStatus] = await self._on_shards(
+                    lambda s: s.fence(decision.generation, since)
+                )
                 plan = state.reconcile(decision, fenced)
                 if state.mode == "async":
                     state.generation = decision.generation
@@ -687,7 +695,8 @@ class Coordinator:
         each at its own version, and go on at once: the members get their roles of the new generation."""
         state = self._state
         generation = state.generation + 1
-        fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation))
+        since = self._state.since()
+        fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation, since))
         state.pause(generation)
         await self._snapshot_async(fenced, began)
 

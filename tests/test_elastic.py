@@ -173,6 +173,24 @@ def test_a_stateless_data_server_keeps_a_push_that_overtook_another_workers(digi
     asyncio.run(overtaken())
 
 
+def test_a_fence_and_a_status_carry_the_records_from_the_step_asked_for(digits_url: str) -> None:
+    """The coordinator asks for the records of the steps it has not committed (a long run holds one per
+    step: all of them on every fence would be megabytes on the path of every recovery)."""
+    (free, _), _ = in_process_servers(
+        digits_url, min_shard_bytes=ElasticJob.model_fields["min_shard_bytes"].default
+    )
+
+    async def three_steps_then_fences() -> None:
+        for step in range(3):
+            await free.push(0, step, "a", {}, {}, {b: float(b) for b in free._schedule.step_batches(step)})
+        assert [r.step for r in (await free.status(1)).records] == [1, 2]
+        assert [r.step for r in (await free.fence(1, 2)).records] == [2]
+        assert [r.step for r in (await free.fence(2)).records] == [0, 1, 2]
+        assert (await free.fence(3, 3)).records == ()
+
+    asyncio.run(three_steps_then_fences())
+
+
 def test_a_fence_waits_for_a_step_being_applied_in_a_thread(digits_url: str) -> None:
     """A shard too big to apply a step on its event loop applies it in a thread; a fence that comes
     meanwhile answers once the step is applied, with the version after it, so that no restore copies a
