@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+
+from prefect_elastic.dataset import write_npz
+from prefect_elastic.job import ElasticJob
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.training import TrainResult, train
 
 from .elastic import make_job, steady_throughput
 from .plain import plain_process
-from .workloads import BATCH
+from .workloads import BATCH, THREADS
 
 WINDOW_SAMPLES = 2048  # the loss a run stands at: the mean over this many samples trained
 
@@ -128,4 +134,64 @@ def steady(workload: str, data: str, epochs: int, repeats: int) -> dict[str, Any
         "pairs": pairs,
         "ratio": statistics.median(p["ratio"] for p in pairs),
         "candidate_share": statistics.median(p["candidate_share"] for p in pairs),
+    }
+
+
+# The digits held out of training for the accuracy figure (of 1797), chosen by a fixed seed.
+HELD_OUT = 297
+
+
+def accuracy(workdir: str, workers: int, epochs: int, repeats: int) -> dict[str, Any]:
+    """Final accuracy of async mode against sync mode on the same data and epochs: scikit-learn's digits,
+    `HELD_OUT` of them held out, the demo's digits CNN (BatchNorm), `workers` compute workers; each run's
+    final model is evaluated on the held-out digits. Sync and async in turn, `repeats` times."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (np.asarray(digits.data, dtype=np.float32) / np.float32(16.0)).reshape(-1, 1, 8, 8)
+    y = np.asarray(digits.target, dtype=np.int64)
+    order = np.random.default_rng(0).permutation(len(x))
+    held, kept = order[:HELD_OUT], order[HELD_OUT:]
+    folder = Path(workdir) / "digits-held-out"
+    folder.mkdir(parents=True, exist_ok=True)
+    write_npz(str(folder / "digits-train.npz"), x[kept], y[kept])
+    test_x, test_y = torch.from_numpy(x[held]), torch.from_numpy(y[held])
+
+    def job(mode: str) -> ElasticJob:
+        return ElasticJob(
+            job_id=f"accuracy-{mode}",
+            model="prefect_elastic.local.demo:digits_cnn",
+            dataset=f"file://{folder / 'digits-train.npz'}",
+            optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9},
+            batch_size=16,
+            micro_batches=workers,
+            epochs=epochs,
+            data_servers=2,
+            threads_per_worker=THREADS,
+            min_workers=1,
+            mode=mode,
+        )
+
+    def evaluate(made: ElasticJob, state: dict[str, torch.Tensor]) -> float:
+        model = made.initial_model()
+        model.load_state_dict(state)
+        model.eval()
+        with torch.no_grad():
+            return float((model(test_x).argmax(dim=1) == test_y).float().mean())
+
+    runs: dict[str, list[float]] = {"sync": [], "async": []}
+    with LocalElasticCluster(static_workers=2, elastic_workers=workers) as cluster:
+        for _ in range(repeats):
+            for mode in runs:
+                made = job(mode)
+                runs[mode].append(evaluate(made, train(made, cluster=cluster).state_dict))
+    sync, async_ = statistics.median(runs["sync"]), statistics.median(runs["async"])
+    return {
+        "workers": workers,
+        "epochs": epochs,
+        "held_out": HELD_OUT,
+        "runs": runs,
+        "sync": sync,
+        "async": async_,
+        "points": 100 * (async_ - sync),
     }

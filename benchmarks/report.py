@@ -203,6 +203,7 @@ def tls_rows(r: Results) -> list[tuple[str, str, str, str]]:
 
 ASYNC_STRAGGLER_RATIO = 0.6  # issue 11: time to a target loss, async over sync, one worker of 4 3x slower
 ASYNC_STEADY_MLP = 0.85  # issue 11: async mode's steady throughput over plain PyTorch, mlp, 1 worker
+ASYNC_ACCURACY_POINTS = 1.0  # issue 11: final accuracy, async against sync, within this many points
 
 
 def async_rows(r: Results) -> list[tuple[str, str, str, str]]:
@@ -281,6 +282,21 @@ def async_rows(r: Results) -> list[tuple[str, str, str, str]]:
                 + _spread(ratios),
                 f"≥ {ASYNC_STEADY_MLP}",
                 _verdict(sd["ratio"] >= ASYNC_STEADY_MLP),
+            )
+        )
+    acc = a.get("accuracy")
+    if acc:
+        each = "; ".join(
+            f"{mode} " + ", ".join(f"{100 * v:.1f}%" for v in acc["runs"][mode]) for mode in acc["runs"]
+        )
+        rows.append(
+            (
+                f"final accuracy on {acc['held_out']} held-out digits, async against sync, same data and "
+                f"epochs ({acc['workers']} compute workers, {acc['epochs']} epochs, the demo's digits CNN)",
+                f"{acc['points']:+.1f} points (async {100 * acc['async']:.1f}%, sync "
+                f"{100 * acc['sync']:.1f}%, medians; runs: {each})",
+                f"reported; within {ASYNC_ACCURACY_POINTS:.0f} point",
+                _verdict(abs(acc["points"]) <= ASYNC_ACCURACY_POINTS),
             )
         )
     return rows
