@@ -109,6 +109,8 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         assert math.isfinite(cost["fixed_ms"]) and cost["step_ms"] > 0 and cost["compute_ms"] > 0, cost
         assert len(cost["shard_ms"]) == 2 and all(s["handle"] > 0 for s in cost["shard_ms"]), cost
         assert cost["phase_ms"]["compute"] == cost["compute_ms"]
+    # The mlp's 2.7 MB of gradients reach its shard through shared memory (`inbox.py`), after the first.
+    assert sum(b["shared"] for b in r["fixed_cost"]["mlp"]["shard_bodies"]) > 0, r["fixed_cost"]["mlp"]
     # Smoke runs compare with DDP on cnn-20 only, and freeze a worker under one policy only.
     ddp = r["ddp"]["cnn-20"]
     assert ddp["ratio"] > 0 and len(ddp["pair_ratios"]) == 1, ddp
@@ -148,6 +150,10 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         tls = r["tls"][w]
         assert len(tls["ratios"]) == 1 and tls["pairs"][0]["tls"] > 0 and tls["pairs"][0]["plain"] > 0, tls
     assert any("cost of TLS" in row[0] for row in figures(r))
+    # Async against sync, the final accuracy on held-out digits: one run of each in a smoke run.
+    accuracy = r["async"]["accuracy"]
+    assert [len(v) for v in accuracy["runs"].values()] == [1, 1] and 0 < accuracy["async"] <= 1, accuracy
+    assert any("final accuracy" in row[0] for row in figures(r))
     # The table has a row per figure, put between the marks; the text around them is kept.
     text = docs.read_text()
     assert "intro kept" in text and "analysis kept" in text and "old table" not in text
