@@ -144,7 +144,8 @@ HELD_OUT = 297
 def accuracy(workdir: str, workers: int, epochs: int, repeats: int) -> dict[str, Any]:
     """Final accuracy of async mode against sync mode on the same data and epochs: scikit-learn's digits,
     `HELD_OUT` of them held out, the demo's digits CNN (BatchNorm), `workers` compute workers; each run's
-    final model is evaluated on the held-out digits. Sync and async in turn, `repeats` times."""
+    final model is evaluated on the held-out digits. Sync and async in turn, `repeats` times, each pair
+    with a seed of its own (sync is bitwise deterministic: one seed would repeat the same number)."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -157,7 +158,7 @@ def accuracy(workdir: str, workers: int, epochs: int, repeats: int) -> dict[str,
     write_npz(str(folder / "digits-train.npz"), x[kept], y[kept])
     test_x, test_y = torch.from_numpy(x[held]), torch.from_numpy(y[held])
 
-    def job(mode: str) -> ElasticJob:
+    def job(mode: str, seed: int) -> ElasticJob:
         # Micro-batches of 16 in both modes. A sync step averages `workers` of them into one update; in
         # async mode each is an update of its own, so its learning rate is divided by `workers`: each
         # sample moves the model as far in both modes (the linear scaling rule; docs/design/async.md).
@@ -165,6 +166,7 @@ def accuracy(workdir: str, workers: int, epochs: int, repeats: int) -> dict[str,
         # to 98.0% against 98.7); with updates as large as sync's step (micro-batches of 64), 2 to 4.
         return ElasticJob(
             job_id=f"accuracy-{mode}",
+            seed=seed,  # (the model's initial weights and every micro-batch's draws: a repeat of its own)
             model="prefect_elastic.local.demo:digits_cnn",
             dataset=f"file://{folder / 'digits-train.npz'}",
             optimizer={"name": "sgd", "lr": 0.05 if mode == "sync" else 0.05 / workers, "momentum": 0.9},
@@ -186,9 +188,9 @@ def accuracy(workdir: str, workers: int, epochs: int, repeats: int) -> dict[str,
 
     runs: dict[str, list[float]] = {"sync": [], "async": []}
     with LocalElasticCluster(static_workers=2, elastic_workers=workers) as cluster:
-        for _ in range(repeats):
+        for seed in range(repeats):
             for mode in runs:
-                made = job(mode)
+                made = job(mode, seed)
                 runs[mode].append(evaluate(made, train(made, cluster=cluster).state_dict))
     sync, async_ = statistics.median(runs["sync"]), statistics.median(runs["async"])
     return {

@@ -292,7 +292,8 @@ def async_rows(r: Results) -> list[tuple[str, str, str, str]]:
         rows.append(
             (
                 f"final accuracy on {acc['held_out']} held-out digits, async against sync, same data and "
-                f"epochs ({acc['workers']} compute workers, {acc['epochs']} epochs, the demo's digits CNN)",
+                f"epochs ({acc['workers']} compute workers, {acc['epochs']} epochs, the demo's digits CNN; "
+                f"async's learning rate divided by the {acc['workers']} micro-batches a sync step averages)",
                 f"{acc['points']:+.1f} points (async {100 * acc['async']:.1f}%, sync "
                 f"{100 * acc['sync']:.1f}%, medians; runs: {each})",
                 f"reported; within {ASYNC_ACCURACY_POINTS:.0f} point",
