@@ -133,7 +133,7 @@ class Outbox:
         self.slot_bytes = slot_bytes
         self.key = key
         self._view = memoryview(memory)
-        self._array = np.frombuffer(self._view, dtype=np.uint8)
+        self._array: np.ndarray | None = np.frombuffer(self._view, dtype=np.uint8)
 
     @classmethod
     def open(cls, advert: Sequence[Any], peer: int) -> Outbox | None:
@@ -171,30 +171,35 @@ class Outbox:
 
     def place(self, parts: Sequence[memoryview], size: int) -> int | None:
         """Copies `parts` (`size` bytes in all) into a free slot, which it marks taken; the slot, or None
-        where the body does not fit or no slot is free."""
-        if size > self.slot_bytes:
+        where the body does not fit, no slot is free, or the outbox was closed (from another thread)."""
+        # (The local name keeps the mapping alive while this copies: `close` in another thread cannot
+        # unmap it under the copy.)
+        array = self._array
+        if array is None or size > self.slot_bytes:
             return None
         for slot in range(SLOTS):
-            if self.memory[_TOKEN + slot] == 0:
-                self.memory[_TOKEN + slot] = 1
+            if array[_TOKEN + slot] == 0:
+                array[_TOKEN + slot] = 1
                 at = _HEADER + slot * self.slot_bytes
-                for part in parts:
-                    if part.nbytes >= _UNLOCKED_COPY:
-                        # numpy copies without the GIL (a memoryview's assignment holds it): a loop's
-                        # exchange thread copies a gradient while its compute thread runs.
-                        self._array[at : at + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
-                    else:
-                        self._view[at : at + part.nbytes] = part
-                    at += part.nbytes
+                with array.data as raw:
+                    for part in parts:
+                        if part.nbytes >= _UNLOCKED_COPY:
+                            # numpy copies without the GIL (a memoryview's assignment holds it): a loop's
+                            # exchange thread copies a gradient while its compute thread runs.
+                            array[at : at + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
+                        else:
+                            raw[at : at + part.nbytes] = part
+                        at += part.nbytes
                 return slot
         return None
 
     def close(self) -> None:
-        del self._array
-        self._view.release()
-        # (A copy into it in another thread, on a connection being torn down: then the garbage collector
-        # unmaps it.)
+        """Unmaps it; any number of times, from any thread. A copy under way in another thread (a
+        connection torn down from another thread) keeps the mapping until it ends: the garbage collector
+        unmaps it then."""
+        self._array = None
         with contextlib.suppress(BufferError):
+            self._view.release()
             self.memory.close()
 
 
@@ -237,9 +242,9 @@ class SharedBodies:
         the inbox; None when it comes through the socket."""
         advert = header.pop("inbox", None)
         if advert is not None and self.enabled:
-            if self.outbox is not None:
-                self.outbox.close()
-            self.outbox = Outbox.open(advert, self.peer)
+            old, self.outbox = self.outbox, Outbox.open(advert, self.peer)
+            if old is not None:
+                old.close()
         slot = header.pop("slot", None)
         if slot is None:
             if size:
@@ -270,9 +275,11 @@ class SharedBodies:
         self._advertise = True
 
     def close(self) -> None:
-        for inbox in self._inboxes:
+        """Lets go of the inboxes and the outbox; any number of times, from any thread (a loop's connection
+        may be closed by its exchange thread and its main thread at once)."""
+        inboxes, self._inboxes = self._inboxes, []
+        outbox, self.outbox = self.outbox, None
+        for inbox in inboxes:
             inbox.close()
-        self._inboxes = []
-        if self.outbox is not None:
-            self.outbox.close()
-            self.outbox = None
+        if outbox is not None:
+            outbox.close()

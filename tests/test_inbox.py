@@ -214,3 +214,29 @@ def test_a_small_body_takes_the_socket(echo: Served) -> None:
         assert link.shared.inbox is None and echo.server.bodies == {"socket": 3, "shared": 0}
     finally:
         link.close()
+
+
+def test_an_outbox_closed_twice_or_under_a_copy_neither_raises_nor_unmaps_the_copy() -> None:
+    """A loop's connection may be closed by its exchange thread and its main thread at once, while one of
+    them copies a body into the peer's inbox."""
+    box = Inbox(1 << 20)
+    try:
+        outbox = Outbox.open(box.advert(), os.getpid())
+        assert outbox is not None
+        copying = outbox._array  # what a copy under way in another thread holds
+        assert copying is not None
+        outbox.close()
+        outbox.close()
+        assert not outbox.memory.closed  # still mapped under the copy
+        copying[100] = 7
+        assert box.memory[100] == 7
+        assert outbox.place([memoryview(bytes(10))], 10) is None  # closed: the body takes the socket
+        del copying
+        bodies = SharedBodies(os.getpid())
+        bodies.incoming({"inbox": box.advert()}, 0)
+        assert bodies.outbox is not None
+        bodies.close()
+        bodies.close()
+        assert bodies.outbox is None
+    finally:
+        box.close()
