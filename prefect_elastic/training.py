@@ -705,6 +705,7 @@ class TrainingRun:
 
     def _submit_coordinator(self, where: str, resume: Resume | None) -> Future:
         job = self.job
+        self._placed_on(where)
         return self.client.submit(
             Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
             job.min_workers, job.min_workers_timeout, job.call_timeout, resume, job.mode,
@@ -712,6 +713,13 @@ class TrainingRun:
             actor=True, workers=[where], allow_other_workers=False, pure=False,
             key=f"prefect-elastic-{job.job_id}-{self.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
+
+    def _placed_on(self, where: str) -> None:
+        """A role goes to the live static worker `where`: from now on `left` tells whether it left since.
+        A worker the scheduler removed once and that came back at the same address (a paused process
+        that resumed and registered again) stayed in `left`, and a role put there later was taken for
+        lost at its first call (the chaos soak: a coordinator rebuilt there failed the job)."""
+        self.left.discard(where)
 
     def _startup_timeout(self) -> float:
         return max(self.job.call_timeout, 600.0)
@@ -731,6 +739,7 @@ class TrainingRun:
             tensors = self.client.scatter(
                 [start.params, start.buffers, start.optimizer_state], workers=[where], hash=False
             )
+        self._placed_on(where)
         return self.client.submit(
             DataServer, index, self.job, self.dataset, self.schedule, *tensors, version, applied,
             actor=True, workers=[where], allow_other_workers=False,
