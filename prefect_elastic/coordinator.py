@@ -351,8 +351,7 @@ class Coordinator:
                 generation = state.generation + 1
                 state.lost.update(new)  # no call to them from now on
                 try:
-                    since = self._state.since()
-                    await self._on_shards(lambda s: s.fence(generation, since))
+                    await self._fence_shards(generation)
                 except ShardUnreachable as other:
                     # Another one lost at the same time: it is suspended with these.
                     self._take(state.lose_shard(other.index, generation, str(other), time.time()))
@@ -476,10 +475,7 @@ class Coordinator:
         state = self._state
         while True:
             try:
-                since = self._state.since()
-                fenced: list[ShardStatus] = await self._on_shards(
-                    partial(_fence, generation=generation, since=since)
-                )
+                fenced = await self._fence_shards(generation)
                 if target is not None and any(f.version != target for f in fenced):
                     await self._on_shards(lambda s: s.restore(generation, target))
                 return fenced
@@ -536,8 +532,7 @@ class Coordinator:
         state = self._state
         # No role of the new generation goes out before `change_membership`: roles follow the state's
         # generation, which changes there (after the shards are fenced and brought to one version).
-        since = self._state.since()
-        fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(decision.generation, since))
+        fenced = await self._fence_shards(decision.generation)
         plan = state.reconcile(decision, fenced)
         if plan.restore_to is not None:
             target = plan.restore_to
@@ -551,6 +546,11 @@ class Coordinator:
                 "job %s failed (%s) at step %s, batch %s: %s", self.job_id, kind, step, batch_id, message
             )
         self._take(events)
+
+    async def _fence_shards(self, generation: int) -> list[ShardStatus]:
+        """Fence every shard not lost into `generation`; their statuses carry the records from the first
+        step the state has not taken in (the older ones it ignores)."""
+        return await self._on_shards(partial(_fence, generation=generation, since=self._state.since()))
 
     async def _on_shards(self, call: Callable[[Any], Awaitable[Any]]) -> list[Any]:
         """Run `call(shard)` on every shard that is not lost, at once, each bounded by the call timeout;
@@ -639,10 +639,7 @@ class Coordinator:
                     generation=state.generation + 1,
                     reason="stopped by the controller",
                 )
-                since = self._state.since()
-                fenced: list[ShardStatus] = await self._on_shards(
-                    lambda s: s.fence(decision.generation, since)
-                )
+                fenced = await self._fence_shards(decision.generation)
                 plan = state.reconcile(decision, fenced)
                 if state.mode == "async":
                     state.generation = decision.generation
@@ -695,8 +692,7 @@ class Coordinator:
         each at its own version, and go on at once: the members get their roles of the new generation."""
         state = self._state
         generation = state.generation + 1
-        since = self._state.since()
-        fenced: list[ShardStatus] = await self._on_shards(lambda s: s.fence(generation, since))
+        fenced = await self._fence_shards(generation)
         state.pause(generation)
         await self._snapshot_async(fenced, began)
 

@@ -37,6 +37,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -568,7 +569,7 @@ class DataServer:
         """Where the shard is, with the records of the steps it applied from step `since` on."""
         # (By key, not over a list of every step: the coordinator asks 20 times a second, and a long run
         # holds a record per step.)
-        first = bisect.bisect_left(self._records, since, key=_step_of)
+        first = bisect.bisect_left(self._records, since, key=attrgetter("step"))
         return ShardStatus(
             index=self.index,
             generation=self.generation,
@@ -1018,7 +1019,3 @@ def _combine_buffer(values: list[torch.Tensor]) -> torch.Tensor:
     for v in values[1:]:
         total.add_(v)
     return total.div_(len(values))
-
-
-def _step_of(record: StepRecord) -> int:
-    return record.step
