@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import distributed
 import torch
 from distributed import Client, Future
+from distributed.actor import Actor
 from distributed.security import Security
 
 from .channel import ChannelAddress
@@ -124,6 +125,32 @@ class SchedulerGone(Exception):
 
 class CoordinatorLost(DataServerLostError):
     """The coordinator's static worker left the cluster: the controller rebuilds it on another one."""
+
+
+class ControllerCoordinatorHandle(Actor):
+    """The controller's handle on its coordinator: a Dask `Actor` whose calls raise `CoordinatorLost`
+    when its worker is lost, where Dask raises a `RuntimeError`.
+
+    Dask raises it at the attribute's lookup (`handle.progress`), before any call, once the actor's
+    future is in error: outside `Controller._call`, which turns the same error from an answer into
+    `CoordinatorLost`. A coordinator killed between two calls therefore ended the job instead of being
+    rebuilt (the async chaos soak in CI), and a handler that tells `CoordinatorLost` from other errors
+    (`_keep`) took it for a data server's failure. It pickles as a plain `Actor` (`Actor.__reduce__`), so
+    the compute loops and the data servers get Dask's own handle."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return super().__getattr__(key)
+        except RuntimeError as exc:
+            if "Actor was lost" not in str(exc):
+                raise
+            raise CoordinatorLost(f"its static worker {self._address} was lost ({exc})") from exc
+
+
+def controller_handle(coordinator: Actor) -> ControllerCoordinatorHandle:
+    """`coordinator`, as the controller holds it (`ControllerCoordinatorHandle`): the same actor, bound
+    to the same client as Dask binds the handle it gives back (`Actor.__reduce__`)."""
+    return ControllerCoordinatorHandle(coordinator._cls, coordinator._address, coordinator.key)
 
 
 class StaticWorkerLeft(Exception):
@@ -697,7 +724,7 @@ class TrainingRun:
         self.coordinator_future = self._submit_coordinator(self.coordinator_at, self.persistence.resume())
         # Reading a partition may take a while on a big dataset; the wait is still bounded.
         shards = [settled_result(f, self._startup_timeout()) for f in self.actor_futures]
-        coordinator = settled_result(self.coordinator_future, self._startup_timeout())
+        coordinator = controller_handle(settled_result(self.coordinator_future, self._startup_timeout()))
         # The step path's own connections (channel.py): compute loops reach each shard there.
         self.channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
         coordinator.attach(shards, self.channels).result(timeout=job.call_timeout)
@@ -1360,7 +1387,9 @@ class TrainingRun:
             where = self._place_coordinator(lost_at)
             future = self._submit_coordinator(where, None)
             try:
-                coordinator = self._wait_unless_left(future, where, self._startup_timeout())
+                coordinator = controller_handle(
+                    self._wait_unless_left(future, where, self._startup_timeout())
+                )
                 break
             except (StaticWorkerLeft, StartCancelled) as exc:
                 with contextlib.suppress(Exception):

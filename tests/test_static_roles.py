@@ -6,6 +6,8 @@ can take over, the job fails with a `DataServerLostError` that says what to do."
 from __future__ import annotations
 
 import asyncio
+import collections
+import pickle
 import signal
 import threading
 import time
@@ -16,6 +18,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from distributed.actor import Actor
 
 from prefect_elastic import train
 from prefect_elastic.coordinator import Coordinator
@@ -25,7 +28,13 @@ from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
-from prefect_elastic.training import StartCancelled, prepare, settled_result
+from prefect_elastic.training import (
+    CoordinatorLost,
+    StartCancelled,
+    controller_handle,
+    prepare,
+    settled_result,
+)
 
 from .conftest import (
     HoldUntilJoined,
@@ -280,6 +289,33 @@ def test_a_start_that_dask_cancelled_is_told_apart_from_a_broken_one(
         with pytest.raises(StartCancelled, match="cancelled the start"):
             settled_result(future, 5.0)
         assert settled_result(client.submit(sum, [1, 2], pure=False), 30.0) == 3
+
+
+def test_the_controllers_handle_on_a_coordinator_whose_worker_died_raises_coordinator_lost(
+    static_cluster: LocalElasticCluster,
+) -> None:
+    """Once an actor's worker is lost, Dask raises "Worker holding Actor was lost" (a `RuntimeError`) at the
+    lookup of any of its methods, before a call is made. The async chaos soak in CI lost its job so: its
+    coordinator's worker was killed between two calls of the controller, and the error came from outside
+    the code that turns it into `CoordinatorLost`. The controller's handle raises `CoordinatorLost`, which
+    `supervise` answers by rebuilding the coordinator."""
+    name = static_cluster.add_worker()
+    address = static_cluster.address_of(name)
+    assert address is not None
+    with static_cluster.client() as client:
+        future = client.submit(collections.Counter, actor=True, workers=[address], pure=False)
+        dasks = future.result(timeout=30)
+        handle = controller_handle(dasks)
+        assert handle.total().result(timeout=30) == 0
+        static_cluster.kill_worker(name)
+        static_cluster.wait_until_gone([name])
+        wait_for("the actor's future to turn to error", lambda: future.status == "error", timeout=30)
+        with pytest.raises(RuntimeError, match="Actor was lost"):
+            dasks.total  # noqa: B018 (the lookup itself raises)
+        with pytest.raises(CoordinatorLost, match=f"its static worker {address} was lost"):
+            handle.total  # noqa: B018
+        # It still pickles as Dask's own handle, as the compute loops are given it.
+        assert type(pickle.loads(pickle.dumps(handle))) is Actor
 
 
 def test_waiting_in_short_slices_for_a_result_leaves_the_client_working(
