@@ -2,8 +2,8 @@
 
 Off the step path: compute workers ask it for their `Role` once per generation (`role`), not for work per
 step, and shards apply steps without it. It learns what the shards applied by reading their status every
-`SYNC_SECONDS` (the ledger, the history, progress), and it carries out survival detection
-(`survival_check`): the decision is the pure `survival.survival_check`, the bookkeeping the pure
+`SYNC_SECONDS` or `STEADY_SYNC_SECONDS` (the ledger, the history, progress), and it carries out survival
+detection (`survival_check`): the decision is the pure `survival.survival_check`, the bookkeeping the pure
 `coordinator_state.CoordinatorState`; this actor only makes the calls they ask for (fence, restore,
 snapshot on every shard).
 
@@ -51,8 +51,13 @@ log = logging.getLogger(__name__)
 ROLE_POLL_SECONDS = 0.5
 # How long a hand-over waits for the step in flight to be applied on every shard before it fences anyway.
 HOLD_WAIT_SECONDS = 5.0
-# How often the coordinator reads the shards' status (committed steps, snapshots) while the job runs.
+# How often the coordinator reads the shards' status (committed steps, snapshots) while the job runs
+# (`CoordinatorState.sync_interval` chooses): often where something waits on the read (async mode's
+# re-queued batch ids, a job's end), less often in a sync job's steady state. Each read is a Dask call to
+# every shard, on processes that share the machine with the compute workers: 20 reads a second slowed a
+# 20 ms CNN step by 4 to 6% on this 2-core machine (docs/benchmarks.md, issue 9).
 SYNC_SECONDS = 0.05
+STEADY_SYNC_SECONDS = 0.25
 
 
 def _fence(shard: Any, generation: int, since: int = 0) -> Awaitable[ShardStatus]:
@@ -219,7 +224,7 @@ class Coordinator:
                 await self.shards_lost([exc.index], str(exc))
             except Exception as exc:
                 self._fail("internal", f"reading the shards failed: {type(exc).__name__}: {exc}", None)
-            await asyncio.sleep(SYNC_SECONDS)
+            await asyncio.sleep(self._state.sync_interval(SYNC_SECONDS, STEADY_SYNC_SECONDS))
         await self._notify()
 
     async def _sync(self) -> None:

@@ -39,6 +39,9 @@ from .messages import (
 from .schedule import Schedule
 from .survival import Action, Decision, Policy, SurvivalState
 
+# The last steps whose pace `sync_interval` takes for the pace to come.
+PACE_STEPS = 20
+
 
 @dataclass(frozen=True)
 class Failure:
@@ -269,6 +272,20 @@ class CoordinatorState:
         if self.mode == "async":
             return min(self._seen.values(), default=0)
         return self.ledger.committed_steps
+
+    def sync_interval(self, quick: float, steady: float) -> float:
+        """How long to wait before the shards' status is read again: `steady` while a sync job runs far
+        from its end, else `quick`: in async mode (re-queued batch ids wait on the read), before the pace
+        of steps is known, and where the job may end within two steady waits at the pace of its last
+        steps (its end is then seen at once, not up to `steady` late)."""
+        if self.mode == "async" or self.finished:
+            return quick
+        times = [t for t in self.commit_times[-PACE_STEPS:] if not math.isnan(t)]
+        if len(times) < 2 or times[-1] <= times[0]:
+            return quick
+        step_seconds = (times[-1] - times[0]) / (len(times) - 1)
+        remaining = self.schedule.total_steps - self.ledger.committed_steps
+        return steady if remaining * step_seconds > 2 * steady else quick
 
     # -- async mode: leases --------------------------------------------------------------------------
 

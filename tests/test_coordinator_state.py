@@ -240,6 +240,38 @@ def test_shards_that_applied_different_batch_ids_is_a_bug() -> None:
         state.absorb(status(1, 1))
 
 
+def test_the_shards_are_read_less_often_in_a_sync_jobs_steady_state_and_often_near_its_end() -> None:
+    """Each read of the shards' status is a Dask call to every shard, on processes that share the
+    machine with the compute workers: a sync job far from its end is read every `steady` seconds, and
+    often (`quick`) where something waits on the read: before the pace of steps is known, near the end
+    (so that the end is seen at once), and in async mode."""
+    schedule = Schedule((64, 64), batch_size=8, micro_batches=4, epochs=25, seed=0)  # 100 steps
+
+    def applied(state: CoordinatorState, version: int) -> None:
+        """Both shards at `version`, steps 10 ms apart."""
+        for index in range(2):
+            records = tuple(
+                StepRecord(
+                    s, state.generation, ids, dict.fromkeys(ids, "a"), dict.fromkeys(ids, 1.0), 0.01 * s
+                )
+                for s in range(state.committed_steps, version)
+                for ids in [tuple(schedule.step_batches(s))]
+            )
+            state.absorb(ShardStatus(index, state.generation, version, records, (), 0, 0))
+
+    state = CoordinatorState("job", schedule, 2, "reassign", 1, 10.0)
+    admit(state, {"a"})
+    assert state.sync_interval(0.05, 0.25) == 0.05, "the pace is not known yet"
+    applied(state, 40)
+    assert state.sync_interval(0.05, 0.25) == 0.25, "60 steps of 10 ms left: far from the end"
+    applied(state, 60)
+    assert state.sync_interval(0.05, 0.25) == 0.05, "40 steps left: the end may come within two waits"
+    applied(state, 100)
+    assert state.finished and state.sync_interval(0.05, 0.25) == 0.05
+    asynchronous = CoordinatorState("job", schedule, 2, "reassign", 1, 10.0, mode="async")
+    assert asynchronous.sync_interval(0.05, 0.25) == 0.05
+
+
 def test_the_end_stops_every_loop() -> None:
     state = new_state()
     admit(state, {"a"})
