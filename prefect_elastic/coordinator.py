@@ -53,9 +53,10 @@ ROLE_POLL_SECONDS = 0.5
 HOLD_WAIT_SECONDS = 5.0
 # How often the coordinator reads the shards' status (committed steps, snapshots) while the job runs
 # (`CoordinatorState.sync_interval` chooses): often where something waits on the read (async mode's
-# re-queued batch ids, a job's end), less often in a sync job's steady state. Each read is a Dask call to
-# every shard, on processes that share the machine with the compute workers: 20 reads a second slowed a
-# 20 ms CNN step by 4 to 6% on this 2-core machine (docs/benchmarks.md, issue 9).
+# re-queued batch ids, a job's end, a caller that acts on steps as they commit), less often in a sync
+# job's steady state. Each read is a Dask call to every shard, on processes that share the machine with
+# the compute workers: 20 reads a second slowed a 20 ms CNN step by 4 to 6% on this 2-core machine
+# (docs/benchmarks.md, issue 9).
 SYNC_SECONDS = 0.05
 STEADY_SYNC_SECONDS = 0.25
 
@@ -95,8 +96,13 @@ class Coordinator:
         resume: Resume | None = None,
         mode: str = "sync",
         snapshot_every: int = 0,
+        steady_sync: float = STEADY_SYNC_SECONDS,
     ) -> None:
         self.job_id = job_id
+        # How often a sync job's steady state reads the shards (`CoordinatorState.sync_interval`): the
+        # controller asks for `SYNC_SECONDS` where its caller acts on steps as they commit (faults, a
+        # progress callback, which it polls every 20 ms).
+        self._steady_sync = steady_sync
         self._state = CoordinatorState(
             job_id, schedule, shards, policy, min_workers, min_workers_timeout, resume, mode, snapshot_every
         )
@@ -224,7 +230,7 @@ class Coordinator:
                 await self.shards_lost([exc.index], str(exc))
             except Exception as exc:
                 self._fail("internal", f"reading the shards failed: {type(exc).__name__}: {exc}", None)
-            await asyncio.sleep(self._state.sync_interval(SYNC_SECONDS, STEADY_SYNC_SECONDS))
+            await asyncio.sleep(self._state.sync_interval(SYNC_SECONDS, self._steady_sync))
         await self._notify()
 
     async def _sync(self) -> None:
@@ -232,8 +238,8 @@ class Coordinator:
         async with lock:
             if self._state.finished or self._state.lost:
                 return
-            since = self._state.since()
-            statuses = await self._on_shards(lambda s: s.status(since))
+            since, keep_from = self._state.since(), self._state.records_kept_from()
+            statuses = await self._on_shards(lambda s: s.status(since, keep_from))
             finished_before = self._state.finished
             for status in statuses:
                 self._take(self._state.absorb(status))

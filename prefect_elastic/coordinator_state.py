@@ -126,6 +126,10 @@ class CoordinatorState:
         # The lowest the ledger stood at since the controller last took a part of the journal: a rollback
         # since then replaced the steps after its snapshot, which the next part sends again.
         self._journaled = self.ledger.committed_steps
+        # The steps the controller's copy of the record surely holds, right as they stand (`journal`): a
+        # rebuilt coordinator takes them from there, so a shard need not keep their records
+        # (`records_kept_from`). 0 until the controller tells what it holds.
+        self.copied = 0
         # Async mode: batch ids nobody holds (lowest first), the ones each member holds, what each shard
         # applied of batch ids not yet committed, and the next record of each shard not yet read.
         # Workers excluded after their model failed on a batch (`model_failed`), with why, and the workers
@@ -272,6 +276,13 @@ class CoordinatorState:
         if self.mode == "async":
             return min(self._seen.values(), default=0)
         return self.ledger.committed_steps
+
+    def records_kept_from(self) -> int:
+        """The first step whose record a shard must keep: a shard holds one per step it applied, which
+        over a long run would grow without bound (a million steps: on the order of a gigabyte per data
+        server). The records of steps the controller's copy holds (`copied`) go; so does nothing in async
+        mode, whose records are of batch ids (not bounded yet)."""
+        return 0 if self.mode == "async" else self.copied
 
     def sync_interval(self, quick: float, steady: float) -> float:
         """How long to wait before the shards' status is read again: `steady` while a sync job runs far
@@ -562,6 +573,7 @@ class CoordinatorState:
         before = self.ledger.committed_steps
         self.ledger.drop_after_snapshot()
         self._journaled = min(self._journaled, self.ledger.committed_steps)
+        self.copied = min(self.copied, self.ledger.committed_steps)
         del self.history[self.ledger.committed_steps :]
         del self.commit_times[self.ledger.committed_steps :]
         self.versions = dict.fromkeys(range(self.shards), self.ledger.committed_steps)
@@ -669,6 +681,9 @@ class CoordinatorState:
         lacks: from the lower of that and where the ledger went back to since the last part."""
         base = min(known_steps, self._journaled, self.ledger.committed_steps)
         first_event = min(known_events, len(self.events))
+        # What the copy holds that still stands (the steps since the lowest point the ledger went back to
+        # are sent again): surely held, as the caller said so.
+        self.copied = base
         self._journaled = self.ledger.committed_steps
         return Journal(
             generation=self.generation,
@@ -766,6 +781,7 @@ class CoordinatorState:
         self.events = list(journal.events)
         self.counters = {**self.counters, **journal.counters}
         self._journaled = 0
+        self.copied = 0
         reached = max(journal.committed_steps, applied)
         if kind is EventKind.RESTORED:
             self.counters["checkpoint_restores"] += 1
@@ -841,6 +857,7 @@ class CoordinatorState:
         self.counters = {**self.counters, **journal.counters}
         self.counters["coordinator_rebuilds"] += 1
         self._journaled = 0
+        self.copied = 0
         return self.record(
             EventKind.COORDINATOR_REBUILT,
             reason=(

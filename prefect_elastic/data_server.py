@@ -565,10 +565,13 @@ class DataServer:
 
     # -- the coordinator -------------------------------------------------------------------------
 
-    async def status(self, since: int) -> ShardStatus:
-        """Where the shard is, with the records of the steps it applied from step `since` on."""
-        # (By key, not over a list of every step: the coordinator asks 20 times a second, and a long run
-        # holds a record per step.)
+    async def status(self, since: int, keep_from: int = 0) -> ShardStatus:
+        """Where the shard is, with the records of the steps it applied from step `since` on. The records
+        of steps before `keep_from` are dropped: the controller's copy of the record holds those steps
+        (`CoordinatorState.records_kept_from`), and a long run would otherwise keep one per step."""
+        # (By key, not over a list of every step: the coordinator asks up to 20 times a second.)
+        if keep_from > 0:
+            del self._records[: bisect.bisect_left(self._records, keep_from, key=attrgetter("step"))]
         first = bisect.bisect_left(self._records, since, key=attrgetter("step"))
         return ShardStatus(
             index=self.index,

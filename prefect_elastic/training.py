@@ -42,7 +42,7 @@ from .connect import (
     is_static_worker,
     scheduler_view_of_workers,
 )
-from .coordinator import Coordinator, ShardUnreachable, actor_key
+from .coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator, ShardUnreachable, actor_key
 from .data_server import DataServer, plan_shards, warm_standby
 from .dataset import DatasetInfo, partition_bounds
 from .errors import (
@@ -736,10 +736,16 @@ class TrainingRun:
         return self.client.submit(
             Coordinator, job.job_id, self.schedule, job.data_servers, job.on_membership_change,
             job.min_workers, job.min_workers_timeout, job.call_timeout, resume, job.mode,
-            _async_snapshot_every(job),
+            _async_snapshot_every(job), self._steady_sync(),
             actor=True, workers=[where], allow_other_workers=False, pure=False,
             key=f"prefect-elastic-{job.job_id}-{self.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
+
+    def _steady_sync(self) -> float:
+        """How often the coordinator reads the shards in a sync job's steady state: as often as near the
+        end where this controller polls progress for a caller that acts on steps as they commit (faults,
+        `on_progress`), whose fault at step 5 of a short job would otherwise come after its end."""
+        return SYNC_SECONDS if self.progress_poll < PROGRESS_POLL_IDLE_SECONDS else STEADY_SYNC_SECONDS
 
     def _placed_on(self, where: str) -> None:
         """A role goes to the live static worker `where`: from now on `left` tells whether it left since.

@@ -313,6 +313,28 @@ def snapshot_at_two(state: CoordinatorState) -> None:
     assert (state.committed_steps, state.ledger.snapshot_step) == (3, 2)
 
 
+def test_a_shard_keeps_only_the_records_of_steps_the_controllers_copy_may_lack() -> None:
+    """A shard holds a record per step it applied; a rebuilt coordinator takes the steps the controller's
+    copy of the record holds from the copy, so the shards drop the records of those steps and no more:
+    of what the copy held when the controller last asked, the part that still stands after a rollback."""
+    state = new_state("rollback")
+    admit(state, {"a", "b"})
+    snapshot_at_two(state)
+    assert state.records_kept_from() == 0, "the controller has not said what its copy holds"
+    state.journal(0, 0)
+    assert state.records_kept_from() == 0, "its copy held nothing when it asked (what it took is not known)"
+    state.journal(3, len(state.events))
+    assert state.records_kept_from() == 3
+    # A rollback to the snapshot of step 2: step 2 is trained again, its record in the copy replaced.
+    decision = survival_check(state.survival_state(), {"a"}, now=5.0)
+    fenced = [status(i, 3, decision.generation, snapshots=(0, 2), since=3) for i in range(2)]
+    state.change_membership(decision, state.reconcile(decision, fenced), fenced, "test", now=6.0, began=5.0)
+    assert state.committed_steps == 2 and state.records_kept_from() == 2
+    state.journal(3, 0)
+    assert state.records_kept_from() == 2, "the copy says 3 steps, of which 2 still stand"
+    assert CoordinatorState("job", SCHEDULE, 2, "reassign", 1, 10.0, mode="async").records_kept_from() == 0
+
+
 @pytest.mark.parametrize("policy", ["rollback", "reassign"])
 def test_a_lost_data_server_suspends_training_until_a_standby_holds_it(policy: str) -> None:
     state = new_state(policy)

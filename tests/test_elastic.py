@@ -175,7 +175,8 @@ def test_a_stateless_data_server_keeps_a_push_that_overtook_another_workers(digi
 
 def test_a_fence_and_a_status_carry_the_records_from_the_step_asked_for(digits_url: str) -> None:
     """The coordinator asks for the records of the steps it has not committed (a long run holds one per
-    step: all of them on every fence would be megabytes on the path of every recovery)."""
+    step: all of them on every fence would be megabytes on the path of every recovery), and has the
+    shard drop those of the steps the controller's copy of the record holds."""
     (free, _), _ = in_process_servers(
         digits_url, min_shard_bytes=ElasticJob.model_fields["min_shard_bytes"].default
     )
@@ -187,6 +188,9 @@ def test_a_fence_and_a_status_carry_the_records_from_the_step_asked_for(digits_u
         assert [r.step for r in (await free.fence(1, 2)).records] == [2]
         assert [r.step for r in (await free.fence(2)).records] == [0, 1, 2]
         assert (await free.fence(3, 3)).records == ()
+        # Steps the controller's copy holds: their records go, for good (a long run holds one per step).
+        assert [r.step for r in (await free.status(1, keep_from=2)).records] == [2]
+        assert [r.step for r in (await free.fence(4)).records] == [2]
 
     asyncio.run(three_steps_then_fences())
 
