@@ -239,7 +239,8 @@ class Coordinator:
             if self._state.finished or self._state.lost:
                 return
             since, keep_from = self._state.since(), self._state.records_kept_from()
-            statuses = await self._on_shards(lambda s: s.status(since, keep_from))
+            generation = self._state.generation
+            statuses = await self._on_shards(lambda s: s.status(since, keep_from, generation))
             finished_before = self._state.finished
             for status in statuses:
                 self._take(self._state.absorb(status))

@@ -565,12 +565,15 @@ class DataServer:
 
     # -- the coordinator -------------------------------------------------------------------------
 
-    async def status(self, since: int, keep_from: int = 0) -> ShardStatus:
+    async def status(self, since: int, keep_from: int = 0, generation: int | None = None) -> ShardStatus:
         """Where the shard is, with the records of the steps it applied from step `since` on. The records
-        of steps before `keep_from` are dropped: the controller's copy of the record holds those steps
-        (`CoordinatorState.records_kept_from`), and a long run would otherwise keep one per step."""
+        of steps before `keep_from` are dropped if the caller is of this shard's generation: the
+        controller's copy of the record holds those steps (`CoordinatorState.records_kept_from`), and a
+        long run would otherwise keep one per step. A coordinator of an older generation (one the
+        scheduler dropped while its process went on, and rebuilt elsewhere) may still read the shards:
+        its `keep_from` is not the new coordinator's, which may be training those steps again."""
         # (By key, not over a list of every step: the coordinator asks up to 20 times a second.)
-        if keep_from > 0:
+        if keep_from > 0 and generation == self.generation:
             del self._records[: bisect.bisect_left(self._records, keep_from, key=attrgetter("step"))]
         first = bisect.bisect_left(self._records, since, key=attrgetter("step"))
         return ShardStatus(

@@ -1444,7 +1444,10 @@ class TrainingRun:
                 self._told_lost -= back
                 for i in back:
                     self._kept[(i, self.placement[i])] += 1
-        self.journal = Journal()
+        # The copy is kept until the new coordinator's first part replaces it whole (a rebuilt record
+        # sends everything from step 0): the shards dropped the records of the steps it holds
+        # (`records_kept_from`), so if the new coordinator died before that part came, the next one would
+        # have nothing else to rebuild those steps from.
         self._copy_journal()
         log.warning(
             "job %s: coordinator rebuilt on %s at step %d, %.2f s after it was seen lost (start %.3f s, "

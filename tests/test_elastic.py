@@ -188,8 +188,10 @@ def test_a_fence_and_a_status_carry_the_records_from_the_step_asked_for(digits_u
         assert [r.step for r in (await free.fence(1, 2)).records] == [2]
         assert [r.step for r in (await free.fence(2)).records] == [0, 1, 2]
         assert (await free.fence(3, 3)).records == ()
-        # Steps the controller's copy holds: their records go, for good (a long run holds one per step).
-        assert [r.step for r in (await free.status(1, keep_from=2)).records] == [2]
+        # Steps the controller's copy holds: their records go, for good (a long run holds one per step);
+        # not at the word of a coordinator of an older generation (its successor may need them).
+        assert [r.step for r in (await free.status(0, keep_from=2, generation=2)).records] == [0, 1, 2]
+        assert [r.step for r in (await free.status(1, keep_from=2, generation=3)).records] == [2]
         assert [r.step for r in (await free.fence(4)).records] == [2]
 
     asyncio.run(three_steps_then_fences())
