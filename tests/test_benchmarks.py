@@ -185,3 +185,31 @@ def test_the_gpu_check_runs_and_finds_the_invariants(tmp_path: Path) -> None:
     steady = results["steady"]
     assert steady["mlp"]["ratio"] > 0 and steady["mlp"]["plain_deterministic_step_ms"] > 0
     assert steady["async-mlp"]["ratio"] > 0
+
+
+@pytest.mark.cluster
+@pytest.mark.heavy  # (about a minute on 2 cores)
+@pytest.mark.timeout(600)
+def test_a_users_own_model_and_data_are_compared_with_their_plain_loop(tmp_path: Path) -> None:
+    """`python -m benchmarks.user_model` on a model written outside the repository (a folder of the
+    user's, put on the workers' `PYTHONPATH`) and the user's own `.npz`: both sides train it, and a
+    misnamed dataset is refused naming it."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "nets.py").write_text(
+        "from torch import nn\n\n\ndef net():\n    return nn.Sequential(nn.Flatten(), nn.Linear(12, 3))\n"
+    )
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "data.npz", x=rng.standard_normal((256, 3, 4)).astype(np.float32),
+             y=rng.integers(0, 3, 256))  # fmt: skip
+    args = ["--model", "nets:net", "--dataset", str(tmp_path / "data.npz"), "--path", str(tmp_path / "mine")]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.user_model", *args, "--batch", "16", "--pairs", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=500,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pair 1: plain" in done.stdout and "nets:net: " in done.stdout, done.stdout
+    wrong = subprocess.run(
+        [sys.executable, "-m", "benchmarks.user_model", "--model", "nets:net", "--dataset", "nowhere.npz"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60,
+    )  # fmt: skip
+    assert wrong.returncode == 2 and "--dataset nowhere.npz: no such file" in wrong.stderr
