@@ -21,11 +21,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from prefect_elastic import ElasticJob
 from prefect_elastic.local.cluster import LocalElasticCluster
@@ -33,6 +35,10 @@ from prefect_elastic.local.cluster import LocalElasticCluster
 from . import elastic
 
 LR, MOMENTUM = 0.02, 0.9
+LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "cross_entropy": F.cross_entropy,
+    "mse": F.mse_loss,
+}  # (the names `ElasticJob.loss` knows)
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -49,11 +55,7 @@ def plain_loop(
     with np.load(dataset) as data:
         x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
     net = _load(model)()
-    loss_fn = (
-        getattr(torch.nn.functional, {"cross_entropy": "cross_entropy", "mse": "mse_loss"}[loss])
-        if ":" not in loss
-        else _load(loss)
-    )
+    loss_fn = LOSSES[loss] if loss in LOSSES else _load(loss)
     optimizer = torch.optim.SGD(net.parameters(), lr=LR, momentum=MOMENTUM)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     per_epoch = len(y) // batch
@@ -85,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--dataset {args.dataset}: no such file (an .npz with arrays x and y)")
     if args.path is not None and not args.path.is_dir():
         parser.error(f"--path {args.path}: no such folder")
+    if args.loss not in LOSSES and ":" not in args.loss:
+        parser.error(f"--loss {args.loss}: give {' or '.join(LOSSES)}, or module:function")
     if args.pairs < 1 or args.epochs < 1 or args.batch < 1:
         parser.error("--pairs, --epochs and --batch must be 1 or more")
     if args.path is not None:
