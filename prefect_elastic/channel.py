@@ -102,6 +102,11 @@ class Frame:
     unchanging: bool = False
 
 
+# Entries that a loop on the shard's machine reads in place, in the shard's memory, where the shard's
+# tensor lies in a published region (`published.py`): the sync pull's parameters, which no shard changes
+# while a loop of the generation still reads them. Never the async answers' `state`.
+BY_REFERENCE = frozenset({"params"})
+
 _DTYPES: dict[str, torch.dtype] = {}  # a header's dtype name -> the dtype (looked up once per name)
 
 
@@ -137,6 +142,10 @@ def encode(frame: Frame, shared: SharedBodies | None = None) -> list[memoryview]
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
+        reference = shared.reference(t) if shared is not None and entry.kind in BY_REFERENCE else None
+        if reference is not None:  # (read in place by the peer: no bytes)
+            described.append([entry.kind, entry.batch_id, entry.name, str(t.dtype), t.shape, *reference])
+            continue
         described.append([entry.kind, entry.batch_id, entry.name, str(t.dtype), t.shape])
         if t.numel():
             bodies.append(_raw(t))
@@ -170,7 +179,8 @@ def _count(shape: Sequence[int]) -> int:
 
 
 def _body_size(described: list[list[Any]]) -> int:
-    return sum(_count(shape) * _dtype(dtype).itemsize for _, _, _, dtype, shape in described)
+    # (An entry with a reference to published memory, `[..., key, offset]`, has no bytes in the body.)
+    return sum(_count(shape) * _dtype(dtype).itemsize for _, _, _, dtype, shape, *ref in described if not ref)
 
 
 def _body_buffer(described: list[list[Any]], huge_pages: bool = True) -> np.ndarray:
@@ -195,9 +205,14 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def decode(header: bytes | bytearray | dict[str, Any], body: bytearray | np.ndarray) -> Frame:
+def decode(
+    header: bytes | bytearray | dict[str, Any],
+    body: bytearray | np.ndarray,
+    regions: Callable[[str], torch.Tensor] | None = None,
+) -> Frame:
     """The frame of a header (its JSON, or that already parsed) and its body, which the tensors are views
-    of (no copy)."""
+    of (no copy). An entry that refers to the peer's published memory is a view of it (`regions`: the
+    bytes of a region by its key, `SharedBodies.region`)."""
     parsed: dict[str, Any] = header if isinstance(header, dict) else json.loads(header)
     described = parsed.pop("tensors")
     tensors: list[tuple[Entry, torch.Tensor]] = []
@@ -213,10 +228,13 @@ def decode(header: bytes | bytearray | dict[str, Any], body: bytearray | np.ndar
         )
     typed: dict[torch.dtype, torch.Tensor] = {}  # the body as elements of each dtype seen (aligned runs)
     offset = 0
-    for kind, batch_id, name, dtype_name, shape in described:
+    for kind, batch_id, name, dtype_name, shape, *reference in described:
         dtype = _dtype(dtype_name)
         count = _count(shape)
         itemsize = dtype.itemsize
+        if reference:
+            tensors.append((Entry(kind, int(batch_id), name), _referred(regions, reference, dtype, shape)))
+            continue
         if not count or whole is None:
             t = torch.empty(shape, dtype=dtype)
         elif offset % itemsize == 0:
@@ -229,6 +247,19 @@ def decode(header: bytes | bytearray | dict[str, Any], body: bytearray | np.ndar
         offset += count * itemsize
         tensors.append((Entry(kind, int(batch_id), name), t))
     return Frame(parsed, tensors)
+
+
+def _referred(
+    regions: Callable[[str], torch.Tensor] | None, reference: list[Any], dtype: torch.dtype, shape: list[int]
+) -> torch.Tensor:
+    key, at = str(reference[0]), int(reference[1])
+    if regions is None:
+        raise ValueError(f"a frame refers to published memory ({key}) on a connection that maps none")
+    data = regions(key)
+    size = _count(shape) * dtype.itemsize
+    if at < 0 or at + size > len(data) or at % dtype.itemsize:
+        raise ValueError(f"a frame refers to bytes [{at}, {at + size}) of published memory of {len(data)}")
+    return data[at : at + size].view(dtype).view(shape)
 
 
 # -- the loop's side: blocking sockets in its own thread ------------------------------------------------
@@ -329,7 +360,7 @@ class ShardLink:
             self.close()
             raise
         self.pending -= 1
-        frame = decode(header, body)
+        frame = decode(header, body, self.shared.region)
         raise_error(frame.header)
         return frame
 
@@ -630,4 +661,4 @@ async def _read_frame(io: _SocketIO | _StreamIO, shared: SharedBodies) -> Frame 
     if body is None:
         body = _body_buffer(header["tensors"])
         await io.read_into(body.data)
-    return decode(header, body)
+    return decode(header, body, shared.region)

@@ -225,7 +225,9 @@ class DataServer:
     async def phases(self) -> dict[str, float]:
         """Seconds spent on the step path by phase, summed over the run: the channel's `handle` and
         `send`, and `apply` (the optimizer step within `handle`); `frames` counts the frames answered,
-        `bodies_shared` and `bodies_socket` the frames with tensors by the way they came (`inbox.py`)."""
+        `bodies_shared` and `bodies_socket` the frames with tensors by the way they came (`inbox.py`),
+        `params_in_place` the answers whose parameters a loop read in this shard's memory
+        (`published.py`)."""
         server = self._server
         return {
             **(server.phases if server is not None else {}),
@@ -233,6 +235,7 @@ class DataServer:
             "frames": float(server.frames if server is not None else 0),
             "bodies_shared": float(server.bodies["shared"] if server is not None else 0),
             "bodies_socket": float(server.bodies["socket"] if server is not None else 0),
+            "params_in_place": float(server.bodies.get("referenced", 0) if server is not None else 0),
         }
 
     async def close_channel(self) -> None:
@@ -437,10 +440,12 @@ class DataServer:
             raise RecoverableError(f"shard {self.index} holds at step {self._hold} (a static worker retires)")
         if self._applying or self.version != step:
             raise RecoverableError(f"pull for step {step}, but shard {self.index} is at step {self.version}")
-        # No copy: the tensors are serialized as this reply is sent, and the shard changes them only when
-        # it applies this step, which needs the gradient of every worker that pulled it (a worker pulls a
-        # step only when its share of it is not empty). A reply still on the wire to a worker declared
-        # dead may see a restore; that worker's generation is refused anyway.
+        # No copy: the tensors are serialized as this reply is sent, or read in place by a loop on this
+        # machine while it computes (`published.py`). The shard changes them only when it applies this
+        # step, which needs the gradient of every worker that computes with them (a worker computes a
+        # step only when its share of it is not empty, and lets go of them before its push). A reply
+        # still on the wire to a worker declared dead, or a loop of that worker reading in place, may see
+        # a restore; that worker's generation is refused anyway.
         return {**self._params, **self._buffers}
 
     async def _wait_for_version(self, generation: int, step: int, wait: float) -> None:

@@ -33,10 +33,8 @@ from a peer: its link never reads a second answer, so never advertises an inbox)
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
-import secrets
 import socket
 import struct
 import weakref
@@ -44,9 +42,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
-# Set to 0 to send every body through the socket (to compare, or to rule this path out).
-ENV = "PREFECT_ELASTIC_SHARED_MEMORY"
+from . import memfd, published
+
+ENV = memfd.ENV  # set to 0 to send every body through the socket
 # Bodies smaller than this gain next to nothing from shared memory (a few microseconds of copies).
 MIN_BYTES = 64 << 10
 # Bodies larger than this go through the socket: an inbox holds SLOTS of them, per connection.
@@ -55,12 +55,11 @@ MAX_BYTES = 16 << 20
 # the step it computes, the next step's early batches, the answer to its push, before its caller lets go
 # of the step it passed in).
 SLOTS = 4
-_TOKEN = 16  # bytes of the random token at the start of an inbox
+_TOKEN = memfd.TOKEN_BYTES  # the random token at the start of an inbox
 _HEADER = 64  # token, then one byte per slot (1: holds a body the receiver has not let go of)
 _ROUND = 1 << 20  # slot sizes are rounded up to this
 _UNLOCKED_COPY = 64 << 10  # parts at least this large are copied by numpy, without the GIL
 _NAME = "prefect-elastic-inbox"  # the memfd's name (/proc/<pid>/fd/<fd> reads "/memfd:<name> (deleted)")
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 
 def peer_pid(sock: socket.socket) -> int:
@@ -87,18 +86,9 @@ class Inbox:
 
     def __init__(self, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
-        self.fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(self.fd, _HEADER + SLOTS * slot_bytes)
-            # Sealed at its size: a peer that opens it can neither shrink it (which would kill this
-            # process with SIGBUS at its next read) nor grow it.
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS | fcntl.F_SEAL_SEAL)
-            self.memory = mmap.mmap(self.fd, _HEADER + SLOTS * slot_bytes)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        self.token = secrets.token_bytes(_TOKEN)
-        self.memory[:_TOKEN] = self.token
+        # Sealed at its size: a peer that opens it can neither shrink it (which would kill this process
+        # with SIGBUS at its next read) nor grow it.
+        self.fd, self.memory, self.token = memfd.create(_NAME, _HEADER + SLOTS * slot_bytes)
 
     @property
     def key(self) -> str:
@@ -142,30 +132,15 @@ class Outbox:
 
         Why so strict: any process of the machine may connect to a shard's Unix socket and send an
         advert. Only the peer's own inbox is ever written into: the advert must name the peer's pid, a
-        descriptor of it that is a memfd by this module's name, sealed at its size, with the token."""
+        descriptor of it that is a memfd by this module's name, sealed at its size, with the token
+        (`memfd.open_peers`)."""
         try:
             pid, fd, slot_bytes, token = int(advert[0]), int(advert[1]), int(advert[2]), str(advert[3])
             expected = bytes.fromhex(token)
-            size = _HEADER + SLOTS * slot_bytes
-            if pid != peer or pid <= 0 or len(expected) != _TOKEN:
-                return None
-            path = f"/proc/{pid}/fd/{fd}"
-            if not os.readlink(path).startswith(f"/memfd:{_NAME} "):
-                return None
-            handle = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except (OSError, ValueError, TypeError, IndexError):
+        except (ValueError, TypeError, IndexError):
             return None
-        try:
-            sealed = fcntl.fcntl(handle, fcntl.F_GET_SEALS) & _SEALS == _SEALS
-            if not sealed or os.fstat(handle).st_size != size:
-                return None
-            memory = mmap.mmap(handle, size)
-        except (OSError, ValueError):
-            return None
-        finally:
-            os.close(handle)
-        if memory[:_TOKEN] != expected:  # (another inbox of the peer's, of an earlier connection)
-            memory.close()
+        memory = memfd.open_peers(pid, fd, _NAME, _HEADER + SLOTS * slot_bytes, expected, peer)
+        if memory is None:
             return None
         return cls(memory, slot_bytes, token[:16])
 
@@ -210,14 +185,25 @@ class SharedBodies:
 
     def __init__(self, peer: int = 0, counts: dict[str, int] | None = None) -> None:
         self.peer = peer
-        self.enabled = peer > 0 and os.environ.get(ENV, "1") != "0"
+        self.enabled = peer > 0 and memfd.enabled()
         # This end's inboxes, the newest last. An older one stays until the peer writes into a newer
         # one: it may have written into the old before it heard of the new.
         self._inboxes: list[Inbox] = []
         self.outbox: Outbox | None = None
         self._advertise = False
-        # Bodies received, by the way they came (a server's connections share one count).
+        # Bodies received, by the way they came (a server's connections share one count), and
+        # `referenced`: tensors sent as a reference to published memory, once there was one.
         self.frames = counts if counts is not None else {"shared": 0, "socket": 0}
+        # Published regions (`published.py`). As the sender: the keys of those the peer maps (it said
+        # so), and the advert of one to offer in the next header. As the receiver: the regions mapped,
+        # by key (the newest two: after a promotion, views of the old may still arrive), the keys that
+        # could not be, and the key to confirm in the next header.
+        self._maps = self.enabled
+        self._peer_reads: set[str] = set()
+        self._offer: list[Any] | None = None
+        self._mapped: dict[str, torch.Tensor] = {}
+        self._unmappable: set[str] = set()
+        self._confirm: str | None = None
 
     @property
     def inbox(self) -> Inbox | None:
@@ -228,6 +214,10 @@ class SharedBodies:
         """Header fields for a frame whose body is `parts`: the slot it was written into (then the body is
         not to be sent), and this end's inbox where the peer has not heard of it yet."""
         fields: dict[str, Any] = {}
+        if self._offer is not None:
+            fields["published"], self._offer = self._offer, None
+        if self._confirm is not None:
+            fields["reads"], self._confirm = self._confirm, None
         if self._advertise and self.inbox is not None:
             fields["inbox"] = self.inbox.advert()
             self._advertise = False
@@ -240,6 +230,7 @@ class SharedBodies:
     def incoming(self, header: dict[str, Any], size: int) -> np.ndarray | None:
         """The body of a frame with this `header` (taking the transport's fields out of it) when it is in
         the inbox; None when it comes through the socket."""
+        self._published(header)
         advert = header.pop("inbox", None)
         if advert is not None and self.enabled:
             old, self.outbox = self.outbox, Outbox.open(advert, self.peer)
@@ -261,6 +252,53 @@ class SharedBodies:
         self.frames["shared"] += 1
         return self._inboxes[0].body(int(index), size)
 
+    def reference(self, t: torch.Tensor) -> list[Any] | None:
+        """Where `t` lies in a published region the peer maps (`[key, offset]`), to be sent instead of its
+        bytes; None otherwise, and then a region the peer has not confirmed is offered in the next
+        header."""
+        if not self.enabled:
+            return None
+        found = published.region_of(t)
+        if found is None:
+            return None
+        region, at = found
+        if region.key in self._peer_reads:
+            self.frames["referenced"] = self.frames.get("referenced", 0) + 1
+            return [region.key, at]
+        self._offer = region.advert()
+        return None
+
+    def region(self, key: str) -> torch.Tensor:
+        """The bytes of the peer's published region `key`, mapped here (a frame's entry refers to it)."""
+        data = self._mapped.get(key)
+        if data is None:
+            raise ValueError(f"a frame refers to published memory this end has not mapped ({key})")
+        return data
+
+    def _published(self, header: dict[str, Any]) -> None:
+        reads = header.pop("reads", None)
+        if reads is not None:
+            self._peer_reads.add(str(reads))
+        advert = header.pop("published", None)
+        if advert is None or not self._maps:
+            return
+        key = str(advert[3])[:16] if isinstance(advert, list) and len(advert) == 4 else ""
+        if key in self._mapped:
+            # Offered again: the peer has not heard this end's word yet (a frame sent before it was
+            # given, from the loop's other thread), so it is given again.
+            self._confirm = key
+            return
+        if key in self._unmappable:
+            return
+        mapped = published.map_peers(advert, self.peer)
+        if mapped is None:
+            self._unmappable.add(key)
+            return
+        self._mapped[mapped[0]] = mapped[1]
+        while len(self._mapped) > 2:  # (the oldest's views, where a loop holds some, keep it mapped)
+            del self._mapped[next(iter(self._mapped))]
+        self._confirm = mapped[0]
+
     def _maybe_open(self, size: int) -> None:
         if not self.enabled or not MIN_BYTES <= size <= MAX_BYTES:
             return
@@ -277,6 +315,7 @@ class SharedBodies:
     def close(self) -> None:
         """Lets go of the inboxes and the outbox; any number of times, from any thread (a loop's connection
         may be closed by its exchange thread and its main thread at once)."""
+        self._mapped = {}
         inboxes, self._inboxes = self._inboxes, []
         outbox, self.outbox = self.outbox, None
         for inbox in inboxes:

@@ -30,6 +30,7 @@ from torch.optim.sgd import sgd
 from .errors import FatalError
 from .job import ElasticJob
 from .messages import Tensors
+from .published import Published, flat_tensor
 
 # One micro-batch's gradient of a shard's parameters: by name, or one flat tensor in the shard's order.
 Gradient = Tensors | torch.Tensor
@@ -48,9 +49,12 @@ class ShardOptimizer:
         self._sizes = [params[n].numel() for n in self.names]
         # One flat tensor, unless the shard's parameters are of several dtypes: then one tensor each.
         self._flat: torch.Tensor | None = None
+        # A copied flat tensor lies in a published region where it is large enough: loops on this
+        # machine read the parameters there instead of a copy in every answer (`published.py`).
+        self.region: Published | None = None
         flat = _flat_view([params[n] for n in self.names]) if owned else None
         if flat is None and not owned and len({params[n].dtype for n in self.names}) == 1:
-            flat = torch.cat([params[n].detach().reshape(-1) for n in self.names])
+            flat, self.region = flat_tensor([params[n] for n in self.names], params[self.names[0]].dtype)
         if flat is not None:
             self._flat = flat.detach()
             self.params = dict(zip(self.names, self._views(self._flat), strict=True))

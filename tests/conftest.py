@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefect_elastic import ElasticJob, TrainResult, train
+from prefect_elastic import ElasticJob, TrainResult, memfd, train
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.dataset import digits_dataset, write_npz
 from prefect_elastic.local.chaos import SoakFigures
@@ -116,7 +116,10 @@ def tokens_url(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="session")
 def reference_cluster() -> Iterator[LocalElasticCluster]:
-    with LocalElasticCluster(static_workers=1, elastic_workers=1) as cluster:
+    # Shared memory off (`memfd.ENV`): the references' bodies and parameters go through the sockets, so
+    # every test that compares a run with its reference also checks the shared-memory paths (inboxes,
+    # parameters read in place) against plain copies, bit for bit.
+    with LocalElasticCluster(static_workers=1, elastic_workers=1, env={memfd.ENV: "0"}) as cluster:
         yield cluster
 
 
