@@ -233,6 +233,8 @@ def decode(
         count = _count(shape)
         itemsize = dtype.itemsize
         if reference:
+            if kind not in BY_REFERENCE:
+                raise ValueError(f"a frame refers to published memory for an entry of kind {kind!r}")
             tensors.append((Entry(kind, int(batch_id), name), _referred(regions, reference, dtype, shape)))
             continue
         if not count or whole is None:
@@ -539,7 +541,7 @@ class ShardServer:
             conn.setblocking(False)
             _tune(conn)
             self.connections[kind] += 1
-            shared = SharedBodies(peer_pid(conn) if kind == "local" else 0, self.bodies)
+            shared = SharedBodies(peer_pid(conn) if kind == "local" else 0, self.bodies, maps=False)
             self._spawn(self._serve(_SocketIO(loop, conn), shared))
 
     async def _serve(self, io: _SocketIO | _StreamIO, shared: SharedBodies) -> None:
@@ -661,4 +663,4 @@ async def _read_frame(io: _SocketIO | _StreamIO, shared: SharedBodies) -> Frame 
     if body is None:
         body = _body_buffer(header["tensors"])
         await io.read_into(body.data)
-    return decode(header, body, shared.region)
+    return decode(header, body)  # (a shard reads nothing in a loop's memory)

@@ -476,8 +476,12 @@ class MicroBatchTrainer:
             # became of that push no longer matters (a fence voided it, or the run ended).
             with contextlib.suppress(RecoverableError):  # (a stale generation's too)
                 receive_all(shards, [link.pending for link in shards], self.job.call_timeout)
+        # The parameters as a copy, never read in place (`published.py`): a loop fetches a step it may
+        # have pushed in part already (its frame to one shard went in, another's failed), and a shard that
+        # holds its batch ids from that push may apply the step, writing its parameters, while this loop
+        # computes the step again for the shards that lack them.
         frames = [
-            Frame({"op": "pull", "generation": role.generation, "then": then})
+            Frame({"op": "pull", "generation": role.generation, "then": then and {**then, "copy": True}})
             for then in self.then(role, step, schedule)
         ]
         return Ahead(role.generation, step, exchange(shards, frames, self.job.call_timeout))
@@ -637,11 +641,24 @@ class MicroBatchTrainer:
                 torch.random.default_generator.manual_seed(seed)
                 if self.device.type == "cuda":
                     torch.cuda.manual_seed(seed)
+                versions = [p._version for p in params.values()]
                 out = functional_call(self.model, tensors, (x.to(self.device),))
                 loss = self.loss_fn(out, y.to(self.device))
                 grads = torch.autograd.grad(
                     loss, list(params.values()), allow_unused=True, materialize_grads=True
                 )
+                changed = [n for (n, p), v in zip(params.items(), versions, strict=True) if p._version != v]
+                if changed:
+                    # A compute worker holds no parameters between steps: the change would be lost, and
+                    # on a CPU worker it would write into the shard's memory, which the loop reads in
+                    # place (`published.py`).
+                    raise ModelFailure(
+                        step,
+                        batch_id,
+                        f"the model changed its parameters {changed} in place at step {step}, batch "
+                        f"{batch_id}: parameters change only through the job's optimizer (change them on "
+                        "a copy in forward, e.g. `w = self.weight.clamp(-1, 1)`)",
+                    )
                 # Read after backward, not before: on a GPU, reading it waits for the device, which then
                 # idles while backward's kernels are queued. A loss that is not finite fails the job; its
                 # gradient is never pushed.

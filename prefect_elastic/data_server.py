@@ -283,9 +283,11 @@ class DataServer:
                 optimizer = self._optimizer
                 if optimizer is not None and optimizer.flat is not None:
                     # The parameters as the one flat tensor they live in, named in the header: one tensor
-                    # to encode instead of one per parameter (the loop takes views of it).
+                    # to encode instead of one per parameter (the loop takes views of it, of this shard's
+                    # own memory where it reads them in place, unless it asks for a copy: `fetch`).
                     answer["params"] = optimizer.names
-                    tensors = [(Entry("params", -1, ""), optimizer.flat)]
+                    flat = optimizer.flat.clone() if then.get("copy") else optimizer.flat
+                    tensors = [(Entry("params", -1, ""), flat)]
                     state = self._buffers
                 tensors += [(Entry("state", -1, name), t) for name, t in state.items()]
             for b in then["batches"]:

@@ -180,10 +180,11 @@ class Outbox:
 
 class SharedBodies:
     """One end of a connection: its inboxes (bodies the peer writes for it) and its outbox (the peer's
-    inbox). `peer`: the pid at the other end of a Unix socket (`peer_pid`); 0 turns it all off (TCP, a
-    peer in another pid namespace)."""
+    inbox), and the peer's published memory it maps (`published.py`; `maps`: a loop's end). `peer`: the
+    pid at the other end of a Unix socket (`peer_pid`); 0 turns it all off (TCP, a peer in another pid
+    namespace)."""
 
-    def __init__(self, peer: int = 0, counts: dict[str, int] | None = None) -> None:
+    def __init__(self, peer: int = 0, counts: dict[str, int] | None = None, maps: bool = True) -> None:
         self.peer = peer
         self.enabled = peer > 0 and memfd.enabled()
         # This end's inboxes, the newest last. An older one stays until the peer writes into a newer
@@ -198,7 +199,7 @@ class SharedBodies:
         # so), and the advert of one to offer in the next header. As the receiver: the regions mapped,
         # by key (the newest two: after a promotion, views of the old may still arrive), the keys that
         # could not be, and the key to confirm in the next header.
-        self._maps = self.enabled
+        self._maps = self.enabled and maps  # (`maps=False`: a shard's end, which reads no peer's memory)
         self._peer_reads: set[str] = set()
         self._offer: list[Any] | None = None
         self._mapped: dict[str, torch.Tensor] = {}

@@ -9,10 +9,10 @@ parameters as views of it: the answer carries where they lie, not their bytes.
 
 Why the loop may read memory the shard writes (docs/design/step-channel.md, "Parameters read in
 place"): in sync mode a shard writes its parameters
-- when it applies step `s`: only once it holds every gradient of `s`. Every loop that was sent the
-  parameters of `s` pulled them for a share that is not empty, and pushed its gradients of that share
-  after its last use of them (`MicroBatchTrainer.step` lets go of its views before the push). So no loop
-  reads them any more;
+- when it applies step `s`: only once it holds every gradient of `s`. Every loop that computes with
+  the parameters of `s` does so for a share that is not empty, and pushes its gradients of that share
+  after its last backward. So no loop reads them any more. (A loop that fetches a step again, after a
+  push that went in at one shard and failed at another, asks for a copy: `MicroBatchTrainer.fetch`.);
 - when it restores a snapshot (a rollback): that starts a new generation, and a loop of the old one that
   still reads them computes gradients the shard refuses (their generation is stale);
 - never else: a promotion or a restart builds a new optimizer, whose parameters lie elsewhere; the old
@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -48,8 +49,10 @@ from . import memfd
 _NAME = "prefect-elastic-params"  # the memfd's name (/proc/<pid>/fd/<fd> reads "/memfd:<name> (deleted)")
 # The tensor starts a page into the memfd (the token before it): aligned as any large allocation is.
 _DATA = mmap.PAGESIZE
-# The published regions of this process alive now (a sender finds the one a tensor lies in).
+# The published regions of this process alive now (a sender finds the one a tensor lies in). Under the
+# lock: a data server is made in a task's thread while another's event loop looks a tensor up.
 _LIVE: weakref.WeakSet[Published] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
 
 
 class Published:
@@ -65,7 +68,8 @@ class Published:
         self.start = self.data.data_ptr()
         self.end = self.start + nbytes
         weakref.finalize(self, os.close, self.fd)
-        _LIVE.add(self)
+        with _LIVE_LOCK:
+            _LIVE.add(self)
 
     def advert(self) -> list[Any]:
         return [os.getpid(), self.fd, self.size, self.token.hex()]
@@ -96,7 +100,9 @@ def flat_tensor(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torc
 
 def region_of(t: torch.Tensor) -> tuple[Published, int] | None:
     """The live published region `t` lies in and its byte offset there, or None."""
-    for region in list(_LIVE):
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for region in live:
         at = region.place_of(t)
         if at is not None:
             return region, at

@@ -296,3 +296,16 @@ class _PausingDropout(nn.Module):
 
 def pausing_dropout() -> nn.Module:
     return _PausingDropout()
+
+
+class _ClampsInPlace(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Changes a parameter in place (as some models clamp their weights): a compute worker holds no
+        # parameters, so this is refused with a clear error.
+        with torch.no_grad():
+            self[1].weight.clamp_(-0.1, 0.1)
+        return super().forward(x)
+
+
+def clamps_in_place() -> nn.Module:
+    return _ClampsInPlace(*_mlp_layers())

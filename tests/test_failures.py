@@ -19,6 +19,7 @@ from prefect_elastic import (
 )
 from prefect_elastic.compute import MicroBatchTrainer
 from prefect_elastic.dataset import write_npz
+from prefect_elastic.errors import ModelFailure
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import EventKind
 
@@ -120,6 +121,22 @@ def test_compute_worker_holds_no_parameters(digits_url: str) -> None:
         assert torch.allclose(grads[name], p.grad)
     assert not torch.equal(new_buffers["1.running_mean"], buffers["1.running_mean"])
     assert torch.equal(buffers["1.running_mean"], state["1.running_mean"]), "pulled buffers untouched"
+
+
+def test_a_model_that_changes_its_parameters_in_place_is_refused_naming_them(digits_url: str) -> None:
+    """A compute worker holds no parameters between steps, and on a CPU worker the pulled parameters are
+    the shard's own memory (`published.py`): a change in place is lost or corrupts the shard. It fails
+    the micro-batch with a message that names the parameter and what to do instead."""
+    j = make_job(digits_url, model="tests.models:clamps_in_place")
+    layout, tensors = j.initial_tensors()
+    trainer = MicroBatchTrainer(j, [list(tensors)], layout, torch.device("cpu"))
+    state = j.initial_state()
+    params = {n: state[n].clone().requires_grad_(True) for n in trainer.param_names}
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    with pytest.raises(
+        ModelFailure, match=r"changed its parameters \['1.weight'\] in place at step 3, batch 5"
+    ):
+        trainer.gradient(params, {}, x, y, step=3, batch_id=5)
 
 
 @pytest.mark.cluster

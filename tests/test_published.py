@@ -12,12 +12,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from prefect_elastic import memfd, published
+from prefect_elastic import ElasticJob, memfd, published
 from prefect_elastic.channel import Entry, Frame, ShardLink, decode, encode
+from prefect_elastic.compute import MicroBatchTrainer
 from prefect_elastic.inbox import Inbox, SharedBodies
+from prefect_elastic.messages import Role
 from prefect_elastic.published import Published, flat_tensor, map_peers
 from prefect_elastic.shard_optimizer import ShardOptimizer
+from prefect_elastic.training import prepare
 
+from .conftest import in_process_servers, make_job
 from .test_channel import Served
 from .test_shard_optimizer import OPTIMIZERS, job
 
@@ -154,3 +158,40 @@ def test_a_reference_to_memory_the_receiver_has_not_mapped_is_refused() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_loop_fetching_a_step_again_gets_a_copy_and_its_pipelined_pulls_read_in_place(
+    digits_url: str,
+) -> None:
+    """`fetch` asks for a copy: a loop fetches a step it may have pushed in part (one shard took its frame,
+    another's failed), and the shard that holds its batch ids may apply the step while the loop computes
+    it again for the other."""
+    default = ElasticJob.model_fields["min_shard_bytes"].default
+    servers, plan = in_process_servers(digits_url, min_shard_bytes=default)
+    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp"))
+    trainer = MicroBatchTrainer(prepared.job, plan, prepared.persistence.layout, torch.device("cpu"))
+    served = [Served(server.on_frame) for server in servers]
+    links = [ShardLink(s.address, timeout=5) for s in served]
+    holder = servers[1]._optimizer
+    assert holder is not None and holder.flat is not None and holder.region is not None
+    role = Role(0, 0, ("w",), 0, channels=tuple(s.address for s in served))
+    name = plan[1][0]
+    try:
+        for _ in range(3):
+            state, _ = trainer.fetch(role, 0, links, prepared.schedule).unpack(trainer.shapes)
+            assert torch.equal(state[name], holder.params[name])
+            before = state[name].clone()
+            holder.flat.add_(1.0)
+            assert torch.equal(state[name], before), "a copy: the shard's writes do not reach it"
+        pull = {"step": 0, "wait": 0.0, "batches": []}
+        links[1].request(Frame({"op": "pull", "generation": 0, "then": pull}))  # (teaches the region)
+        answer = links[1].request(Frame({"op": "pull", "generation": 0, "then": pull}))
+        flat = answer.tensors[0][1]
+        holder.flat.add_(1.0)
+        assert torch.equal(flat, holder.flat), "read in place: the shard's writes reach it"
+        assert served[1].server.bodies["referenced"] == 1
+    finally:
+        for link in links:
+            link.close()
+        for s in served:
+            s.close()
