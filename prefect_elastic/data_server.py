@@ -425,7 +425,7 @@ class DataServer:
         self._check(generation, "get_batch")
         if self._schedule.server_of(batch_id) != self.index:
             raise FatalError(f"batch {batch_id} lives on data server {self._schedule.server_of(batch_id)}")
-        idx = torch.from_numpy(self._schedule.sample_indices(batch_id))
+        idx = torch.tensor(self._schedule.sample_indices(batch_id))  # (a copy: the order is read-only)
         return self._x[idx], self._y[idx]
 
     async def pull(self, generation: int, step: int, wait: float = 0.0) -> Tensors:
