@@ -120,7 +120,7 @@ class Ahead:
         self, shapes: dict[str, torch.Size]
     ) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         """The parameters and buffers (views of the frames' tensors), and the batches by batch id.
-        `shapes`: every parameter's shape, for the shards that send theirs as one flat tensor."""
+        `shapes`: every parameter's and buffer's shape, for the shards that send theirs as flat runs."""
         state: Tensors = {}
         xs: dict[int, torch.Tensor] = {}
         ys: dict[int, torch.Tensor] = {}
@@ -133,6 +133,8 @@ class Ahead:
                     state[entry.name] = tensor
                 elif entry.kind == "params":
                     state.update(unflatten(frame.header["params"], tensor, shapes))
+                elif entry.kind == "buffers":  # (one flat run of the shard's buffers of one dtype)
+                    state.update(unflatten(frame.header["buffers"][entry.batch_id], tensor, shapes))
                 elif entry.kind == "x":
                     xs[entry.batch_id] = tensor
                 elif entry.kind == "y":
@@ -435,7 +437,16 @@ class MicroBatchTrainer:
         params = set(self.param_names)
         self.shard_params = [[n for n in names if n in params] for names in plan]
         meta = dict(self.model.named_parameters(remove_duplicate=False))
-        self.shapes = {n: t.shape for n, t in meta.items()}
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        self.shapes = {n: t.shape for n, t in {**buffers, **meta}.items()}
+        # Each shard's buffers in the order a push carries them: grouped by dtype (in the plan's order
+        # within a group), so that a micro-batch's buffers of one dtype lie back to back in the frame and
+        # the shard updates them as one run (`ShardBuffers.update`).
+        dtypes = list(dict.fromkeys(b.dtype for b in buffers.values()))
+        self.buffer_order = [
+            sorted((n for n in names if n in buffers), key=lambda n: dtypes.index(buffers[n].dtype))
+            for names in plan
+        ]
         # (Decided once: a gradient has its parameter's dtype and shape.)
         self.packed = [packs([meta[n] for n in names]) for names in self.shard_params]
         # On a GPU, the gradients come back as one flat run where they share a dtype (`to_host`), and so do
@@ -551,11 +562,11 @@ class MicroBatchTrainer:
                 frame.header["losses"][str(b)] = loss
             # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
             # takes them as one flat gradient without a copy (`shard_optimizer.py`).
-            for i, names in enumerate(self.plan):
+            for i in range(len(self.plan)):
                 frames[i].tensors += gradient_entries(
                     b, [(n, g[n]) for n in self.shard_params[i]], self.packed[i]
                 )
-                frames[i].tensors += [(Entry("buffer", b, n), bufs[n]) for n in names if n in bufs]
+                frames[i].tensors += [(Entry("buffer", b, n), bufs[n]) for n in self.buffer_order[i]]
             lap("compute")
         del state, params, buffers, batches
         if hook is None:

@@ -49,7 +49,7 @@ from .errors import FatalError, RecoverableError, StaleGenerationError
 from .job import ElasticJob
 from .messages import ShardStatus, SnapshotInfo, StepRecord, Tensors, direct
 from .schedule import Schedule
-from .shard_optimizer import Gradient, ShardOptimizer
+from .shard_optimizer import Gradient, ShardBuffers, ShardOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,9 @@ class DataServer:
         # The parameters live in one flat tensor (`shard_optimizer.py`); `_params` are views of it.
         self._optimizer = ShardOptimizer(self._job, params, owned) if params else None
         self._params = self._optimizer.params if self._optimizer is not None else {}
-        self._buffers = dict(buffers) if owned else {n: t.detach().clone() for n, t in buffers.items()}
+        # The buffers live in one flat tensor per dtype (`ShardBuffers`); `_buffers` are views of them.
+        self._buffer_runs = ShardBuffers(buffers, owned)
+        self._buffers = self._buffer_runs.tensors
         if optimizer_state and self._optimizer is not None:
             self._optimizer.load_state_dict(optimizer_state, owned)
         # A step small enough is applied on the event loop: a thread hand-off costs more than it does.
@@ -289,6 +291,12 @@ class DataServer:
                     flat = optimizer.flat.clone() if then.get("copy") else optimizer.flat
                     tensors = [(Entry("params", -1, ""), flat)]
                     state = self._buffers
+                    runs = self._buffer_runs.runs
+                    if runs:
+                        # Likewise the buffers: one flat tensor per dtype, their names in the header.
+                        answer["buffers"] = [names for names, _ in runs]
+                        tensors += [(Entry("buffers", k, ""), run) for k, (_, run) in enumerate(runs)]
+                        state = {}
                 tensors += [(Entry("state", -1, name), t) for name, t in state.items()]
             for b in then["batches"]:
                 x, y = await self.get_batch(generation, int(b))
@@ -566,9 +574,7 @@ class DataServer:
         # independent of which worker computed which micro-batch.
         if self._optimizer is not None:
             self._optimizer.step(grads)
-        with torch.no_grad():
-            for name, b in self._buffers.items():
-                b.copy_(_combine_buffer([u[name] for u in buffers]))
+        self._buffer_runs.update(buffers)
 
     # -- the coordinator -------------------------------------------------------------------------
 
@@ -1018,17 +1024,3 @@ def _weak_handler(server: DataServer) -> Any:
         return await target.on_frame(frame)
 
     return handle
-
-
-def _combine_buffer(values: list[torch.Tensor]) -> torch.Tensor:
-    """The buffer after a step, from its value after each micro-batch's forward pass (batch-id order).
-
-    Floating buffers (BatchNorm running mean and variance) take the mean of the micro-batches' values;
-    counters (num_batches_tracked) take the first micro-batch's value, so a step counts once.
-    """
-    if not values[0].is_floating_point():
-        return values[0]
-    total = values[0].clone()
-    for v in values[1:]:
-        total.add_(v)
-    return total.div_(len(values))

@@ -162,6 +162,61 @@ class ShardOptimizer:
         self._optimizer.load_state_dict({"state": state, "param_groups": [{**group, "params": [0]}]})
 
 
+class ShardBuffers:
+    """A shard's buffers (BatchNorm's running statistics and counters) as views of one flat tensor per
+    dtype (`runs`: the names of each, in order, and the tensor), so that a step's update and an answer
+    cost a few operations and entries, not a few per buffer: a ResNet's 27 buffers were copied one by one
+    at every step, on the step's critical path (docs/benchmarks.md, "Issue 9"). `owned` (a replica taken
+    on a promotion): the buffers as they came, one tensor each, no runs."""
+
+    def __init__(self, buffers: Tensors, owned: bool = False) -> None:
+        self.runs: list[tuple[list[str], torch.Tensor]] = []
+        if owned:
+            self.tensors = dict(buffers)
+            return
+        groups: dict[torch.dtype, list[str]] = {}
+        for name, t in buffers.items():
+            groups.setdefault(t.dtype, []).append(name)
+        views: Tensors = {}
+        for names in groups.values():
+            flat = torch.cat([buffers[n].detach().reshape(-1) for n in names])
+            self.runs.append((names, flat))
+            sizes = [buffers[n].numel() for n in names]
+            for name, part in zip(names, flat.split(sizes), strict=True):
+                views[name] = part.view(buffers[name].shape)
+        self.tensors = {name: views[name] for name in buffers}  # (in the order they came)
+
+    def update(self, per_batch: Sequence[Tensors]) -> None:
+        """Each buffer after a step, from its value after each micro-batch's forward pass (`per_batch`, in
+        batch-id order; `combine_buffer`): a run at once where a micro-batch's buffers of it came back to
+        back in its frame (a compute loop sends them so: `MicroBatchTrainer.buffer_order`), else one by
+        one. The same bits either way: the update is elementwise."""
+        done: set[str] = set()
+        with torch.no_grad():
+            for names, flat in self.runs:
+                runs = [_flat_view([u[n] for n in names]) for u in per_batch]
+                if per_batch and all(r is not None and r.numel() == flat.numel() for r in runs):
+                    flat.copy_(combine_buffer([r for r in runs if r is not None]))
+                    done.update(names)
+            for name, b in self.tensors.items():
+                if name not in done:
+                    b.copy_(combine_buffer([u[name] for u in per_batch]))
+
+
+def combine_buffer(values: list[torch.Tensor]) -> torch.Tensor:
+    """The buffer after a step, from its value after each micro-batch's forward pass (batch-id order).
+
+    Floating buffers (BatchNorm running mean and variance) take the mean of the micro-batches' values;
+    counters (num_batches_tracked) take the first micro-batch's value, so a step counts once.
+    """
+    if not values[0].is_floating_point():
+        return values[0]
+    total = values[0].clone()
+    for v in values[1:]:
+        total.add_(v)
+    return total.div_(len(values))
+
+
 def _sgd_step(optimizer: torch.optim.Optimizer, flat: torch.Tensor, gradient: torch.Tensor) -> bool:
     """`optimizer.step()` for SGD over the one tensor `flat`, with `gradient`, through the function that
     `SGD.step` calls (`torch.optim.sgd.sgd`) with the arguments it gives: the very same numbers, and the

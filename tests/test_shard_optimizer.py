@@ -10,7 +10,7 @@ from prefect_elastic.channel import Entry, Frame, decode, encode
 from prefect_elastic.compute import PACK_BYTES, gradient_entries, packs, unflatten
 from prefect_elastic.errors import FatalError
 from prefect_elastic.job import ElasticJob
-from prefect_elastic.shard_optimizer import ShardOptimizer, _flat_view
+from prefect_elastic.shard_optimizer import ShardBuffers, ShardOptimizer, _flat_view
 
 # Odd lengths: the vectorized kernels handle the tail of a tensor apart from its body, and a parameter's
 # tail lies in the body of the flat tensor.
@@ -253,3 +253,52 @@ def test_flat_parameters_come_back_as_views_by_name_and_a_wrong_count_is_refused
         unflatten(shard.names[:-1], flat, shapes)
     with pytest.raises(FatalError, match="do not fit the model"):
         unflatten([*shard.names, "extra"], flat, shapes)
+
+
+def bn_buffers(seed: int) -> dict[str, torch.Tensor]:
+    """Buffers as BatchNorm layers hold them: running statistics (float) and a counter (int64) each."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    for layer, width in (("bn1", 5), ("bn2", 3), ("bn3", 7)):
+        out[f"{layer}.running_mean"] = torch.randn(width, generator=gen)
+        out[f"{layer}.running_var"] = torch.rand(width, generator=gen)
+        out[f"{layer}.num_batches_tracked"] = torch.tensor(seed, dtype=torch.int64)
+    return out
+
+
+def buffers_over_the_wire(batch_id: int, buffers: dict[str, torch.Tensor], order: list[str]) -> dict:
+    """A micro-batch's buffers after a gradient of odd length, in `order`, through the channel's encoding."""
+    entries = [(Entry("grads", batch_id, ""), torch.ones(11))]
+    entries += [(Entry("buffer", batch_id, n), buffers[n]) for n in order]
+    parts = encode(Frame({}, entries))
+    got = decode(bytes(parts[0])[4:], bytearray(b"".join(bytes(p) for p in parts[1:])))
+    return {e.name: t for e, t in got.tensors if e.kind == "buffer"}
+
+
+def test_buffers_are_updated_as_one_run_per_dtype_with_the_bits_of_one_by_one() -> None:
+    """A shard's buffers live in one flat tensor per dtype (`ShardBuffers`); a micro-batch's buffers that
+    came back to back in its frame, grouped by dtype as a loop sends them, update a whole run at once:
+    the same bits as buffer by buffer (floats: the mean in batch-id order; counters: the first)."""
+    start = bn_buffers(0)
+    runs, one_by_one = ShardBuffers(start), ShardBuffers(start, owned=True)
+    assert [len(names) for names, _ in runs.runs] == [6, 3]
+    assert [flat.dtype for _, flat in runs.runs] == [torch.float32, torch.int64]
+    grouped = sorted(start, key=lambda n: start[n].dtype == torch.int64)
+    for step in range(3):
+        per_batch = [buffers_over_the_wire(b, bn_buffers(10 * step + b), grouped) for b in range(1, 4)]
+        flat = [_flat_view([u[n] for n in runs.runs[0][0]]) for u in per_batch]
+        assert all(f is not None for f in flat), "a run of floats came back to back"
+        runs.update(per_batch)
+        one_by_one.update(per_batch)
+        for name in start:
+            assert torch.equal(runs.tensors[name], one_by_one.tensors[name]), name
+        assert torch.equal(runs.tensors["bn2.num_batches_tracked"], torch.tensor(10 * step + 1))
+    # The views are the runs: a restore that writes a buffer writes its run.
+    runs.tensors["bn1.running_mean"].fill_(7.0)
+    assert torch.equal(runs.runs[0][1][:5], torch.full((5,), 7.0))
+    # Buffers sent in another order (an async loop's push) are updated one by one, to the same bits.
+    interleaved = [buffers_over_the_wire(b, bn_buffers(b), list(start)) for b in range(2)]
+    runs.update(interleaved)
+    one_by_one.update(interleaved)
+    for name in start:
+        assert torch.equal(runs.tensors[name], one_by_one.tensors[name]), name
