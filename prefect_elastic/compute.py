@@ -667,8 +667,9 @@ class MicroBatchTrainer:
                         step,
                         batch_id,
                         f"the model changed its parameters {changed} in place at step {step}, batch "
-                        f"{batch_id}: parameters change only through the job's optimizer (change them on "
-                        "a copy in forward, e.g. `w = self.weight.clamp(-1, 1)`)",
+                        f"{batch_id}: parameters change only through the job's optimizer (work on a copy "
+                        "in forward, e.g. `w = self.weight.clamp(-1, 1)`; nn.Embedding's `max_norm` "
+                        "renormalizes its weight in place)",
                     )
                 # Read after backward, not before: on a GPU, reading it waits for the device, which then
                 # idles while backward's kernels are queued. A loss that is not finite fails the job; its
