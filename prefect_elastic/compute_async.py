@@ -255,7 +255,8 @@ class AsyncSession:
                 "then": {"state": True},
             }
             tensors = [(Entry("grad", b, n), grads[n]) for n in names if n in grads]
-            tensors += [(Entry("buffer", b, n), bufs[n]) for n in names if n in bufs]
+            # (Grouped by dtype, as a sync push sends them: the shard updates a run at once.)
+            tensors += [(Entry("buffer", b, n), bufs[n]) for n in trainer.buffer_order[i]]
             frames.append(Frame(header, tensors))
         self.exchange = self.postman.submit(self._exchange, frames)
         self.pending.append(Pending(b))

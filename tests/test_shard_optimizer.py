@@ -267,8 +267,9 @@ def bn_buffers(seed: int) -> dict[str, torch.Tensor]:
 
 
 def buffers_over_the_wire(batch_id: int, buffers: dict[str, torch.Tensor], order: list[str]) -> dict:
-    """A micro-batch's buffers after a gradient of odd length, in `order`, through the channel's encoding."""
-    entries = [(Entry("grads", batch_id, ""), torch.ones(11))]
+    """A micro-batch's buffers after its gradient, in `order`, through the channel's encoding (12 floats of
+    gradient and 30 of buffers: the counters start 8-byte aligned in the body, and decode as one run)."""
+    entries = [(Entry("grads", batch_id, ""), torch.ones(12))]
     entries += [(Entry("buffer", batch_id, n), buffers[n]) for n in order]
     parts = encode(Frame({}, entries))
     got = decode(bytes(parts[0])[4:], bytearray(b"".join(bytes(p) for p in parts[1:])))
@@ -286,8 +287,8 @@ def test_buffers_are_updated_as_one_run_per_dtype_with_the_bits_of_one_by_one() 
     grouped = sorted(start, key=lambda n: start[n].dtype == torch.int64)
     for step in range(3):
         per_batch = [buffers_over_the_wire(b, bn_buffers(10 * step + b), grouped) for b in range(1, 4)]
-        flat = [_flat_view([u[n] for n in runs.runs[0][0]]) for u in per_batch]
-        assert all(f is not None for f in flat), "a run of floats came back to back"
+        for names, _ in runs.runs:
+            assert all(_flat_view([u[n] for n in names]) is not None for u in per_batch), names
         runs.update(per_batch)
         one_by_one.update(per_batch)
         for name in start:
