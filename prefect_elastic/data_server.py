@@ -453,7 +453,7 @@ class DataServer:
         # No copy: the tensors are serialized as this reply is sent, or read in place by a loop on this
         # machine while it computes (`published.py`). The shard changes them only when it applies this
         # step, which needs the gradient of every worker that computes with them (a worker computes a
-        # step only when its share of it is not empty, and lets go of them before its push). A reply
+        # step only when its share of it is not empty, and is done with them before its push). A reply
         # still on the wire to a worker declared dead, or a loop of that worker reading in place, may see
         # a restore; that worker's generation is refused anyway.
         return {**self._params, **self._buffers}

@@ -7,8 +7,8 @@ per step of the whole flat tensor; for the mlp, 2.7 MB and 0.6 ms of a fixed cos
 sealed memfd from the start (`flat_tensor`), and a loop on its machine maps that memfd once and takes the
 parameters as views of it: the answer carries where they lie, not their bytes.
 
-Why the loop may read memory the shard writes (docs/design/step-channel.md, "Parameters read in
-place"): in sync mode a shard writes its parameters
+Why the loop may read memory the shard writes (docs/design/step-channel.md, "On the same machine, the
+parameters read in place"): in sync mode a shard writes its parameters
 - when it applies step `s`: only once it holds every gradient of `s`. Every loop that computes with
   the parameters of `s` does so for a share that is not empty, and pushes its gradients of that share
   after its last backward. So no loop reads them any more. (A loop that fetches a step again, after a

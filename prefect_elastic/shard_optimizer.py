@@ -49,7 +49,7 @@ class ShardOptimizer:
         self._sizes = [params[n].numel() for n in self.names]
         # One flat tensor, unless the shard's parameters are of several dtypes: then one tensor each.
         self._flat: torch.Tensor | None = None
-        # A copied flat tensor lies in a published region where it is large enough: loops on this
+        # A copied flat tensor lies in a published region (where memfds can be made): loops on this
         # machine read the parameters there instead of a copy in every answer (`published.py`).
         self.region: Published | None = None
         flat = _flat_view([params[n] for n in self.names]) if owned else None
