@@ -30,6 +30,7 @@ from .conftest import (
     in_process_servers,
     make_job,
     top_up,
+    wait_for,
 )
 from .models import GATE
 
@@ -244,6 +245,30 @@ def test_the_processes_that_train_freeze_their_startup_objects(
     with reference_cluster.client() as client:
         frozen = client.run(gc.get_freeze_count)
     assert len(frozen) == 2 and all(count > 100_000 for count in frozen.values()), frozen
+
+
+def test_a_compute_worker_pauses_dasks_profiler_while_it_trains(
+    reference_cluster: LocalElasticCluster, digits_url: str
+) -> None:
+    """Dask's statistical profiler walks the training thread's stack every 10 ms, holding the GIL
+    (`compute.dask_profiler_paused`): a compute worker stops it while its loop runs and starts it after."""
+
+    def profiling(dask_worker: Any) -> list[bool]:
+        return [dask_worker.periodic_callbacks[k].is_running() for k in ("profile", "profile-cycle")]
+
+    (worker,) = reference_cluster.elastic_addresses()
+    during: list[list[bool]] = []
+    with reference_cluster.client() as client:
+        before = client.run(profiling, workers=[worker])[worker]
+
+        def sample(progress: Progress) -> None:
+            if progress.state == "running" and progress.committed_steps >= 2 and not during:
+                during.append(client.run(profiling, workers=[worker])[worker])
+
+        train(make_job(digits_url, job_id="profiler"), cluster=reference_cluster, on_progress=sample)
+        again = wait_for("the profiler started again", lambda: all(client.run(profiling)[worker]))
+    assert before == [True, True] and during == [[False, False]], (before, during)
+    assert again
 
 
 @pytest.mark.parametrize("policy", POLICIES)
