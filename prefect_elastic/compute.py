@@ -301,10 +301,11 @@ def dask_profiler_paused(worker: Any) -> Iterator[None]:
 
     Why: every 10 ms (`distributed.worker.profile.interval`) the worker's event loop walks the stack of
     every thread that runs a task, this loop's among them, twice, holding the GIL, which the loop's
-    thread then waits for between torch's kernels. In a profile of the transformer's steady state the
-    compute worker's event loop was busy 16% of the time, most of it the profiler; with it paused the
-    compute phase of a step took 13.37 ms against 13.71 (4 alternating pairs on one cluster, 2026-11-27).
-    A profile of a task that runs for the whole job says little anyway. `PREFECT_ELASTIC_DASK_PROFILER=1`
+    thread then waits for between torch's kernels. In profiles of the transformer's steady state (py-spy)
+    the compute worker's event loop was busy 16% of the time with it, 2% without; the compute phase of a
+    step took 13.37 ms against 13.71 in one A/B (4 alternating pairs on one cluster, 2026-11-27), and the
+    same within the noise in another (two clusters). A profile of a task that runs for the whole job
+    says little anyway. `PREFECT_ELASTIC_DASK_PROFILER=1`
     in the workers' environment keeps it running."""
     callbacks = [pc for name, pc in worker.periodic_callbacks.items() if name in _PROFILER_CALLBACKS]
     if not callbacks or os.environ.get(PROFILER_ENV) == "1":
