@@ -335,11 +335,7 @@ def run_elastic(
     if torchrun:
         ddp_figures(results, pool, data, workdir, sizes)
     results["calls"] = attempt(results, "actor calls", calls.calls, pool, sizes.call_repeats)
-    for policy in ("reassign", "rollback"):
-        results["recovery"][policy] = attempt(
-            results, f"elastic recovery ({policy})", elastic.recovery, pool, "cnn", data, policy, sizes.kills,
-            sizes.recovery_epochs,
-        )  # fmt: skip
+    recovery_figures(results, pool, data, sizes)
     for w in SCALED:
         runs = [
             attempt(results, f"elastic {w} x{n}", elastic.scaling, pool, w, data, n, sizes.scaling_epochs)
@@ -350,6 +346,21 @@ def run_elastic(
         results, "elastic timeline", elastic.timeline, pool, "cnn", data, sizes.timeline_epochs,
         sizes.kill_at, sizes.join_at,
     )  # fmt: skip
+    frozen_figures(results, pool, data, sizes)
+
+
+def recovery_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str, sizes: Sizes) -> None:
+    """Recovery after a SIGKILL of one of two compute workers and the scale-up when it rejoins, with
+    each policy."""
+    for policy in ("reassign", "rollback"):
+        results["recovery"][policy] = attempt(
+            results, f"elastic recovery ({policy})", elastic.recovery, pool, "cnn", data, policy, sizes.kills,
+            sizes.recovery_epochs,
+        )  # fmt: skip
+
+
+def frozen_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str, sizes: Sizes) -> None:
+    """One of two compute workers SIGSTOPped, then woken, with each policy."""
     # Last on the shared cluster: a worker that was frozen and woken may leave it unsettled.
     for policy in sizes.frozen_policies:
         results["frozen"][policy] = attempt(
@@ -434,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report-only", action="store_true", help="rewrite --docs from --raw; run nothing")
     parser.add_argument(
         "--only",
-        choices=["steady", "standby", "replicas", "async", "tls"],
+        choices=["steady", "ddp", "recovery", "standby", "replicas", "async", "tls"],
         help="run this group of scenarios alone, and merge its results into --raw (the rest stay as stored)",
     )
     args = parser.parse_args(argv)
@@ -508,6 +519,18 @@ def run_only(args: argparse.Namespace) -> int:
             steady_figures(results, pool, data, sizes)
         finally:
             pool.close()
+    elif args.only in ("ddp", "recovery"):
+        # (Two compute workers: against torchrun DDP; or a SIGKILL, a rejoin and a frozen worker. The
+        # torchrun baseline of the recovery row stays as stored.)
+        pool = elastic.ClusterPool()
+        try:
+            if args.only == "ddp":
+                ddp_figures(results, pool, data, Path(args.data_dir), sizes)
+            else:
+                recovery_figures(results, pool, data, sizes)
+                frozen_figures(results, pool, data, sizes)
+        finally:
+            pool.close()
     elif args.only == "async":
         async_figures(results, data, sizes)
     elif args.only == "tls":
@@ -526,7 +549,7 @@ def run_only(args: argparse.Namespace) -> int:
     raw.write_text(json.dumps(results, indent=1, default=str))
     report.write(results, docs, docs.parent / "img")
     for row in report.figures(results):
-        shown = ("static worker", "replica", "shard", "async", "TLS", "steady", "fixed")
+        shown = ("static worker", "replica", "shard", "async", "TLS", "steady", "fixed", "recovery", "frozen")
         if any(word in row[0] for word in shown):
             print(" | ".join(row))
     return 1 if results.get("errors") else 0
