@@ -305,41 +305,41 @@ def dask_profiler_paused(worker: Any) -> Iterator[None]:
     the compute worker's event loop was busy 16% of the time with it, 2% without; the compute phase of a
     step took 13.37 ms against 13.71 in one A/B (4 alternating pairs on one cluster, 2026-11-27), and the
     same within the noise in another (two clusters). A profile of a task that runs for the whole job
-    says little anyway. `PREFECT_ELASTIC_DASK_PROFILER=1`
-    in the workers' environment keeps it running."""
-    callbacks = [pc for name, pc in worker.periodic_callbacks.items() if name in _PROFILER_CALLBACKS]
+    says little anyway. `PREFECT_ELASTIC_DASK_PROFILER=1` in the workers' environment keeps it running."""
+    callbacks = [pc for name, pc in list(worker.periodic_callbacks.items()) if name in _PROFILER_CALLBACKS]
     if not callbacks or os.environ.get(PROFILER_ENV) == "1":
         yield
         return
     with _LOOPS_LOCK:
         _LOOPS[id(worker)] = _LOOPS.get(id(worker), 0) + 1
-        first = _LOOPS[id(worker)] == 1
-    if first:
-        _on_event_loop(worker, _set_running, worker, callbacks, False)
+    _on_event_loop(worker, _sync_profiler, worker, callbacks)
     try:
         yield
     finally:
         with _LOOPS_LOCK:
             _LOOPS[id(worker)] -= 1
-            last = not _LOOPS[id(worker)]
-            if last:
+            if not _LOOPS[id(worker)]:
                 del _LOOPS[id(worker)]
-        if last:
-            _on_event_loop(worker, _set_running, worker, callbacks, True)
+        _on_event_loop(worker, _sync_profiler, worker, callbacks)
 
 
 def _on_event_loop(worker: Any, fn: Callable[..., None], *args: Any) -> None:
-    # (A periodic callback is started and stopped on its event loop; in call order, so a pause and the
-    # resume after it never swap. A worker closing has stopped them all itself.)
-    with contextlib.suppress(RuntimeError):  # the event loop closed
+    # (A periodic callback is started and stopped on its event loop. After the event loop closed, tornado
+    # drops the call; a worker closing has stopped every periodic callback itself.)
+    with contextlib.suppress(RuntimeError):
         worker.loop.add_callback(fn, *args)
 
 
-def _set_running(worker: Any, callbacks: list[Any], running: bool) -> None:
+def _sync_profiler(worker: Any, callbacks: list[Any]) -> None:
+    """The profiler paused while a loop runs in `worker`, running otherwise. It reads the count when it
+    runs, not when it was queued: two loops' calls, queued from two threads, may arrive in either order."""
+    with _LOOPS_LOCK:
+        paused = _LOOPS.get(id(worker), 0) > 0
     for pc in callbacks:
-        if not running:
+        if paused:
             pc.stop()
-        elif worker.status.name in ("running", "paused") and not pc.is_running():
+        # (Not on a worker closing: `Worker.close` stopped them. One retiring may yet go back to running.)
+        elif worker.status.name in ("running", "paused", "closing_gracefully") and not pc.is_running():
             pc.start()
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
 from prefect_elastic import ElasticJob
 from prefect_elastic.compute import (
     MicroBatchTrainer,
+    dask_profiler_paused,
     micro_batch_seed,
     moved_as_one,
     push_order,
@@ -149,3 +152,66 @@ def test_parameters_moved_as_one_transfer_give_the_same_gradients(digits_url: st
     assert all(torch.equal(got[n], expected[n]) for n in names)
     back = moved_as_one(names, [expected[n] for n in names], trainer.shapes, torch.device("cpu"))
     assert all(torch.equal(back[n], expected[n]) for n in names), "and the gradients come back as they were"
+
+
+class _Callback:
+    """A periodic callback's running state (tornado's `PeriodicCallback` needs an event loop)."""
+
+    def __init__(self) -> None:
+        self.running = True
+
+    def start(self) -> None:
+        self.running = True
+
+    def stop(self) -> None:
+        self.running = False
+
+    def is_running(self) -> bool:
+        return self.running
+
+
+class _Worker:
+    """What `dask_profiler_paused` uses of a Dask worker; its event loop runs the queued calls when told."""
+
+    def __init__(self) -> None:
+        names = ("profile", "profile-cycle", "heartbeat")
+        self.periodic_callbacks = {name: _Callback() for name in names}
+        self.status = SimpleNamespace(name="running")
+        self.queued: list[Callable[[], None]] = []
+        self.loop = SimpleNamespace(add_callback=lambda fn, *args: self.queued.append(lambda: fn(*args)))
+
+    def profiling(self) -> list[bool]:
+        return [self.periodic_callbacks[k].is_running() for k in ("profile", "profile-cycle")]
+
+
+def test_the_profiler_stays_paused_while_any_loop_runs_whatever_order_their_calls_arrive_in() -> None:
+    worker = _Worker()
+    first, second = dask_profiler_paused(worker), dask_profiler_paused(worker)
+    first.__enter__()
+    for run in worker.queued:
+        run()
+    assert worker.profiling() == [False, False]
+    assert worker.periodic_callbacks["heartbeat"].is_running()
+    # One loop ends while another starts; their calls reach the event loop in the opposite order.
+    worker.queued.clear()
+    first.__exit__(None, None, None)
+    second.__enter__()
+    for run in reversed(worker.queued):
+        run()
+    assert worker.profiling() == [False, False]
+    second.__exit__(None, None, None)
+    for run in worker.queued:
+        run()
+    assert worker.profiling() == [True, True]
+
+
+def test_the_profiler_is_not_started_again_on_a_worker_that_is_closing() -> None:
+    worker = _Worker()
+    with dask_profiler_paused(worker):
+        for run in worker.queued:
+            run()
+        worker.queued.clear()
+        worker.status.name = "closing"  # (`Worker.close` stops every periodic callback itself)
+    for run in worker.queued:
+        run()
+    assert worker.profiling() == [False, False]
