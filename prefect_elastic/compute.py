@@ -281,8 +281,9 @@ def compute_loop(
     try:
         with dask_profiler_paused(worker):
             if job.mode == "async":
-                links = (shards, data)
-                return run_async(address, coordinator, *links, trainer, schedule, stats, timeout, wanted)
+                return run_async(
+                    address, coordinator, shards, data, trainer, schedule, stats, timeout, wanted
+                )
             return _run(address, coordinator, shards, trainer, schedule, stats, hook, timeout, wanted)
     finally:
         for link in (*shards, *data):
