@@ -29,8 +29,26 @@ STEADY_TARGETS = {"cnn-20": 0.90, "transformer": 0.90, "cnn": 0.95, "mlp": 0.60}
 FIXED_COST_TARGET_MS = 3.0
 DDP_AIM = 0.9  # 2 workers over torchrun DDP with 2 processes: reported, with this aim
 # The last run before the step path of issue 9 (docs/benchmarks.md of 2026-11-21, 2 cores): recovery and
-# scale-up must be no worse than these.
+# scale-up must be no worse than these. Judged against them only when the run has no side-by-side
+# comparison with that code (`recovery_baseline`, benchmarks/baseline.py): the machine's speed drifts by half.
 BEFORE = {"recovery_s": 0.297, "scale_up_s": 0.286}
+
+
+def no_worse_than_before(r: Results, key: str, median: float) -> tuple[str, bool]:
+    """What `median` (of `key`: recovery_s or scale_up_s) is compared with to be "no worse than before
+    issue 9", and whether it is: the same kills run side by side with that code in this run if there were
+    (the ratio of the medians at most 1), else the stored figure."""
+    side = (r.get("recovery_baseline") or {}).get(key) or {}
+    if side.get("ratio") is None:
+        return f"no worse than before issue 9 ({BEFORE[key]} s, stored)", median <= BEFORE[key]
+    pairs = side.get("pair_ratios") or []
+    spread = f", pairs {min(pairs):.2f} to {max(pairs):.2f}" if len(pairs) > 1 else ""
+    return (
+        f"no worse than before issue 9, side by side ({r['recovery_baseline']['baseline']}: "
+        f"{side['baseline']:.3f} s against {side['this']:.3f} s, {side['n'][0]} and {side['n'][1]} kills; "
+        f"ratio {side['ratio']:.2f}{spread})",
+        side["ratio"] <= 1.0,
+    )
 
 
 def _spread(values: list[float], digits: int = 2) -> str:
@@ -367,12 +385,13 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
     if rec and rec["recovery_s"]:
         median = rec["recovery_s"]["median"]
         speedup = tr_median / median if tr_median else None
+        before, no_worse = no_worse_than_before(r, "recovery_s", median)
         rows.append(
             (
                 f"recovery, SIGKILL of 1 of 2 workers to next commit (median of {rec['recovery_s']['n']})",
                 f"{median:.3f} s; torchrun {_fmt(tr_median, 3)} s; {_fmt(speedup, 1)}x faster",
-                f"≤ 1 s, ≥ 5x faster than torchrun, no worse than before issue 9 ({BEFORE['recovery_s']} s)",
-                _verdict(median <= min(1.0, BEFORE["recovery_s"]) and (speedup is not None and speedup >= 5)),
+                f"≤ 1 s, ≥ 5x faster than torchrun, {before}",
+                _verdict(median <= 1.0 and no_worse and (speedup is not None and speedup >= 5)),
             )
         )
     rows += standby_rows(r)
@@ -381,13 +400,13 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
     if rec and rec["scale_up_s"]:
         bound = rec["liveness_interval"] + 0.5
         worst = rec["scale_up_s"]["max"]
+        before, no_worse = no_worse_than_before(r, "scale_up_s", rec["scale_up_s"]["median"])
         rows.append(
             (
                 f"scale-up, registration to first committed batch (median, max of {rec['scale_up_s']['n']})",
                 f"{rec['scale_up_s']['median']:.3f} s, max {worst:.3f} s",
-                f"max ≤ liveness interval + 0.5 s = {bound:.1f} s; median no worse than before issue 9 "
-                f"({BEFORE['scale_up_s']} s)",
-                _verdict(worst <= bound and rec["scale_up_s"]["median"] <= BEFORE["scale_up_s"]),
+                f"max ≤ liveness interval + 0.5 s = {bound:.1f} s; median {before}",
+                _verdict(worst <= bound and no_worse),
             )
         )
     for policy, f in r.get("frozen", {}).items():

@@ -25,7 +25,7 @@ from typing import Any
 import dask
 import torch
 
-from . import async_mode, calls, elastic, report, standby, tls
+from . import async_mode, baseline, calls, elastic, report, standby, tls
 from .plain import plain_process
 from .workloads import BATCH, THREADS, WORKLOADS, write_dataset
 
@@ -54,6 +54,10 @@ class Sizes:
     ddp_repeats: int = 3
     kills: int = 5
     recovery_epochs: int = 8
+    # Recovery and scale-up side by side with the code before issue 9 (`--baseline`): alternating pairs of
+    # runs, each on a cluster of its own, `kills` SIGKILLs each; 4 epochs hold the 5 kills with room to spare.
+    baseline_pairs: int = 3
+    baseline_epochs: int = 4
     # Frozen worker: SIGSTOP after `frozen_settle` steps together, SIGCONT `freeze_s` s later.
     frozen_epochs: int = 12
     freeze_s: float = 8.0
@@ -107,6 +111,7 @@ SMOKE = Sizes(
     ddp_repeats=1,
     kills=1,
     recovery_epochs=4,
+    baseline_pairs=0,  # (a smoke run checks this code, not an older one)
     frozen_epochs=20,  # long enough for a freeze of 3 s to start and end inside the run
     freeze_s=3.0,
     frozen_settle=5,
@@ -359,6 +364,16 @@ def recovery_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: s
         )  # fmt: skip
 
 
+def baseline_figures(results: dict[str, Any], data: str, workdir: Path, sizes: Sizes, commit: str) -> None:
+    """Recovery and scale-up of this code against `commit`'s, side by side (`benchmarks/baseline.py`)."""
+    if not sizes.baseline_pairs or commit == "none":
+        return
+    results["recovery_baseline"] = attempt(
+        results, f"recovery side by side with {commit}", baseline.side_by_side, commit, workdir, data,
+        sizes.baseline_pairs, sizes.kills, sizes.baseline_epochs,
+    )  # fmt: skip
+
+
 def frozen_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str, sizes: Sizes) -> None:
     """One of two compute workers SIGSTOPped, then woken, with each policy."""
     # Last on the shared cluster: a worker that was frozen and woken may leave it unsettled.
@@ -448,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["steady", "ddp", "recovery", "standby", "replicas", "async", "tls"],
         help="run this group of scenarios alone, and merge its results into --raw (the rest stay as stored)",
     )
+    parser.add_argument(
+        "--baseline",
+        default=baseline.BEFORE_ISSUE_9,
+        metavar="COMMIT",
+        help="the commit whose recovery and scale-up this code's are compared with, side by side in the run "
+        f"(default {baseline.BEFORE_ISSUE_9}, the last before issue 9; 'none' to leave the comparison out)",
+    )
     args = parser.parse_args(argv)
     if args.report_only:
         stored: dict[str, Any] = json.loads(Path(args.raw).read_text())
@@ -485,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         run_elastic(results, pool, data, big, workdir, sizes, torchrun=not args.no_torchrun)
     finally:
         pool.close()
+    baseline_figures(results, data, workdir, sizes, args.baseline)
     standby_figures(results, data, big, sizes)
     async_figures(results, data, sizes)
     tls_figures(results, data, sizes)
@@ -520,8 +543,9 @@ def run_only(args: argparse.Namespace) -> int:
         finally:
             pool.close()
     elif args.only in ("ddp", "recovery"):
-        # (Two compute workers: against torchrun DDP; or a SIGKILL, a rejoin and a frozen worker. The
-        # torchrun baseline of the recovery row stays as stored.)
+        # (Two compute workers: against torchrun DDP; or a SIGKILL, a rejoin and a frozen worker, and the
+        # same kills side by side with the code of `--baseline`. The torchrun baseline of the recovery row
+        # stays as stored.)
         pool = elastic.ClusterPool()
         try:
             if args.only == "ddp":
@@ -531,6 +555,8 @@ def run_only(args: argparse.Namespace) -> int:
                 frozen_figures(results, pool, data, sizes)
         finally:
             pool.close()
+        if args.only == "recovery":
+            baseline_figures(results, data, Path(args.data_dir), sizes, args.baseline)
     elif args.only == "async":
         async_figures(results, data, sizes)
     elif args.only == "tls":

@@ -17,6 +17,7 @@ sequence of events can be unit-tested.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Literal
@@ -124,6 +125,15 @@ def wait_for_group(
     interval)."""
     joins_only = set(live) > set(known)
     return joins_only and pending > 0 and waited < limit
+
+
+def wait_for_start(known: Collection[str], live: Collection[str], starting: bool, restarts: bool) -> bool:
+    """Whether a check that a worker event triggered can wait for a worker that is still starting: a
+    worker registers while "init", so the check its add-worker event triggers would find the membership
+    unchanged (and at most take a snapshot) while the worker turns "running" a few milliseconds later.
+    Only when nothing else changed: no member lost or joined, no member's compute loop to start over. The
+    worker's turn to "running" (`connect.AnnounceRunning`) triggers the check that admits it."""
+    return starting and set(live) == set(known) and not restarts
 
 
 def wait_for_losses(

@@ -35,6 +35,8 @@ from .checkpoint import Persistence, ShardStart
 from .compute import LoopStats, compute_loop
 from .compute_async import MIN_LEASE
 from .connect import (
+    WORKER_EVENTS_TOPIC,
+    AnnounceRunning,
     CloseOnSigterm,
     GracefulLeaves,
     NannyKeepsWorkerOnSigterm,
@@ -70,7 +72,7 @@ from .messages import (
 )
 from .registry import claim_job, publish_progress, release_job
 from .schedule import Schedule
-from .survival import wait_for_group, wait_for_losses
+from .survival import wait_for_group, wait_for_losses, wait_for_start
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +85,9 @@ PROGRESS_POLL_IDLE_SECONDS = 0.1
 # How often the controller publishes its progress to the scheduler's metadata (see `read_progress`).
 PUBLISH_SECONDS = 0.2
 # A worker registers with the scheduler while its status is still "init" and reports "running" a message
-# later, so the check its add-worker event triggers may not count it yet; look at the membership again
-# this soon instead of a liveness interval later (that wait was most of a slow join in docs/benchmarks.md).
+# later, so the check its add-worker event triggers may not count it yet. `AnnounceRunning` wakes the
+# controller when it turns "running"; in case that event is missed, the controller looks at the membership
+# again this soon instead of a liveness interval later.
 STARTING_RECHECK_SECONDS = 0.05
 # How often the controller reads the scheduler's view of the workers between survival checks: a worker
 # that froze (SIGSTOP, a hung device) stops sending heartbeats, and this is how soon that is seen.
@@ -519,6 +522,7 @@ class TrainingRun:
         self._register()
         self.coordinator, self.shards, self.plan = self._start_servers()
         self.client.subscribe_topic("all", self._on_scheduler_event)
+        self.client.subscribe_topic(WORKER_EVENTS_TOPIC, self._on_scheduler_event)
         self._copy_journal()
         job = self.job
         if job.mode == "async":
@@ -691,6 +695,8 @@ class TrainingRun:
             self.client.register_plugin(GracefulLeaves(), name=GracefulLeaves.name)
             self.client.register_plugin(CloseOnSigterm(), name=CloseOnSigterm.name)
             self.client.register_plugin(NannyKeepsWorkerOnSigterm(), name=NannyKeepsWorkerOnSigterm.name)
+        if not self.client.run_on_scheduler(has_plugin, name=AnnounceRunning.name):
+            self.client.register_plugin(AnnounceRunning(), name=AnnounceRunning.name)
         holder = claim_job(self.client, self.job.job_id, self.run_id)
         if holder is not None:
             raise FatalError(
@@ -784,7 +790,12 @@ class TrainingRun:
 
     def _on_scheduler_event(self, event: Any) -> None:
         msg = event[1] if isinstance(event, tuple) else event
-        if isinstance(msg, dict) and msg.get("action") in ("add-worker", "remove-worker", "retire-workers"):
+        if isinstance(msg, dict) and msg.get("action") in (
+            "add-worker",
+            "worker-running",
+            "remove-worker",
+            "retire-workers",
+        ):
             if msg.get("action") == "remove-worker" and isinstance(msg.get("worker"), str):
                 self.left.add(msg["worker"])
             if msg.get("action") == "retire-workers":
@@ -822,6 +833,17 @@ class TrainingRun:
                 self.worker_event.clear()
                 view = self._workers_view()
                 self._keep_roles(view)
+                restarts = self._loops_to_restart(view.live)
+                if (
+                    triggered
+                    and now < next_check
+                    and wait_for_start(known, view.live, view.starting, restarts)
+                ):
+                    # An add-worker event: the worker is not running yet. Its `worker-running` event (or
+                    # the next look) triggers the check that admits it; this one would find nothing new.
+                    next_look = now + STARTING_RECHECK_SECONDS
+                    self.worker_event.wait(timeout=STARTING_RECHECK_SECONDS)
+                    continue
                 # Workers that join together join as one group: hold the check while the cluster still
                 # has workers on their way, for at most a liveness interval (a loss is acted on at once).
                 if not set(view.live) > set(known):
@@ -1607,8 +1629,9 @@ class TrainingRun:
             self.loops.clear()
             self.actor_futures.clear()
             return
-        with contextlib.suppress(Exception):
-            self.client.unsubscribe_topic("all")
+        for topic in ("all", WORKER_EVENTS_TOPIC):
+            with contextlib.suppress(Exception):
+                self.client.unsubscribe_topic(topic)
         for loop in self.loops.values():
             loop.cancel()
         self.loops.clear()

@@ -161,3 +161,13 @@ def test_a_change_made_only_of_graceful_leaves_is_not_rolled_back() -> None:
     # Under reassign there is nothing to spare.
     reassign = survival_check(state(policy="reassign"), {"a"}, now=100.0)
     assert spare_graceful_leaves(reassign, frozenset({"b"})) == reassign
+
+
+def test_a_check_waits_for_a_worker_that_is_still_starting_only_when_nothing_else_changed() -> None:
+    from prefect_elastic.survival import wait_for_start
+
+    assert wait_for_start(["a"], ["a"], starting=True, restarts=False), "the joiner is not running yet"
+    assert not wait_for_start(["a"], ["a"], starting=False, restarts=False), "nobody is starting"
+    assert not wait_for_start(["a", "b"], ["a"], starting=True, restarts=False), "b was lost meanwhile"
+    assert not wait_for_start(["a"], ["a", "c"], starting=True, restarts=False), "c is running: admit it"
+    assert not wait_for_start(["a"], ["a"], starting=True, restarts=True), "a's loop starts over"
