@@ -10,11 +10,18 @@ from typing import Any
 import pytest
 
 from prefect_elastic import train
-from prefect_elastic.connect import KeepStaticWorkers, connect, is_static_worker, resolve_cluster_class
+from prefect_elastic.connect import (
+    WORKER_EVENTS_TOPIC,
+    AnnounceRunning,
+    KeepStaticWorkers,
+    connect,
+    is_static_worker,
+    resolve_cluster_class,
+)
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.local.cluster import LocalElasticCluster
 
-from .conftest import make_job, top_up
+from .conftest import make_job, top_up, wait_for
 from .prefect_harness import PrefectServer
 
 
@@ -37,6 +44,25 @@ def test_static_workers_are_never_scaled_down(cluster: LocalElasticCluster) -> N
         assert not after & set(cluster.static_addresses())
         assert after <= set(cluster.elastic_addresses())
         client.unregister_scheduler_plugin(KeepStaticWorkers.name)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_worker_that_turns_running_is_announced_once(cluster: LocalElasticCluster) -> None:
+    """A worker registers with the scheduler while "init": the add-worker event comes before it can take
+    work. `AnnounceRunning` tells the job's controller (which admits a join on it) when it turns
+    "running", once; its retirement (running to closing) is not announced."""
+    top_up(cluster, 2)
+    heard: list[str] = []
+    with cluster.client(set_as_default=False) as client:
+        client.register_plugin(AnnounceRunning(), name=AnnounceRunning.name)
+        client.subscribe_topic(WORKER_EVENTS_TOPIC, lambda event: heard.append(event[1]["worker"]))
+        name = cluster.add_worker()
+        address = str(cluster.address_of(name))
+        wait_for("the new worker's worker-running event", lambda: address in heard, timeout=30)
+        cluster.retire_worker(name)
+        client.unsubscribe_topic(WORKER_EVENTS_TOPIC)
+    assert heard == [address], "one event, for the worker that joined, and none when it left"
 
 
 # Evaluated where it runs: a function of this module would import the module there, and torch with it.
