@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -68,19 +69,22 @@ def extract(commit: str, into: Path) -> Path:
         )
     sha = full.stdout.strip()
     tree = into / f"baseline-{sha[:12]}"
-    if not (tree / "prefect_elastic" / "__init__.py").exists():
-        tree.mkdir(parents=True, exist_ok=True)
-        archive = tree.with_suffix(".tar")
-        subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), sha], check=True)
-        with tarfile.open(archive) as tar:
-            tar.extractall(tree, filter="data")
-        archive.unlink()
+    if not tree.exists():
+        into.mkdir(parents=True, exist_ok=True)
+        # Extracted beside it, then renamed: a tree cut short by an interrupted run is never used.
+        with tempfile.TemporaryDirectory(dir=into, prefix=f"{tree.name}.") as scratch:
+            archive = Path(scratch) / "tree.tar"
+            subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), sha], check=True)
+            with tarfile.open(archive) as tar:
+                tar.extractall(Path(scratch) / "tree", filter="data")
+            (Path(scratch) / "tree").rename(tree)
     return tree
 
 
 def run_in(tree: Path, workload: str, data: str, policy: str, kills: int, epochs: int) -> dict[str, Any]:
     """One recovery run with the code of `tree`, in a process of its own."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
+    paths = [str(tree), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     done = subprocess.run(
         [sys.executable, "-c", _RUNNER % RESULT_MARK, json.dumps([workload, data, policy, kills, epochs])],
         cwd=tree, env=env, capture_output=True, text=True, timeout=1800,

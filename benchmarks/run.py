@@ -367,6 +367,8 @@ def recovery_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: s
 def baseline_figures(results: dict[str, Any], data: str, workdir: Path, sizes: Sizes, commit: str) -> None:
     """Recovery and scale-up of this code against `commit`'s, side by side (`benchmarks/baseline.py`)."""
     if not sizes.baseline_pairs or commit == "none":
+        # (A comparison stored from an earlier run would judge this run's figures: dropped.)
+        results.pop("recovery_baseline", None)
         return
     results["recovery_baseline"] = attempt(
         results, f"recovery side by side with {commit}", baseline.side_by_side, commit, workdir, data,

@@ -479,10 +479,11 @@ WORKER_EVENTS_TOPIC = "prefect-elastic-workers"
 class AnnounceRunning(SchedulerPlugin):
     """Scheduler plugin: announces on `WORKER_EVENTS_TOPIC` a worker that turned "running" from "init".
 
-    A worker registers while still "init" (its plugins and preloads are set up after), so the add-worker
-    event the controller hears comes before the worker can train, and the scheduler logs the change to
-    "running" only under the worker's own topic. Without this the controller learns of it at its next look
-    at the membership: measured 0.08 s of a join's 0.3 s from registration to its first committed step."""
+    A worker registers while still "init" and turns "running" once the scheduler's answer reaches it, a
+    message later, so the add-worker event the controller hears comes before the worker can take work;
+    the scheduler logs the change to "running" only under the worker's own topic. Without this the
+    controller learned of it at its next look at the membership: 0.08 s of a join's 0.3 s from
+    registration to its first committed step (docs/benchmarks.md)."""
 
     name = "prefect-elastic-announce-running"
 

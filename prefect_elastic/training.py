@@ -480,6 +480,9 @@ class TrainingRun:
         self.loop_stats: list[LoopStats] = []
         self.registered = False
         self.worker_event = threading.Event()
+        # Set with `worker_event` by all but an add-worker event: a check that must run now, not wait for
+        # a worker still starting (`survival.wait_for_start`).
+        self.check_now = False
         self._stopping = False
         self._published = 0.0
         self.started = time.monotonic()
@@ -796,6 +799,8 @@ class TrainingRun:
             "remove-worker",
             "retire-workers",
         ):
+            if msg.get("action") != "add-worker":
+                self.check_now = True  # (an add-worker alone may wait for the worker to turn running)
             if msg.get("action") == "remove-worker" and isinstance(msg.get("worker"), str):
                 self.left.add(msg["worker"])
             if msg.get("action") == "retire-workers":
@@ -803,6 +808,12 @@ class TrainingRun:
                 # of this job. The controller hands its roles over, then retires it (`_hand_over`).
                 self.retiring.update(str(w) for w in msg.get("could-not-retire") or ())
             self.worker_event.set()
+
+    def _check_soon(self) -> None:
+        """Wake the supervision loop for a survival check at once (one that does not wait for a worker
+        that is still starting)."""
+        self.check_now = True
+        self.worker_event.set()
 
     def _supervise(self) -> Progress:
         job = self.job
@@ -831,16 +842,20 @@ class TrainingRun:
                 next_look = now + (STARTING_RECHECK_SECONDS if view.starting else MEMBERSHIP_POLL_SECONDS)
             if triggered or now >= next_check:
                 self.worker_event.clear()
+                must_check, self.check_now = self.check_now, False
                 view = self._workers_view()
                 self._keep_roles(view)
-                restarts = self._loops_to_restart(view.live)
+                # (A member without a loop too: the loops were dropped with a coordinator rebuilt.)
+                restarts = any(a not in self.loops or self.loops[a].done() for a in view.live)
                 if (
                     triggered
+                    and not must_check
                     and now < next_check
                     and wait_for_start(known, view.live, view.starting, restarts)
                 ):
-                    # An add-worker event: the worker is not running yet. Its `worker-running` event (or
-                    # the next look) triggers the check that admits it; this one would find nothing new.
+                    # Only add-worker events woke it, and the worker is not running yet: its
+                    # `worker-running` event (or the next look) triggers the check that admits it; this one
+                    # would find nothing new.
                     next_look = now + STARTING_RECHECK_SECONDS
                     self.worker_event.wait(timeout=STARTING_RECHECK_SECONDS)
                     continue
@@ -858,7 +873,7 @@ class TrainingRun:
                     loss_since = now
                 if wait_for_losses(set(known), set(view.live), now - (loss_since or now), LOSS_GROUP_SECONDS):
                     self.worker_event.wait(timeout=LOSS_GROUP_SECONDS / 5)  # woken by the next removal
-                    self.worker_event.set()  # look again at once
+                    self._check_soon()  # look again at once
                     continue
                 if wait_for_group(set(known), set(view.live), on_the_way, waited, job.liveness_interval):
                     next_look = now + STARTING_RECHECK_SECONDS
@@ -970,7 +985,7 @@ class TrainingRun:
                 self._copy_journal()
                 self._rebuild_coordinator(reason)
         self.client.retire_workers([worker], close_workers=True)
-        self.worker_event.set()  # a survival check hands roles out again at once
+        self._check_soon()  # a survival check hands roles out again at once
         return True
 
     def _promote_standbys(self, lost: list[int], ask: bool = True) -> None:
@@ -1228,7 +1243,7 @@ class TrainingRun:
         self.standbys = tuple(w for w in self.standbys if w not in self.placement)
         self.journal = Journal()
         self._copy_journal()
-        self.worker_event.set()
+        self._check_soon()
         log.warning(
             "job %s: every shard back to %s at step %d in %.2f s (%d committed steps to train again)",
             job.job_id, source, event.step, time.monotonic() - clock, event.steps_lost,
@@ -1441,7 +1456,7 @@ class TrainingRun:
             loop.cancel()
             self.loop_restarts[addr] = max(0, self.loop_restarts.get(addr, 1) - 1)
         self.loops.clear()
-        self.worker_event.set()
+        self._check_soon()
         for ask in (True, False):  # the second time with the data servers that answered
             try:
                 event: MembershipEvent = self._call(
