@@ -213,3 +213,28 @@ def test_a_users_own_model_and_data_are_compared_with_their_plain_loop(tmp_path:
         capture_output=True, text=True, cwd=ROOT, timeout=60,
     )  # fmt: skip
     assert wrong.returncode == 2 and "--dataset nowhere.npz: no such file" in wrong.stderr
+
+
+def test_recovery_is_judged_against_the_side_by_side_baseline_when_the_run_has_one() -> None:
+    from benchmarks.report import BEFORE, no_worse_than_before
+
+    stored = {"recovery_baseline": None}
+    text, ok = no_worse_than_before(stored, "recovery_s", BEFORE["recovery_s"] + 0.01)
+    assert not ok and "stored" in text, "without a comparison, the stored figure of before issue 9 judges"
+    side = {"this": 0.5, "baseline": 0.6, "n": [15, 15], "ratio": 0.5 / 0.6, "pair_ratios": [0.8, 0.9]}
+    run = {"recovery_baseline": {"baseline": "e33f498", "recovery_s": side}}
+    text, ok = no_worse_than_before(run, "recovery_s", 0.5)
+    assert ok and "side by side" in text and "0.83" in text, "a slower machine is not held against this code"
+    slower = {**side, "ratio": 1.07}
+    text, ok = no_worse_than_before(
+        {"recovery_baseline": {"baseline": "e33f498", "recovery_s": slower}}, "recovery_s", 0.1
+    )
+    assert not ok, "slower than the baseline in the same run: missed, however small the absolute figure"
+
+
+def test_a_baseline_commit_that_is_not_in_the_history_is_named(tmp_path: Path) -> None:
+    from benchmarks.baseline import extract
+
+    with pytest.raises(ValueError, match=r"'no-such-commit'.*name a commit of its history"):
+        extract("no-such-commit", tmp_path)
+    assert not list(tmp_path.iterdir()), "nothing extracted"
