@@ -61,8 +61,10 @@ SYNC_SECONDS = 0.05
 STEADY_SYNC_SECONDS = 0.25
 
 
-def _fence(shard: Any, generation: int, since: int = 0) -> Awaitable[ShardStatus]:
-    fenced: Awaitable[ShardStatus] = shard.fence(generation, since)
+def _fence(
+    shard: Any, generation: int, since: int = 0, applied_from: int | None = None
+) -> Awaitable[ShardStatus]:
+    fenced: Awaitable[ShardStatus] = shard.fence(generation, since, applied_from)
     return fenced
 
 
@@ -169,7 +171,12 @@ class Coordinator:
                     generation = (
                         max([journal.generation, state.generation, *(s.generation for s in seen)]) + 1
                     )
-                    fenced: list[ShardStatus] = await self._on_shards(partial(_fence, generation=generation))
+                    # Async mode: with the ids each applied that the copy has not committed, recorded or
+                    # not (a shard promoted since the copy has no record of what its snapshot holds).
+                    applied_from = journal.first_open_batch() if state.mode == "async" else None
+                    fenced: list[ShardStatus] = await self._on_shards(
+                        partial(_fence, generation=generation, applied_from=applied_from)
+                    )
                     break
                 except ShardUnreachable as other:
                     # Another data server died meanwhile: it waits for a standby with the others.

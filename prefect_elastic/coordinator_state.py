@@ -385,17 +385,22 @@ class CoordinatorState:
                 del by_shard[index]  # applied there after the snapshot: lost with the worker
             if not by_shard:
                 del self._applied[b]
-        for b in applied:
-            if b not in self.ledger:
-                # (Known already, unless the shard's status was not read since: then as a checkpoint's.)
-                self._applied.setdefault(b, {}).setdefault(
-                    index, StepRecord(-1, self.generation, (b,), {b: ""}, {b: math.nan}, math.nan)
-                )
+        # (Known already, unless the shard's status was not read since: then as a checkpoint's.)
+        self._applied_unrecorded(index, applied)
         self._seen[index] = version  # its records start again from there
         self._commit_applied()
         back = [e.batch_id for e in retracted if e.batch_id not in self.ledger]
         self._queue = sorted({*self._queue, *back})
         return len(back)
+
+    def _applied_unrecorded(self, index: int, ids: Iterable[int]) -> None:
+        """Async mode: shard `index` holds the applies of `ids`, with no record of them where it has
+        none (they came with a snapshot's replica): kept as a checkpoint's apply (no loss, no worker)."""
+        for b in ids:
+            if b not in self.ledger:
+                self._applied.setdefault(b, {}).setdefault(
+                    index, StepRecord(-1, self.generation, (b,), {b: ""}, {b: math.nan}, math.nan)
+                )
 
     # -- what the shards report ------------------------------------------------------------------
 
@@ -819,7 +824,8 @@ class CoordinatorState:
         - the ledger is the copy's (every batch id in it was applied by every shard);
         - what each live shard applied beyond it waits there for the others (`_applied`), and commits
           once every shard has it; a batch id some shard lacks is trained again (the shards that have
-          it answer "duplicate");
+          it answer "duplicate"). What a shard applied is its records and the ids its fence names
+          (`ShardStatus.applied`): a shard promoted since the copy holds its snapshot's applies unrecorded;
         - a shard lost with the coordinator waits for a standby, which takes its peer's replica of its
           last snapshot (`snapshot_versions`), and `_rejoin_async` retracts what it lacks."""
         live = {s.index: s for s in fenced}
@@ -851,7 +857,13 @@ class CoordinatorState:
         self._applied.clear()
         self._seen = dict.fromkeys(range(self.shards), 0)
         for status in fenced:
-            self._absorb_async(status.index, status)  # commits what every shard applied (none lost)
+            self._absorb_async(status.index, status)
+        for status in fenced:
+            # A shard promoted since the copy holds applies its records do not show (its snapshot's): one
+            # the copy has not committed would wait for its record for ever, and the loop that trains it
+            # again is answered "duplicate" there.
+            self._applied_unrecorded(status.index, status.applied)
+        self._commit_applied()  # what every shard applied (none lost)
         self._queue = [b for b in range(self.schedule.total_batches) if b not in self.ledger]
         self.events = list(journal.events)
         self.counters = {**self.counters, **journal.counters}

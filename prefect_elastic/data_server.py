@@ -627,11 +627,13 @@ class DataServer:
                 await self._wait_for_version(generation, version, wait)
         return self.version
 
-    async def fence(self, generation: int, since: int = 0) -> ShardStatus:
+    async def fence(self, generation: int, since: int = 0, applied_from: int | None = None) -> ShardStatus:
         """Enter `generation`: refuse every older message from now on, drop the gradients of the open
         step and any snapshot asked for; returns where the shard is, with the records from step `since`
         on (the coordinator asks from the steps it has not committed: a long run holds a record per
-        step, 7.7 MB and half a second of pickling for 50,000 of them, on the path of every recovery)."""
+        step, 7.7 MB and half a second of pickling for 50,000 of them, on the path of every recovery).
+        Async mode, with `applied_from` (a rebuilt coordinator): also every batch id applied from that
+        id on (`ShardStatus.applied`), recorded or not."""
         if generation < self.generation:
             raise StaleGenerationError(generation, self.generation, "fence")
         if _plugin_seconds(FENCE_DEATH):
@@ -658,6 +660,9 @@ class DataServer:
             await self._snapshotting
         await self._announce_version()
         status = await self.status(since)
+        if applied_from is not None and self._async:
+            # (Async commits run close to the lowest open id: few ids lie above it.)
+            status = replace(status, applied=tuple(sorted(b for b in self._applied if b >= applied_from)))
         return replace(status, pending=pending)
 
     async def restore(self, generation: int, version: int) -> int:

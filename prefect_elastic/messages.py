@@ -123,6 +123,10 @@ class ShardStatus:
     # Holds no parameters and no buffers: no loop waits for its answer to a push, so it may lag the others
     # by more than a version when the membership changes (see `CoordinatorState.reconcile`).
     stateless: bool = False
+    # Async mode, in a fence's answer to a rebuilt coordinator: every batch id this shard applied from the
+    # id the caller named on, recorded or not. A shard that took its peer's replica of a snapshot holds
+    # the applies of that snapshot and no record of them (its records start at the snapshot's version).
+    applied: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -236,6 +240,11 @@ class Journal:
     # Where the last snapshot every shard holds stands in the ledger (async mode: a rebuilt coordinator
     # retracts the commits after it that a shard promoted from its replica lacks).
     snapshot_step: int = 0
+
+    def first_open_batch(self) -> int:
+        """The lowest batch id this copy holds no commit of (async mode commits them in any order)."""
+        committed = {e.batch_id for e in self.entries}
+        return next(b for b in range(len(committed) + 1) if b not in committed)
 
     def extend(self, part: Journal) -> None:
         """Take in a part of the coordinator's journal (this copy starts at step 0 and event 0)."""

@@ -217,6 +217,49 @@ def test_a_coordinator_rebuilt_in_async_mode_keeps_every_apply_and_commits_each_
     assert state.counters["coordinator_rebuilds"] == 1 and state.counters["rollbacks"] == 0
 
 
+def test_a_rebuilt_coordinator_counts_the_applies_a_promoted_shard_holds_unrecorded() -> None:
+    """The coordinator's static worker retires (CI, 2026-11-28: the job hung at 223 of 224 batch ids).
+    The hand-over snapshots each shard where it stands: shard 0 had applied batch 2, shard 1 not yet. Shard
+    0's standby takes that snapshot from its peer: it holds the apply of 2 and no record of it. Batch 2 is
+    trained again; shard 1 applies it, shard 0 answers "duplicate". The controller's copy is taken before
+    2 commits, and the coordinator is rebuilt from it: shard 0's fence names what it applied, recorded or
+    not, so 2 commits once, from shard 1's record, and is not leased again."""
+    old = new_state("rollback")
+    old.channels = (("127.0.0.1", 1), ("127.0.0.1", 2))
+    admit(old, {"a"})
+    gen = old.generation
+    assert old.lease("a", gen, 4) == [0, 1, 2, 3]
+    old.absorb(applied(0, gen, (0, "a", 0), (1, "a", 0), (2, "a", 0)))
+    old.absorb(applied(1, gen, (0, "a", 0), (1, "a", 0)))
+    old.pause(gen + 1)  # the hand-over: every shard fenced and snapshotted at its own version
+    old.snapshot_async((3, 2), now=3.0, seconds=0.1)
+    old.lose_shard(0, old.generation, "static worker static-0 is retiring", now=3.5)
+    old.promote_shard(
+        0, "standby", old.generation + 1, ("127.0.0.1", 3), now=4.0, began=3.5,
+        applied=frozenset({0, 1, 2}), version=3,
+    )  # fmt: skip
+    journal = Journal()
+    journal.extend(old.journal(0, 0))
+    assert [e.batch_id for e in journal.entries] == [0, 1] and journal.first_open_batch() == 2
+    # The promoted shard 0's records start at its version 3: it applies batch 3 (step 3); shard 1 applies
+    # 2 and 3. Then the coordinator goes, before the controller copies these commits.
+    gen = old.generation
+    shard_0 = ShardStatus(0, gen, 4, (StepRecord(3, gen, (3,), {3: "a"}, {3: 3.0}, 103.0, 3, 0),), (), 0, 0)
+    shard_1 = applied(1, gen, (0, "a", 0), (1, "a", 0), (2, "a", 0), (3, "a", 0))
+
+    state = new_state("rollback")
+    state.channels = old.channels
+    fenced = [
+        replace(shard_0, generation=9, snapshots=(SnapshotInfo(3, 3.0, 0.1),), applied=(2, 3)),
+        replace(shard_1, generation=9, snapshots=(SnapshotInfo(2, 3.0, 0.1),), applied=(2, 3)),
+    ]
+    state.rebuild(journal, fenced, [], 9, "static-1", "static-0 is retiring", now=5.0, began=4.5)
+    assert sorted(e.batch_id for e in state.ledger.entries()) == [0, 1, 2, 3], "2 is not left waiting"
+    assert sorted(e.step for e in state.ledger.entries()) == [0, 1, 2, 3], "each committed once"
+    admit(state, {"a"})
+    assert state.lease("a", state.generation, 4) == [4, 5, 6, 7], "nothing applied everywhere is leased"
+
+
 def test_async_mode_asks_for_no_snapshot_mid_run() -> None:
     state = new_state()
     admit(state, {"a"})
@@ -300,9 +343,12 @@ def test_a_shard_applies_each_batch_id_once_and_refuses_stale_gradients(digits_u
             (1, (6,), 0, 1),
         ]
         assert status.refused == 0, "a stale gradient is not a message of an old generation"
-        await shard.fence(1)
+        assert (await shard.fence(1)).applied == (), "the applied ids only when asked for"
         with pytest.raises(StaleGenerationError):
             await shard.apply_one(0, "a", 8, 2, grads, {}, 1.0)
+        # A rebuilt coordinator asks for the ids applied from its copy's first open one on, recorded or not.
+        assert (await shard.fence(2, applied_from=6)).applied == (6,)
+        assert (await shard.fence(3, since=1, applied_from=0)).applied == (5, 6)
 
     asyncio.run(run())
 
