@@ -137,14 +137,26 @@ def wait_for_start(known: Collection[str], live: Collection[str], starting: bool
 
 
 def wait_for_losses(
-    known: frozenset[str] | set[str], live: frozenset[str] | set[str], waited: float, window: float
+    known: frozenset[str] | set[str],
+    live: frozenset[str] | set[str],
+    waited: float,
+    window: float,
+    answering: frozenset[str] | set[str] = frozenset(),
 ) -> bool:
     """Whether to hold a membership check back so that workers lost together (a rack, a SLURM job array
     ending, `cluster.scale(-4)`) leave as one group: when the change includes a loss first seen less than
-    `window` seconds ago. The scheduler removes workers killed at once a few milliseconds apart; without
-    the wait each would make a generation of its own (and under `rollback`, a rollback each). Nothing is
-    lost by the wait: the step in flight cannot commit without the lost members' share anyway."""
-    return bool(set(known) - set(live)) and waited < window
+    `window` seconds ago, and some member still listed is not known to be alive. The scheduler removes
+    workers killed at once a few milliseconds apart (5 to 35 ms here); without the wait each would make a
+    generation of its own (and under `rollback`, a rollback each).
+
+    `answering`: the members whose worker accepted a connection just now (`connect.listening`). A dead
+    process's sockets are closed by its kernel at once, so a member killed with the lost ones refuses long
+    before the scheduler removes it; when every member still listed answers, none is on its way out and
+    the check goes on at once. The wait is on every recovery's path (the survivors' new roles go out after
+    it), so it is paid only when a member may be leaving."""
+    if not set(known) - set(live) or waited >= window:
+        return False
+    return not (set(known) & set(live)) <= set(answering)
 
 
 def spare_graceful_leaves(decision: Decision, graceful: frozenset[str]) -> Decision:

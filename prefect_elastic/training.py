@@ -42,6 +42,7 @@ from .connect import (
     NannyKeepsWorkerOnSigterm,
     has_plugin,
     is_static_worker,
+    listening,
     scheduler_view_of_workers,
 )
 from .coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator, ShardUnreachable, actor_key
@@ -105,7 +106,8 @@ SCHEDULER_LOST_INTERVALS = 3
 SCHEDULER_GRACE_SECONDS = 1.0
 SCHEDULER_POLL_SECONDS = 0.05  # how often the client's connection is looked at while it is down
 # Workers lost within this long of the first are one membership change (`survival.wait_for_losses`): the
-# scheduler removes workers killed together a few milliseconds apart.
+# scheduler removes workers killed together a few milliseconds apart. Waited only while a member still
+# listed does not accept connections (it may be dying too).
 LOSS_GROUP_SECONDS = 0.05
 # A compute loop that keeps failing on a live worker is restarted at most this many times.
 MAX_LOOP_RESTARTS = 5
@@ -871,7 +873,14 @@ class TrainingRun:
                     loss_since = None
                 elif loss_since is None:
                     loss_since = now
-                if wait_for_losses(set(known), set(view.live), now - (loss_since or now), LOSS_GROUP_SECONDS):
+                lost_for = now - (loss_since or now)
+                answering = (
+                    # (Only while a loss waits: a probe of each member still listed, a millisecond here.)
+                    listening(set(known) & set(view.live), LOSS_GROUP_SECONDS - lost_for)
+                    if loss_since is not None and lost_for < LOSS_GROUP_SECONDS
+                    else frozenset()
+                )
+                if wait_for_losses(set(known), set(view.live), lost_for, LOSS_GROUP_SECONDS, answering):
                     self.worker_event.wait(timeout=LOSS_GROUP_SECONDS / 5)  # woken by the next removal
                     self._check_soon()  # look again at once
                     continue

@@ -145,6 +145,11 @@ def test_losses_wait_a_moment_for_the_rest_of_their_group() -> None:
     assert not wait_for_losses({"a"}, {"a", "b"}, waited=0.0, window=0.05), "joins are not losses"
     assert wait_for_losses({"a", "b"}, {"a", "c"}, waited=0.0, window=0.05), "a loss beside a join"
     assert not wait_for_losses({"a"}, {"a"}, waited=0.0, window=0.05), "no change"
+    # Members still listed that accept connections are alive: none of them is on its way out.
+    assert not wait_for_losses({"a", "b", "c"}, {"a", "c"}, 0.0, 0.05, answering={"a", "c"}), "only b left"
+    assert wait_for_losses({"a", "b", "c"}, {"a", "c"}, 0.0, 0.05, answering={"a"}), "c may be dying too"
+    assert not wait_for_losses({"a", "b"}, {"a", "c"}, 0.0, 0.05, answering={"a"}), "a join need not answer"
+    assert not wait_for_losses({"a", "b"}, set(), 0.0, 0.05), "every member is gone: no one to wait for"
 
 
 def test_a_change_made_only_of_graceful_leaves_is_not_rolled_back() -> None:
