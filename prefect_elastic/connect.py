@@ -26,12 +26,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import errno
 import importlib
 import logging
 import os
-import selectors
-import socket
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +36,7 @@ from typing import Any
 
 import dask.config
 from distributed import Client
-from distributed.comm.addressing import parse_address, parse_host_port
+from distributed.comm import connect as dask_connect
 from distributed.deploy import Adaptive
 from distributed.diagnostics.plugin import NannyPlugin, SchedulerPlugin, WorkerPlugin
 from distributed.security import Security
@@ -604,55 +601,29 @@ def graceful_leaves(scheduler: Any) -> set[str]:
     return set(plugin.left) if isinstance(plugin, GracefulLeaves) else set()
 
 
-def listening(addresses: Iterable[str], timeout: float) -> frozenset[str]:
-    """The workers among `addresses` (Dask addresses) whose listening socket accepts a TCP connection
-    within `timeout` seconds, all tried at once. The kernel closes the sockets of a process that dies
-    (SIGKILL, the OOM killer) at once: a connection to it is refused tens of milliseconds before the
-    scheduler removes it, which is how survival detection tells a worker lost with others from one still
-    there (`survival.wait_for_losses`). A frozen (SIGSTOPped) process still accepts: the kernel answers
-    for it. An address that is not tcp:// or tls:// with a numeric host, or that does not answer in
-    time (a host that lost power, a network cut), is left out: the caller then waits as if it were
-    dying. The connection is closed before anything is sent (a Dask worker logs one INFO line for it)."""
-    deadline = time.monotonic() + max(0.0, timeout)
-    answering: set[str] = set()
-    trying: dict[socket.socket, str] = {}
-    with selectors.DefaultSelector() as selector:
+async def answering(addresses: Iterable[str], timeout: float, **connection_args: Any) -> frozenset[str]:
+    """The workers among `addresses` whose process answers a connection (Dask's handshake, which needs
+    its event loop) within `timeout` seconds, all asked at once. A process killed with SIGKILL answers
+    nothing, although its kernel may accept the connection for tens of milliseconds more: the sockets of a
+    process that dies close only once its memory is torn down, which is also when the scheduler notices.
+    So survival detection asks the members still listed whether they answer, to tell a worker lost with
+    the others from one still there (`survival.wait_for_losses`). A frozen (SIGSTOPped) worker, one whose
+    host lost power or is cut off, does not answer either: the caller then waits as if it were dying.
+    Nothing is sent after the handshake (a Dask worker logs one INFO line or none)."""
+
+    async def one(address: str) -> str | None:
         try:
-            for address in addresses:
-                try:
-                    scheme, location = parse_address(address)
-                    host, port = parse_host_port(location)
-                    if scheme not in ("tcp", "tls"):
-                        continue
-                    # (Numeric hosts only: a name would wait on DNS.)
-                    family, kind, proto, _, where = socket.getaddrinfo(
-                        host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST
-                    )[0]
-                except (ValueError, OSError):
-                    continue
-                probe = socket.socket(family, kind, proto)
-                probe.setblocking(False)
-                code = probe.connect_ex(where)
-                if code == 0:
-                    answering.add(address)
-                    probe.close()
-                elif code in (errno.EINPROGRESS, errno.EWOULDBLOCK, errno.EAGAIN):
-                    trying[probe] = address
-                    selector.register(probe, selectors.EVENT_WRITE, probe)
-                else:
-                    probe.close()  # refused: nothing listens there any more
-            while trying and (left := deadline - time.monotonic()) > 0:
-                for key, _ in selector.select(left):
-                    probe = key.data
-                    selector.unregister(probe)
-                    if probe.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                        answering.add(trying[probe])
-                    del trying[probe]
-                    probe.close()
-        finally:
-            for probe in trying:
-                probe.close()
-    return frozenset(answering)
+            # (Dask's connect retries a refused connection until its timeout: bounded here too.)
+            comm = await asyncio.wait_for(dask_connect(address, timeout=timeout, **connection_args), timeout)
+        except (TimeoutError, OSError, ValueError, TypeError):
+            return None
+        comm.abort()
+        return address
+
+    if timeout <= 0:
+        return frozenset()
+    got = await asyncio.gather(*(one(a) for a in addresses))
+    return frozenset(a for a in got if a is not None)
 
 
 @dataclass

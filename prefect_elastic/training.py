@@ -40,9 +40,9 @@ from .connect import (
     CloseOnSigterm,
     GracefulLeaves,
     NannyKeepsWorkerOnSigterm,
+    answering,
     has_plugin,
     is_static_worker,
-    listening,
     scheduler_view_of_workers,
 )
 from .coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator, ShardUnreachable, actor_key
@@ -107,7 +107,7 @@ SCHEDULER_GRACE_SECONDS = 1.0
 SCHEDULER_POLL_SECONDS = 0.05  # how often the client's connection is looked at while it is down
 # Workers lost within this long of the first are one membership change (`survival.wait_for_losses`): the
 # scheduler removes workers killed together a few milliseconds apart. Waited only while a member still
-# listed does not accept connections (it may be dying too).
+# listed does not answer a connection (it may be dying too).
 LOSS_GROUP_SECONDS = 0.05
 # A compute loop that keeps failing on a live worker is restarted at most this many times.
 MAX_LOOP_RESTARTS = 5
@@ -811,6 +811,17 @@ class TrainingRun:
                 self.retiring.update(str(w) for w in msg.get("could-not-retire") or ())
             self.worker_event.set()
 
+    def _members_answering(self, workers: set[str], timeout: float) -> frozenset[str]:
+        """The workers among `workers` whose process answers a connection within `timeout` seconds
+        (`connect.answering`); none if asking fails."""
+        try:
+            alive: frozenset[str] = self.client.sync(
+                answering, workers, timeout, **self.client.connection_args
+            )
+        except Exception:  # (the client's loop closing under it: nothing is known, so wait)
+            return frozenset()
+        return alive
+
     def _check_soon(self) -> None:
         """Wake the supervision loop for a survival check at once (one that does not wait for a worker
         that is still starting)."""
@@ -874,13 +885,13 @@ class TrainingRun:
                 elif loss_since is None:
                     loss_since = now
                 lost_for = now - (loss_since or now)
-                answering = (
-                    # (Only while a loss waits: a probe of each member still listed, a millisecond here.)
-                    listening(set(known) & set(view.live), LOSS_GROUP_SECONDS - lost_for)
+                alive = (
+                    # (Only while a loss waits: each member still listed is asked, a few milliseconds.)
+                    self._members_answering(set(known) & set(view.live), LOSS_GROUP_SECONDS - lost_for)
                     if loss_since is not None and lost_for < LOSS_GROUP_SECONDS
                     else frozenset()
                 )
-                if wait_for_losses(set(known), set(view.live), lost_for, LOSS_GROUP_SECONDS, answering):
+                if wait_for_losses(set(known), set(view.live), lost_for, LOSS_GROUP_SECONDS, alive):
                     self.worker_event.wait(timeout=LOSS_GROUP_SECONDS / 5)  # woken by the next removal
                     self._check_soon()  # look again at once
                     continue

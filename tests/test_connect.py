@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +16,9 @@ from prefect_elastic.connect import (
     WORKER_EVENTS_TOPIC,
     AnnounceRunning,
     KeepStaticWorkers,
+    answering,
     connect,
     is_static_worker,
-    listening,
     resolve_cluster_class,
 )
 from prefect_elastic.errors import JobConfigError
@@ -72,36 +72,31 @@ def test_a_worker_that_turns_running_is_announced_once(cluster: LocalElasticClus
 TORCH_IMPORTED = "'torch' in __import__('sys').modules"
 
 
-def test_a_killed_process_refuses_connections_at_once_and_a_frozen_one_still_accepts() -> None:
-    """What survival detection reads to tell a worker killed with the lost ones from one still there
-    (`survival.wait_for_losses`): the kernel closes a dead process's listening socket at once, and answers
-    for a frozen one. Addresses that would need DNS, or that are not TCP, are never counted."""
-    listener = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import socket, sys, time\n"
-            "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(8)\n"
-            "print(s.getsockname()[1], flush=True); time.sleep(120)"
-        )],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+def test_a_worker_answers_until_it_is_frozen_or_killed(cluster: LocalElasticCluster) -> None:
+    """What survival detection asks to tell a worker killed with the lost ones from one still there
+    (`survival.wait_for_losses`): a live worker answers a connection; a frozen one does not, nor does a
+    killed one, although the scheduler still lists it for tens of milliseconds. An address that is not
+    one is never counted."""
+    top_up(cluster, 1)
+    name = cluster.add_worker()
+    address = str(cluster.address_of(name))
+    [other, *_] = [a for a in cluster.elastic_addresses() if a != address]  # (top_up: one at least)
+
+    def ask(*addresses: str, timeout: float = 5.0) -> frozenset[str]:
+        return asyncio.run(answering(addresses, timeout))
+
+    assert ask(address, "inproc://127.0.0.1/1/1", "not an address") == {address}
+    cluster.kill_worker(name, sig=signal.SIGSTOP)
     try:
-        assert listener.stdout is not None
-        port = int(listener.stdout.readline())
-        address = f"tcp://127.0.0.1:{port}"
-        closed = socket.socket()
-        closed.bind(("127.0.0.1", 0))
-        nobody = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
-        closed.close()
-        others = [nobody, f"tcp://localhost:{port}", "inproc://127.0.0.1/1/1", "not an address"]
-        assert listening([address, *others], timeout=5.0) == {address}
-        listener.send_signal(signal.SIGSTOP)
-        assert listening([address], timeout=5.0) == {address}, "a frozen process's kernel still accepts"
-        listener.send_signal(signal.SIGKILL)
-        listener.wait(timeout=30)
-        assert listening([address], timeout=5.0) == frozenset(), "refused once the process is dead"
+        assert ask(address, timeout=1.0) == frozenset(), "a frozen worker does not answer"
     finally:
-        listener.kill()
-        listener.wait(timeout=30)
+        cluster.kill_worker(name, sig=signal.SIGCONT)
+    assert ask(address) == {address}
+    cluster.kill_worker(name)
+    assert ask(address, timeout=1.0) == frozenset(), "a killed worker answers nothing"
+    assert ask(other, address, timeout=1.0) == {other}, "the others still answer"
 
 
 def test_the_cluster_side_modules_import_no_torch() -> None:
