@@ -36,7 +36,7 @@ from typing import Any
 
 import dask.config
 from distributed import Client
-from distributed.comm import connect as dask_connect
+from distributed.comm import parse_address, registry
 from distributed.deploy import Adaptive
 from distributed.diagnostics.plugin import NannyPlugin, SchedulerPlugin, WorkerPlugin
 from distributed.security import Security
@@ -609,16 +609,24 @@ async def answering(addresses: Iterable[str], timeout: float, **connection_args:
     So survival detection asks the members still listed whether they answer, to tell a worker lost with
     the others from one still there (`survival.wait_for_losses`). A frozen (SIGSTOPped) worker, one whose
     host lost power or is cut off, does not answer either: the caller then waits as if it were dying.
-    Nothing is sent after the handshake (a Dask worker logs one INFO line or none)."""
+    One try each (Dask's `connect` retries a refused connection until its timeout), its connection closed
+    whatever happens; nothing is sent after the handshake. A worker logs a line for each connection that
+    ends before its handshake (a dying or frozen one logs nothing, a live one answers it)."""
 
     async def one(address: str) -> str | None:
+        comm = None
         try:
-            # (Dask's connect retries a refused connection until its timeout: bounded here too.)
-            comm = await asyncio.wait_for(dask_connect(address, timeout=timeout, **connection_args), timeout)
+            scheme, location = parse_address(address)
+            connector = registry.get_backend(scheme).get_connector()
+            comm = await asyncio.wait_for(connector.connect(location, **connection_args), timeout)
+            await asyncio.wait_for(comm.write(comm.handshake_info()), timeout)
+            await asyncio.wait_for(comm.read(), timeout)
+            return address
         except (TimeoutError, OSError, ValueError, TypeError):
             return None
-        comm.abort()
-        return address
+        finally:
+            if comm is not None:
+                comm.abort()
 
     if timeout <= 0:
         return frozenset()

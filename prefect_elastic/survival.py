@@ -149,11 +149,12 @@ def wait_for_losses(
     workers killed at once a few milliseconds apart (5 to 35 ms here); without the wait each would make a
     generation of its own (and under `rollback`, a rollback each).
 
-    `answering`: the members whose worker accepted a connection just now (`connect.listening`). A dead
-    process's sockets are closed by its kernel at once, so a member killed with the lost ones refuses long
-    before the scheduler removes it; when every member still listed answers, none is on its way out and
-    the check goes on at once. The wait is on every recovery's path (the survivors' new roles go out after
-    it), so it is paid only when a member may be leaving."""
+    `answering`: the members whose worker answered a connection's handshake just now
+    (`connect.answering`). A process killed with the lost ones answers nothing (its kernel may still
+    accept the connection until its memory is torn down, which is also when the scheduler notices); when
+    every member still listed answers, none is on its way out and the check goes on at once. The wait is
+    on every recovery's path (the survivors' new roles go out after it), so it is paid only when a member
+    may be leaving."""
     if not set(known) - set(live) or waited >= window:
         return False
     return not (set(known) & set(live)) <= set(answering)

@@ -816,7 +816,7 @@ class TrainingRun:
         (`connect.answering`); none if asking fails."""
         try:
             alive: frozenset[str] = self.client.sync(
-                answering, workers, timeout, **self.client.connection_args
+                answering, workers, timeout, callback_timeout=timeout + 1, **self.client.connection_args
             )
         except Exception:  # (the client's loop closing under it: nothing is known, so wait)
             return frozenset()
