@@ -1059,13 +1059,6 @@ class TrainingRun:
             else:
                 self._copy_journal()
             return
-        if unrestorable and job.mode == "async":
-            raise DataServerLostError(
-                f"data servers {unrestorable} of job {job.job_id} were lost with the replicas of their "
-                "shards; async mode cannot go back to a checkpoint in the same run yet "
-                "(docs/design/async.md): run the job again (it resumes from its checkpoint), or use "
-                "mode='sync'"
-            )
         if unrestorable:
             if not job.peer_replicas:
                 why = "the job has peer_replicas=False, so no copy of a shard was kept"
@@ -1225,6 +1218,14 @@ class TrainingRun:
         started afresh from it), and the coordinator to the record of that step (`Coordinator.rebuild`
         from the controller's copy). Without `checkpoint` on the job, fails naming the lost data servers."""
         job = self.job
+        if job.mode == "async":
+            # (The coordinator's loss too, with data server 0 and no replica of its shard: the shards stand
+            # at different versions, which the rebuild from a checkpoint does not handle yet.)
+            raise DataServerLostError(
+                f"{why}; async mode cannot go back to a checkpoint in the same run yet "
+                "(docs/design/async.md): run the job again (it resumes from its checkpoint), or use "
+                "mode='sync'"
+            )
         found = self.persistence.fallback()
         if found is None:
             raise DataServerLostError(

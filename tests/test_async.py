@@ -26,7 +26,7 @@ from prefect_elastic.channel import Entry, Frame
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
 from prefect_elastic.coordinator_state import CoordinatorState
 from prefect_elastic.data_server import DataServer, plan_shards
-from prefect_elastic.errors import FatalError, StaleGenerationError
+from prefect_elastic.errors import DataServerLostError, FatalError, StaleGenerationError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -772,6 +772,28 @@ def test_the_coordinators_worker_of_an_async_job_killed_mid_run_is_rebuilt_on_an
         <= 1.5 * tail_loss(reference(make_job(digits_url, model="tests.models:gated_slow_mlp", epochs=3)))
         + 0.1
     )
+
+
+@pytest.mark.cluster
+@pytest.mark.heavy  # (a fault run: in .ci/run's second stage, to keep the main suite short)
+@pytest.mark.timeout(240)
+def test_an_async_coordinator_lost_with_the_only_copy_of_its_shard_ends_the_job_saying_why(
+    digits_url: str, tmp_path: Path
+) -> None:
+    """SIGKILL of the coordinator's static worker (data server 0 beside it) in an async job that keeps no
+    peer replicas: no live shard holds a copy of data server 0, and async mode cannot go back to its
+    checkpoint in the same run (the shards stand at different versions), so the job ends with a
+    `DataServerLostError` that says what to do, not with a rebuild from the checkpoint."""
+    with LocalElasticCluster(static_workers=3, elastic_workers=1) as cluster:
+        job = async_job(
+            digits_url, job_id="async-no-replicas", peer_replicas=False, epochs=4,
+            checkpoint=f"file://{tmp_path}/checkpoints", checkpoint_every=1, liveness_interval=0.2,
+        )  # fmt: skip
+        faults = FaultSchedule().kill_coordinator(at_step=30)
+        with pytest.raises(DataServerLostError, match="async mode cannot go back to a checkpoint") as failed:
+            train(job, cluster=cluster, faults=faults)
+    assert [r.kind for r in faults.log] == ["kill"]
+    assert faults.log[0].target in str(failed.value) and "run the job again" in str(failed.value)
 
 
 @pytest.mark.parametrize("role", ["data-server", "coordinator"])
