@@ -610,8 +610,8 @@ async def answering(addresses: Iterable[str], timeout: float, **connection_args:
     the others from one still there (`survival.wait_for_losses`). A frozen (SIGSTOPped) worker, one whose
     host lost power or is cut off, does not answer either: the caller then waits as if it were dying.
     One try each (Dask's `connect` retries a refused connection until its timeout), its connection closed
-    whatever happens; nothing is sent after the handshake. A worker logs a line for each connection that
-    ends before its handshake (a dying or frozen one logs nothing, a live one answers it)."""
+    whatever happens; nothing is sent after the handshake, and a live worker logs nothing for it. A live
+    worker on the same machine answered in 0.7 to 2 ms (2026-11-28)."""
 
     async def one(address: str) -> str | None:
         comm = None

@@ -814,6 +814,8 @@ class TrainingRun:
     def _members_answering(self, workers: set[str], timeout: float) -> frozenset[str]:
         """The workers among `workers` whose process answers a connection within `timeout` seconds
         (`connect.answering`); none if asking fails."""
+        if not workers:
+            return frozenset()
         try:
             alive: frozenset[str] = self.client.sync(
                 answering, workers, timeout, callback_timeout=timeout + 1, **self.client.connection_args
@@ -886,7 +888,7 @@ class TrainingRun:
                     loss_since = now
                 lost_for = now - (loss_since or now)
                 alive = (
-                    # (Only while a loss waits: each member still listed is asked, a few milliseconds.)
+                    # (Only while a loss waits: each member still listed is asked, about a millisecond.)
                     self._members_answering(set(known) & set(view.live), LOSS_GROUP_SECONDS - lost_for)
                     if loss_since is not None and lost_for < LOSS_GROUP_SECONDS
                     else frozenset()
