@@ -28,7 +28,7 @@ from functools import partial
 from typing import Any
 
 from .channel import ChannelAddress
-from .coordinator_state import CoordinatorState, Failure
+from .coordinator_state import CoordinatorState, Failure, rebuild_applied_from
 from .errors import FatalError, RecoverableError
 from .messages import (
     EventKind,
@@ -171,9 +171,10 @@ class Coordinator:
                     generation = (
                         max([journal.generation, state.generation, *(s.generation for s in seen)]) + 1
                     )
-                    # Async mode: with the ids each applied that the copy has not committed, recorded or
-                    # not (a shard promoted since the copy has no record of what its snapshot holds).
-                    applied_from = journal.first_open_batch() if state.mode == "async" else None
+                    # Async mode: with the ids each applied, recorded or not (a shard promoted since the
+                    # copy has no record of what its snapshot holds), from those the copy has not
+                    # committed or committed after its snapshot (a promotion may have retracted those).
+                    applied_from = rebuild_applied_from(journal) if state.mode == "async" else None
                     fenced: list[ShardStatus] = await self._on_shards(
                         partial(_fence, generation=generation, applied_from=applied_from)
                     )

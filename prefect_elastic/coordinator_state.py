@@ -61,6 +61,16 @@ class Reconciliation:
     consistent: bool  # the shards were at one version
 
 
+def rebuild_applied_from(journal: Journal) -> int:
+    """Async mode: the lowest batch id a rebuilt coordinator's fence asks every shard about (the ids each
+    applied from there on, recorded or not: `ShardStatus.applied`). The copy's lowest open id, or lower,
+    the lowest id the copy committed after its snapshot: a shard promoted after the copy was taken holds
+    its snapshot alone, and its promotion retracted those commits, a change the copy never saw
+    (`CoordinatorState._rebuild_async` keeps only the ones every live shard holds)."""
+    after = [e.batch_id for e in journal.entries if e.step >= journal.snapshot_step]
+    return min([journal.first_open_batch(), *after])
+
+
 class CoordinatorState:
     def __init__(
         self,
@@ -821,13 +831,19 @@ class CoordinatorState:
         controller's copy of its record and from the live shards, fenced into `generation` with every
         record of what each applied. Nothing goes back on the live shards (async mode never rolls back):
 
-        - the ledger is the copy's (every batch id in it was applied by every shard);
-        - what each live shard applied beyond it waits there for the others (`_applied`), and commits
-          once every shard has it; a batch id some shard lacks is trained again (the shards that have
-          it answer "duplicate"). What a shard applied is its records and the ids its fence names
-          (`ShardStatus.applied`): a shard promoted since the copy holds its snapshot's applies unrecorded;
-        - a shard lost with the coordinator waits for a standby, which takes its peer's replica of its
-          last snapshot (`snapshot_versions`), and `_rejoin_async` retracts what it lacks."""
+        - the ledger is the copy's up to its snapshot (every shard holds those applies), then, in the
+          copy's order, each of its later commits that every live shard holds. A shard promoted after the
+          copy was taken holds its snapshot alone, and the promotion retracted the commits it lacks, a
+          change the copy never saw: kept, such an id would stay committed while that shard never applies
+          its gradient. It is retracted again here, as `_rejoin_async` does: it waits for the shards that
+          lack it, trained again (the shards that have it answer "duplicate");
+        - what each live shard applied beyond that waits there for the others (`_applied`), and commits
+          once every shard has it. What a shard applied is its records and the ids its fence names
+          (`ShardStatus.applied`, from `rebuild_applied_from`): a shard promoted since the copy holds its
+          snapshot's applies unrecorded;
+        - a shard lost with the coordinator counts as holding the copy's commits; it waits for a standby,
+          which takes its peer's replica of its last snapshot (`snapshot_versions`), and `_rejoin_async`
+          retracts what it lacks."""
         live = {s.index: s for s in fenced}
         versions: list[int] = []
         for i in range(self.shards):
@@ -842,20 +858,42 @@ class CoordinatorState:
                         "holds a replica of its snapshot"
                     )
             versions.append(max(held, default=0))
+        first = min(journal.snapshot_step, journal.committed_steps)
         self.ledger = Ledger()
-        self.ledger.restore(journal.entries, journal.committed_steps)
-        self.ledger.snapshot_step = min(journal.snapshot_step, journal.committed_steps)
-        self.history = list(journal.history)
-        self.commit_times = list(journal.commit_times)
+        self.ledger.restore([e for e in journal.entries if e.step < first], first)
+        self.history = journal.history[:first]
+        self.commit_times = journal.commit_times[:first]
         self.snapshot_versions = tuple(versions)
         self.generation = generation
         self.members = ()
         self.suspended = True
         self.lost = lost
         self.versions = {s.index: s.version for s in fenced}
+        self.events = list(journal.events)
         self._leases.clear()
         self._applied.clear()
         self._seen = dict.fromkeys(range(self.shards), 0)
+        # What each live shard holds of the copy's commits after its snapshot (every such id is at or
+        # above the fence's `rebuild_applied_from`, so `applied` names each one it holds).
+        holds = {s.index: {*s.applied, *(b for r in s.records for b in r.batch_ids)} for s in fenced}
+        lacked = 0
+        after = sorted((e for e in journal.entries if e.step >= first), key=lambda e: e.step)
+        for entry in after:
+            b, at = entry.batch_id, entry.step
+            loss, when = journal.history[at], journal.commit_times[at]
+            holders = [j for j in range(self.shards) if j in lost or b in holds[j]]
+            if len(holders) == self.shards:
+                self.ledger.commit([b], self.ledger.committed_steps, entry.generation, {b: entry.worker},
+                                   staleness=entry.staleness)  # fmt: skip
+                self.history.append(loss)
+                self.commit_times.append(when)
+                continue
+            lacked += 1
+            record = StepRecord(
+                at, entry.generation, (b,), {b: entry.worker}, {b: loss}, when, -1, entry.staleness
+            )
+            for j in holders:
+                self._applied.setdefault(b, {})[j] = record
         for status in fenced:
             self._absorb_async(status.index, status)
         for status in fenced:
@@ -865,17 +903,23 @@ class CoordinatorState:
             self._applied_unrecorded(status.index, status.applied)
         self._commit_applied()  # what every shard applied (none lost)
         self._queue = [b for b in range(self.schedule.total_batches) if b not in self.ledger]
-        self.events = list(journal.events)
         self.counters = {**self.counters, **journal.counters}
         self.counters["coordinator_rebuilds"] += 1
         self._journaled = 0
         self.copied = 0
+        kept = journal.committed_steps - lacked
         return self.record(
             EventKind.COORDINATOR_REBUILT,
+            steps_lost=lacked,
             reason=(
                 f"the coordinator rebuilt on {where} ({reason}); async: the ledger of the controller's copy "
-                f"({journal.committed_steps} batch ids) and what every live shard applied since "
-                f"({self.ledger.committed_steps - journal.committed_steps} more)"
+                f"({journal.committed_steps} batch ids"
+                + (
+                    f", less {lacked} batch ids a live shard lacks, retracted by a promotion after the copy"
+                    if lacked
+                    else ""
+                )
+                + f") and what every live shard applied since ({self.ledger.committed_steps - kept} more)"
                 + (f"; data servers {sorted(lost)} lost with it" if lost else "")
             ),
             now=now,

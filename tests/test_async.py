@@ -24,7 +24,7 @@ from prefect_elastic import (
 )
 from prefect_elastic.channel import Entry, Frame
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
-from prefect_elastic.coordinator_state import CoordinatorState
+from prefect_elastic.coordinator_state import CoordinatorState, rebuild_applied_from
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.errors import DataServerLostError, FatalError, StaleGenerationError
 from prefect_elastic.local import slow
@@ -258,6 +258,89 @@ def test_a_rebuilt_coordinator_counts_the_applies_a_promoted_shard_holds_unrecor
     assert sorted(e.step for e in state.ledger.entries()) == [0, 1, 2, 3], "each committed once"
     admit(state, {"a"})
     assert state.lease("a", state.generation, 4) == [4, 5, 6, 7], "nothing applied everywhere is leased"
+
+
+def promoted_after_the_copy() -> tuple[CoordinatorState, Journal]:
+    """Both shards applied 0 and 1 before a snapshot, then 2 and 3 (committed), and the controller copied
+    the record (0 to 3). Then shard 1's worker died: its standby took the snapshot (0 and 1), and the
+    promotion retracted 2 and 3 from the ledger, a change the copy never saw."""
+    old = new_state("rollback")
+    old.channels = (("127.0.0.1", 1), ("127.0.0.1", 2))
+    admit(old, {"a"})
+    gen = old.generation
+    old.lease("a", gen, 4)
+    old.absorb(applied(0, gen, (0, "a", 0), (1, "a", 0)))
+    old.absorb(applied(1, gen, (0, "a", 0), (1, "a", 0)))
+    old.pause(gen + 1)
+    old.snapshot_async((2, 2), now=3.0, seconds=0.1)
+    gen = old.generation
+    old.absorb(applied(0, gen, (0, "a", 0), (1, "a", 0), (2, "a", 0), (3, "a", 0)))
+    old.absorb(applied(1, gen, (0, "a", 0), (1, "a", 0), (2, "a", 0), (3, "a", 0)))
+    journal = Journal()
+    journal.extend(old.journal(0, 0))
+    assert [e.batch_id for e in journal.entries] == [0, 1, 2, 3] and journal.snapshot_step == 2
+    old.lose_shard(1, gen + 1, "its worker died", now=4.0)
+    old.promote_shard(
+        1, "standby", gen + 2, ("127.0.0.1", 3), now=5.0, began=4.5, applied=frozenset({0, 1}), version=2
+    )
+    assert [e.batch_id for e in old.ledger.entries()] == [0, 1], "2 and 3 are not on shard 1 any more"
+    return old, journal
+
+
+def test_a_rebuilt_coordinator_retracts_what_a_shard_promoted_after_the_copy_lacks() -> None:
+    """The coordinator dies after a promotion and before the controller's next copy of its record: the
+    copy still holds 2 and 3, which the promoted shard 1 never applied. Its fence (asked from the lowest
+    id committed after the copy's snapshot) names what it holds; 2 and 3 leave the ledger, are trained
+    again, and commit once shard 1 applied them: no gradient of them is missing on shard 1."""
+    old, journal = promoted_after_the_copy()
+    assert rebuild_applied_from(journal) == 2, "from the lowest id committed after the copy's snapshot"
+    shard_0 = applied(0, 9, (0, "a", 0), (1, "a", 0), (2, "a", 0), (3, "a", 0))
+    fenced = [
+        replace(shard_0, snapshots=(SnapshotInfo(2, 3.0, 0.1),), applied=(2, 3)),
+        ShardStatus(1, 9, 2, (), (SnapshotInfo(2, 3.0, 0.1),), 0, 0, applied=()),
+    ]
+    state = new_state("rollback")
+    state.channels = old.channels
+    event = state.rebuild(journal, fenced, [], 9, "static-1", "its worker died", now=6.0, began=5.5)
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 1], "shard 1 never applied 2 and 3"
+    assert event.steps_lost == 2 and "2 batch ids a live shard lacks" in event.reason
+    admit(state, {"a"})
+    assert state.lease("a", state.generation, 3) == [2, 3, 4], "what shard 1 lacks is trained again"
+    # Shard 0 answers "duplicate"; shard 1 applies 2 and 3: each commits once, with shard 0's loss.
+    state.absorb(ShardStatus(1, state.generation, 4, tuple(
+        StepRecord(v, state.generation, (v,), {v: "a"}, {v: v + 0.5}, 120.0 + v, v, 0) for v in (2, 3)
+    ), (), 0, 0))  # fmt: skip
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 1, 2, 3]
+    assert sorted(e.step for e in state.ledger.entries()) == [0, 1, 2, 3], "each committed once"
+
+
+def test_a_rebuilt_coordinator_keeps_the_copys_commits_every_live_shard_holds() -> None:
+    """The same record, with the coordinator lost together with shard 0 (a live shard 1 that holds 2 and
+    3 keeps them committed until shard 0's own promotion settles what it lacks)."""
+    old, journal = promoted_after_the_copy()
+    # Shard 1 lacks 2 and 3; shard 0 died with the coordinator: its replica (on shard 1) holds 0 and 1.
+    fenced = [ShardStatus(1, 9, 2, (), (SnapshotInfo(2, 3.0, 0.1),), 0, 0, replicas=(2,), applied=())]
+    state = new_state("rollback")
+    state.channels = old.channels
+    state.rebuild(journal, fenced, [0], 9, "static-1", "its worker died", now=6.0, began=5.5)
+    assert [e.batch_id for e in state.ledger.entries()] == [0, 1], "the live shard 1 lacks 2 and 3"
+    state.promote_shard(
+        0, "standby", 10, ("127.0.0.1", 4), now=7.0, began=6.5, applied=frozenset({0, 1}), version=2
+    )
+    admit(state, {"a"})
+    assert state.lease("a", state.generation, 3) == [2, 3, 4]
+    for i in (0, 1):
+        state.absorb(ShardStatus(i, state.generation, 4, tuple(
+            StepRecord(v, state.generation, (v,), {v: "a"}, {v: v + 0.5}, 120.0 + v, v, 0) for v in (2, 3)
+        ), (), 0, 0))  # fmt: skip
+        assert [e.batch_id for e in state.ledger.entries()] == ([0, 1] if i == 0 else [0, 1, 2, 3])
+
+    # Had shard 1 held 2 and 3 (nothing retracted), the copy's commits stand as they are.
+    keeps = new_state("rollback")
+    keeps.channels = old.channels
+    holding = [replace(fenced[0], version=4, applied=(2, 3))]
+    keeps.rebuild(journal, holding, [0], 9, "static-1", "its worker died", now=6.0, began=5.5)
+    assert [(e.batch_id, e.step) for e in keeps.ledger.entries()] == [(0, 0), (1, 1), (2, 2), (3, 3)]
 
 
 def test_async_mode_asks_for_no_snapshot_mid_run() -> None:
