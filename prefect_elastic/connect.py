@@ -439,6 +439,23 @@ def scheduler_view_of_workers(dask_scheduler: Any, silent_heartbeats: float) -> 
     return {"workers": rows, "graceful": sorted(graceful_leaves(dask_scheduler))}
 
 
+# What a worker imports before it takes a role (`load_engine`): torch and the step path.
+ENGINE_MODULES = ("prefect_elastic.compute", "prefect_elastic.data_server")
+
+
+def load_engine(modules: tuple[str, ...] = ENGINE_MODULES) -> None:
+    """Runs as a task on a worker before it takes a role: imports the engine (torch and the step path) in
+    the worker's task thread.
+
+    A task's arguments are unpickled on the worker's event loop, so the first compute loop or data server
+    sent to a worker that has not imported torch yet imports it there, and the worker sends no heartbeat
+    for as long (3 to 4 s on this machine): a plain `dask worker` (no preload) was taken for lost at the
+    start of every run. Here the import runs in a thread, while the loop keeps answering; this function and
+    its argument are plain names, so unpickling them imports nothing heavy (this module is torch-free)."""
+    for name in modules:
+        importlib.import_module(name)
+
+
 def has_plugin(dask_scheduler: Any, name: str) -> bool:
     return name in dask_scheduler.plugins
 

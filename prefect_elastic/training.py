@@ -11,6 +11,7 @@ The Prefect flow (a later layer) calls this; users may call it directly.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -43,6 +44,7 @@ from .connect import (
     answering,
     has_plugin,
     is_static_worker,
+    load_engine,
     scheduler_view_of_workers,
 )
 from .coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator, ShardUnreachable, actor_key
@@ -518,6 +520,9 @@ class TrainingRun:
         self._loop_serial = 0  # numbers the compute loops' task keys
         self.loop_failures = 0  # compute loops that ended with an error (and were started again)
         self.coordinator_future: Future | None = None
+        # Per worker, the task that imports the engine there before it takes a role (`load_engine`): a
+        # worker is a member, or a data server's home, only once it has.
+        self.engine: dict[str, Future] = {}
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -525,9 +530,15 @@ class TrainingRun:
         """Register the job id, start the data servers and the coordinator, watch the scheduler."""
         self.started = time.monotonic()
         self._register()
-        self.coordinator, self.shards, self.plan = self._start_servers()
+        # Watched from the start: a static worker lost while the servers start is a start to try again.
         self.client.subscribe_topic("all", self._on_scheduler_event)
         self.client.subscribe_topic(WORKER_EVENTS_TOPIC, self._on_scheduler_event)
+        elastic = self._workers_view().listed  # (their engine loads while the servers start)
+        self.coordinator, self.shards, self.plan = self._start_servers()
+        # The compute workers there from the start are its first members, not joins a moment later.
+        for where in sorted(elastic):
+            with contextlib.suppress(Exception):  # (gone, or failed: the membership tells, as for any)
+                self._wait_unless_left(self._load_engine(where), where, self.job.call_timeout, elastic=True)
         self._copy_journal()
         job = self.job
         if job.mode == "async":
@@ -714,7 +725,13 @@ class TrainingRun:
         # Read on the scheduler, not from `Client.scheduler_info()`: the client's periodic refresh of that
         # cache (which carries no workers) can land between its fetch and its return.
         view = self.client.run_on_scheduler(scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
-        static = [r for r in view["workers"] if is_static_worker(r, self.job.static_resource)]
+        static = [
+            r
+            for r in view["workers"]
+            if is_static_worker(r, self.job.static_resource)
+            and r["status"] in ("running", "paused")
+            and r["address"] not in self.left
+        ]
         if not static:
             raise FatalError(
                 f"no static workers on the cluster: start some with "
@@ -734,12 +751,51 @@ class TrainingRun:
             self.actor_futures.append(self._submit_data_server(i, self.placement[i], start))
         self.coordinator_future = self._submit_coordinator(self.coordinator_at, self.persistence.resume())
         # Reading a partition may take a while on a big dataset; the wait is still bounded.
-        shards = [settled_result(f, self._startup_timeout()) for f in self.actor_futures]
-        coordinator = controller_handle(settled_result(self.coordinator_future, self._startup_timeout()))
+        slow = self._startup_timeout()
+        shards = [
+            self._wait_unless_left(f, self.placement[i], slow, heard=False)
+            for i, f in enumerate(self.actor_futures)
+        ]
+        coordinator = controller_handle(
+            self._wait_unless_left(self.coordinator_future, self.coordinator_at, slow, heard=False)
+        )
         # The step path's own connections (channel.py): compute loops reach each shard there.
-        self.channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
-        coordinator.attach(shards, self.channels).result(timeout=job.call_timeout)
+        self.channels = [
+            self._wait_unless_left(s.open_channel(), self.placement[i], job.call_timeout, heard=False)
+            for i, s in enumerate(shards)
+        ]
+        self._wait_unless_left(
+            coordinator.attach(shards, self.channels), self.coordinator_at, job.call_timeout, heard=False
+        )
         return coordinator, shards, plan
+
+    def _abandon_start(self) -> None:
+        """Drop what a start that lost a static worker made: its actors (on the workers left) and places."""
+        futures = [*self.actor_futures, *([self.coordinator_future] if self.coordinator_future else [])]
+        with contextlib.suppress(Exception):
+            self.client.cancel(futures)
+        self.actor_futures.clear()
+        self.coordinator_future = None
+        self.placement = []
+        self.coordinator_at = ""
+
+    def _load_engine(self, where: str) -> Future:
+        """The task that imports the engine on the worker `where` (`connect.load_engine`), started once."""
+        future = self.engine.get(where)
+        if future is None:
+            self._loop_serial += 1
+            future = self.engine[where] = self.client.submit(
+                load_engine, workers=[where], allow_other_workers=False, pure=False,
+                key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-load-{where}-{self._loop_serial}",
+            )  # fmt: skip
+            # Its end may make a member: look at once, not at the next poll.
+            future.add_done_callback(lambda _: self._check_soon())
+        return future
+
+    def _engine_loaded(self, workers: Iterable[str]) -> set[str]:
+        """Of `workers`, those that imported the engine; it starts loading on the others. (A load that
+        failed counts as loaded: the role it was for fails there, and says why, as it would have.)"""
+        return {w for w in workers if self._load_engine(w).done()}
 
     def _submit_coordinator(self, where: str, resume: Resume | None) -> Future:
         job = self.job
@@ -780,8 +836,8 @@ class TrainingRun:
         else:
             applied = start.applied
             version = start.version
-            tensors = self.client.scatter(
-                [start.params, start.buffers, start.optimizer_state], workers=[where], hash=False
+            tensors = self.client.sync(
+                self._scatter_unless_left, [start.params, start.buffers, start.optimizer_state], where
             )
         self._placed_on(where)
         return self.client.submit(
@@ -790,6 +846,19 @@ class TrainingRun:
             key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",
             pure=False,
         )  # fmt: skip
+
+    async def _scatter_unless_left(self, data: list[Any], where: str) -> list[Future]:
+        """`data` scattered to the worker `where`, unless it leaves first: a scatter to a worker that died
+        waits for Dask's connect timeout (30 s) before it fails."""
+        scatter = asyncio.ensure_future(self.client._scatter(data, workers=[where], hash=False))
+        while True:
+            done, _ = await asyncio.wait([scatter], timeout=WATCH_WHILE_CALLING_SECONDS)
+            if done:
+                futures: list[Future] = scatter.result()
+                return futures
+            if where in self.left:
+                scatter.cancel()
+                raise StaticWorkerLeft(where)
 
     # -- supervision -----------------------------------------------------------------------------
 
@@ -956,7 +1025,7 @@ class TrainingRun:
         """Check that every role's static worker is still there; give a lost data server's role to a
         standby. A lost coordinator raises `CoordinatorLost`, which `supervise` answers by rebuilding it."""
         self.standbys = standbys([w for w in view.static if w not in self.leaving], self.placement)
-        for worker in self.standbys:
+        for worker in self._engine_loaded(self.standbys):
             if worker not in self.warmed:
                 # Fire and forget: a standby promoted before it finished is only slower to start.
                 self.warmed[worker] = self.client.submit(
@@ -1179,6 +1248,7 @@ class TrainingRun:
             future: Future | None = None
             watched = standby  # the worker whose loss would explain a broken call
             try:
+                self._wait_unless_left(self._load_engine(standby), standby, self._startup_timeout())
                 future = self._submit_data_server(index, standby, start, version)
                 shard: ShardHandle = self._wait_unless_left(future, standby, self._startup_timeout())
                 started = time.monotonic() - clock
@@ -1330,9 +1400,14 @@ class TrainingRun:
                     f"its static worker {self.coordinator_at} was lost ({type(exc).__name__}: {exc})"
                 ) from exc
 
-    def _wait_unless_left(self, future: Any, worker: str, timeout: float) -> Any:
-        """`future`'s result, unless the static worker `worker` (which the call depends on) leaves first:
-        a call to a dead worker waits for Dask's connect timeout."""
+    def _wait_unless_left(
+        self, future: Any, worker: str, timeout: float, elastic: bool = False, heard: bool = True
+    ) -> Any:
+        """`future`'s result, unless the static worker `worker` (an elastic one with `elastic`), which the
+        call depends on, leaves first: a call to a dead worker waits for Dask's connect timeout. With
+        `heard`, a static worker the scheduler has not heard from lately has left too (a promotion must not
+        wait on a frozen standby); without, only one the scheduler no longer lists (at the start, a worker
+        busy with its first import is silent for a moment)."""
         deadline = time.monotonic() + timeout
         next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
         while True:
@@ -1345,7 +1420,7 @@ class TrainingRun:
                     raise StaticWorkerLeft(worker) from None
                 if now >= next_look:
                     next_look = now + WATCH_WHILE_CALLING_SECONDS
-                    if worker not in self._workers_view().static:
+                    if not self._listed(worker, elastic, heard):
                         raise StaticWorkerLeft(worker) from None
                 if now >= deadline:
                     raise
@@ -1354,15 +1429,23 @@ class TrainingRun:
             except Exception as exc:
                 # The call broke: if `worker` is gone, that is why (the error itself may be any of
                 # Dask's: a closed comm, an actor whose worker was lost, one from a worker in its death).
-                if self._leaves_soon(worker, LEAVING_GRACE_SECONDS):
+                if not elastic and self._leaves_soon(worker, LEAVING_GRACE_SECONDS, heard):
                     raise StaticWorkerLeft(worker) from exc
                 raise
 
-    def _leaves_soon(self, worker: str, grace: float) -> bool:
+    def _listed(self, worker: str, elastic: bool = False, heard: bool = True) -> bool:
+        """Whether `worker` is still there: an elastic one listed by the scheduler; a static one listed and
+        (with `heard`) heard from lately."""
+        view = self._workers_view()
+        if elastic:
+            return worker in view.listed
+        return worker in view.static or (not heard and worker in view.silent_static)
+
+    def _leaves_soon(self, worker: str, grace: float, heard: bool = True) -> bool:
         """Whether the static worker `worker` is gone, or goes within `grace` seconds."""
         deadline = time.monotonic() + grace
         while True:
-            if worker in self.left or worker not in self._workers_view().static:
+            if worker in self.left or not self._listed(worker, heard=heard):
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -1542,12 +1625,19 @@ class TrainingRun:
         silent_after = max(self.job.liveness_interval, 0.0)
         view = self.client.run_on_scheduler(scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
         rows = view["workers"]
+        listed = {r["address"] for r in rows}
+        for gone in [w for w in self.engine if w not in listed]:
+            del self.engine[gone]
         elastic = [r for r in rows if not is_static_worker(r, self.job.static_resource)]
-        live = sorted(
+        running = [
             r["address"]
             for r in elastic
             if r["status"] in ("running", "paused") and r["silent"] <= max(silent_after, r["silent_limit"])
-        )
+        ]
+        # A worker that has not imported the engine yet is still starting: the import would otherwise
+        # happen on its event loop, which would send no heartbeat meanwhile (`connect.load_engine`).
+        loaded = self._engine_loaded(running)
+        live = sorted(a for a in running if a in loaded)
         # A static worker asked to retire is "closing_gracefully" while the scheduler tries (and refuses:
         # it holds an actor), then "running" again: it is still there, and its roles are handed over.
         static = [
@@ -1583,7 +1673,7 @@ class TrainingRun:
         pending = len(set(map(str, requested)) - {str(r["name"]) for r in rows}) if requested else 0
         return WorkersView(
             live=live,
-            starting=any(r["status"] == "init" for r in elastic),
+            starting=any(r["status"] == "init" for r in elastic) or len(loaded) < len(running),
             pending=pending,
             listed={r["address"] for r in elastic},
             static=tuple(r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))),
@@ -1674,6 +1764,7 @@ class TrainingRun:
             loop.cancel()
         self.loops.clear()
         self.warmed.clear()
+        self.engine.clear()
         for shard in self.shards:
             with contextlib.suppress(Exception):
                 shard.close_channel().result(timeout=5)

@@ -1,0 +1,116 @@
+"""A Dask cluster started as a user starts one: `dask scheduler` and `dask worker` from the command line.
+
+No preload, no harness settings (`LocalElasticCluster` preloads the engine and tunes the workers, which can
+hide what a user meets): a scheduler on 127.0.0.1, static workers with `--resources static=1`, elastic
+workers with nothing but `--nthreads 1`, each its own process group, killed with real signals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+from distributed import Client
+
+DASK = str(Path(sys.executable).with_name("dask"))
+
+
+class CliCluster:
+    """`dask scheduler` and `dask worker` processes; `with CliCluster(static=2, elastic=2) as c: c.address`."""
+
+    def __init__(self, static: int = 2, elastic: int = 2, nanny: bool = False) -> None:
+        self.nanny = nanny
+        self.folder = Path(tempfile.mkdtemp(prefix="prefect-elastic-cli-"))
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}  # by worker name ("scheduler" too)
+        self.address = ""
+        self._wanted = (static, elastic)
+
+    def __enter__(self) -> CliCluster:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: tuple[type[BaseException], BaseException, TracebackType] | None) -> None:
+        self.close()
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.folder / f"{name}.log", "wb")  # noqa: SIM115  (the process keeps it)
+        # The tests' signal files and PYTHONPATH reach the workers through the environment, as a user's do.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        proc = subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def _start(self) -> None:
+        file = self.folder / "scheduler.json"
+        self._spawn(
+            "scheduler",
+            ["scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard", "--scheduler-file", str(file)],
+        )
+        deadline = time.monotonic() + 60
+        while not file.exists() or not file.read_text().strip():
+            if time.monotonic() > deadline or self.procs["scheduler"].poll() is not None:
+                raise RuntimeError(f"dask scheduler did not start: {self.log('scheduler')[-2000:]}")
+            time.sleep(0.1)
+        self.address = json.loads(file.read_text())["address"]
+        static, elastic = self._wanted
+        for i in range(static):
+            self.add_worker(f"static-{i}", static=True, wait=False)
+        for i in range(elastic):
+            self.add_worker(f"elastic-{i}", wait=False)
+        self.wait_for_workers(static + elastic)
+
+    def add_worker(self, name: str, static: bool = False, wait: bool = True) -> None:
+        args = ["worker", self.address, "--name", name, "--nthreads", "1", "--no-dashboard"]
+        args += ["--nanny"] if self.nanny else ["--no-nanny"]
+        if static:
+            args += ["--resources", "static=1"]
+        self._spawn(name, args)
+        if wait:
+            self.wait_for_workers(len(self.names()) + 1)
+
+    def client(self) -> Client:
+        return Client(self.address, set_as_default=False, timeout=30)
+
+    def workers(self) -> dict[str, str]:
+        """Worker name -> address, as the scheduler lists them."""
+        with self.client() as client:
+            info = client.scheduler_info(n_workers=-1)["workers"]
+        return {str(w["name"]): address for address, w in info.items()}
+
+    def names(self) -> list[str]:
+        return sorted(self.workers())
+
+    def wait_for_workers(self, n: int, timeout: float = 120.0) -> None:
+        with self.client() as client:
+            client.wait_for_workers(n, timeout=timeout)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal the worker `name`'s whole process group (its nanny too, if it has one)."""
+        os.killpg(self.procs[name].pid, sig)
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text(errors="replace")
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
