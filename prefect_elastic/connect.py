@@ -29,9 +29,12 @@ import copy
 import importlib
 import logging
 import os
+import signal
+import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import dask.config
@@ -662,12 +665,44 @@ class Connection:
     resubmit: Resubmit | None = None  # replaces the jobs of a cluster made here that ended
 
 
+# One cluster class import at a time: each swaps `signal.signal` while it runs (`import_keeping_signals`).
+_SIGNALS_SWAPPED = threading.Lock()
+
+
+def import_keeping_signals(module: str) -> ModuleType:
+    """Import `module` (a cluster class's) without letting the import install signal handlers.
+
+    `dask_jobqueue.SLURMCluster` imports `dask_jobqueue.runner`, which calls `signal.signal(SIGINT,
+    lambda *_: sys.exit())` as it is imported: from any thread but the main one that raises ValueError
+    ("signal only works in main thread of the main interpreter"), and a flow called from a thread could not
+    import its cluster class; on the main thread it silently replaced the caller's Ctrl-C handler (a
+    flow's, Prefect's, the user's) with `sys.exit`. While the module imports, `signal.signal` called from
+    the importing thread changes nothing (it answers with the handler in place); from any other thread it
+    goes through as always. (That handler serves dask-jobqueue's runners, which run as the batch script
+    itself; a cluster class made here never uses it.)"""
+    original = signal.signal
+    importing = threading.get_ident()
+
+    def keep(signalnum: int, handler: Callable[..., Any] | int | None) -> Any:
+        if threading.get_ident() != importing:
+            return original(signalnum, handler)
+        log.debug("importing %s: left the handler of signal %s as it was", module, signalnum)
+        return signal.getsignal(signalnum)
+
+    with _SIGNALS_SWAPPED:
+        signal.signal = keep
+        try:
+            return importlib.import_module(module)
+        finally:
+            signal.signal = original
+
+
 def resolve_cluster_class(spec: str | type) -> type:
     if not isinstance(spec, str):
         return spec
     module, _, name = spec.replace(":", ".").rpartition(".")
     try:
-        found: type = getattr(importlib.import_module(module), name)
+        found: type = getattr(import_keeping_signals(module), name)
         return found
     except (ImportError, AttributeError, ValueError) as exc:
         raise JobConfigError(

@@ -123,6 +123,35 @@ def test_nannies_hold_no_torch_after_a_job(cluster: LocalElasticCluster, digits_
 def test_bad_cluster_class_is_named() -> None:
     with pytest.raises(JobConfigError, match=r"no_such_module\.Cluster"):
         resolve_cluster_class("no_such_module.Cluster")
+
+
+# In a fresh process (dask_jobqueue not imported yet): the caller's own SIGINT handler, then
+# `resolve_cluster_class("dask_jobqueue.SLURMCluster")` from a thread or from the main thread.
+SLURM_CLASS_PROBE = """
+import signal, sys, threading
+from prefect_elastic.connect import resolve_cluster_class
+def callers(*_): pass
+signal.signal(signal.SIGINT, callers)
+found = []
+def resolve(): found.append(resolve_cluster_class("dask_jobqueue.SLURMCluster"))
+if sys.argv[1] == "thread":
+    thread = threading.Thread(target=resolve)
+    thread.start()
+    thread.join()
+else:
+    resolve()
+print(found[0].__name__, "dask_jobqueue.runner" in sys.modules, signal.getsignal(signal.SIGINT) is callers)
+"""
+
+
+@pytest.mark.parametrize("where", ["thread", "main"])
+def test_the_slurm_cluster_class_imports_from_any_thread_and_leaves_sigint_as_it_was(where: str) -> None:
+    """`dask_jobqueue.runner`, imported with `SLURMCluster`, installs a SIGINT handler as it is imported:
+    from a thread that failed ("signal only works in main thread"), and on the main thread it replaced the
+    caller's handler with `sys.exit`. Neither happens now."""
+    out = subprocess.run([sys.executable, "-c", SLURM_CLASS_PROBE, where], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["SLURMCluster", "True", "True"], "imported, runner too, SIGINT untouched"
     with (
         pytest.raises(JobConfigError, match="address"),
         connect("tcp://127.0.0.1:9", cluster_class="distributed.LocalCluster"),
