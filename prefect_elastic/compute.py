@@ -87,6 +87,9 @@ class LoopStats:
     batches: int = 0
     stale: int = 0
     call_errors: int = 0
+    # Of those, calls to a shard that waited out the call timeout (a shard that never answered: frozen, or
+    # cut off, and not told of as moved by `leave_links`).
+    timeouts: int = 0
     device: str = "cpu"
     # Seconds spent in each phase of the loop, summed over the run (see docs/benchmarks.md).
     phases: dict[str, float] = field(default_factory=dict)
@@ -278,6 +281,8 @@ def compute_loop(
     # the shards listen comes with each role (a data server promoted onto a standby listens elsewhere).
     shards: list[ShardLink] = []
     data: list[ShardLink] = []  # async mode: a second connection to every shard, for batches only
+    with _LOOPS_LOCK:
+        _LINKS.setdefault(job.job_id, []).extend([shards, data])
     try:
         with dask_profiler_paused(worker):
             if job.mode == "async":
@@ -286,6 +291,11 @@ def compute_loop(
                 )
             return _run(address, coordinator, shards, trainer, schedule, stats, hook, timeout, wanted)
     finally:
+        with _LOOPS_LOCK:
+            mine = _LINKS.get(job.job_id, [])
+            mine[:] = [links for links in mine if links is not shards and links is not data]
+            if not mine:
+                _LINKS.pop(job.job_id, None)
         for link in (*shards, *data):
             link.close()
 
@@ -293,6 +303,31 @@ def compute_loop(
 # Compute loops running in each worker of this process (by `id`): Dask's profiler is paused while any is.
 _LOOPS: dict[int, int] = {}
 _LOOPS_LOCK = threading.Lock()
+# The connections of the compute loops running in this process, by job id (each loop's lists, which it
+# changes in place as shards move): `leave_links` wakes a loop blocked on a shard whose role moved.
+_LINKS: dict[str, list[list[ShardLink]]] = {}
+
+
+def leave_links(job_id: str, channels: Sequence[Sequence[Any]]) -> int:
+    """Runs on a compute worker (`Client.run`, from the controller) once data servers' roles moved to
+    standbys: wakes every loop of `job_id` blocked on a connection to one of the old `channels`; it then
+    asks the coordinator for its role, which names where the shards listen now. Returns how many
+    connections it broke.
+
+    A frozen (or cut-off) static worker's kernel keeps its connections open, so a loop waiting for its
+    answer would wait out the call timeout (20 s by default) after its role had long moved; a killed one's
+    connections close by themselves."""
+    moved = {ChannelAddress(*channel) for channel in channels}
+    broken = 0
+    with _LOOPS_LOCK:
+        links = [link for loop in _LINKS.get(job_id, []) for link in loop]
+    for link in links:
+        if link.address in moved:
+            link.interrupt()
+            broken += 1
+    return broken
+
+
 _PROFILER_CALLBACKS = ("profile", "profile-cycle")
 
 
@@ -420,6 +455,7 @@ def _run(
             # reports it.
             ahead = None
             stats.call_errors += 1
+            stats.timeouts += isinstance(exc, TimeoutError)
             log.warning("compute %s: step %d failed (%s: %s)", address, step, type(exc).__name__, exc)
             if isinstance(exc, OSError):
                 # A shard's worker may be gone: the coordinator then suspends training until a standby

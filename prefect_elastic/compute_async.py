@@ -414,6 +414,7 @@ def run_async(
             # failed: start the generation's session again, after a pause that grows, for up to a call
             # timeout.
             stats.call_errors += 1
+            stats.timeouts += isinstance(exc, TimeoutError)
             log.warning("compute %s: async step failed (%s: %s)", address, type(exc).__name__, exc)
             if stats.steps > trained:
                 unreachable.clear()  # (as in sync mode: the failures since the last step count)

@@ -33,7 +33,7 @@ from distributed.security import Security
 
 from .channel import ChannelAddress
 from .checkpoint import Persistence, ShardStart
-from .compute import LoopStats, compute_loop
+from .compute import LoopStats, compute_loop, leave_links
 from .compute_async import MIN_LEASE
 from .connect import (
     WORKER_EVENTS_TOPIC,
@@ -111,6 +111,9 @@ SCHEDULER_POLL_SECONDS = 0.05  # how often the client's connection is looked at 
 # scheduler removes workers killed together a few milliseconds apart. Waited only while a member still
 # listed does not answer a connection (it may be dying too).
 LOSS_GROUP_SECONDS = 0.05
+# How long a static worker that holds a role and is silent to the scheduler is given to answer Dask's
+# handshake before it counts as silent (at most a liveness interval): a live one answers in milliseconds.
+SILENT_PROBE_SECONDS = 0.5
 # A compute loop that keeps failing on a live worker is restarted at most this many times.
 MAX_LOOP_RESTARTS = 5
 # How long the controller waits on a coordinator call between two looks at whether its worker is gone: a
@@ -358,11 +361,11 @@ def train(
                 return run.finish(run.supervise())
             except ElasticError:
                 raise
-            except Exception:
+            except Exception as exc:
                 # (Starting or finishing without a scheduler: Dask cancelled the job's futures.)
-                if client.status == "running":
-                    raise
-                raise run._scheduler_lost(0.0) from None
+                if client.status != "running":
+                    raise run._scheduler_lost(0.0) from None
+                raise run.unexpected(exc) from exc
             finally:
                 run.release()
 
@@ -507,6 +510,7 @@ class TrainingRun:
         # Static workers that answered a direct call while silent to the scheduler (`_answering`), and
         # when: the answer counts as a heartbeat.
         self._answered_at: dict[str, float] = {}
+        self._unanswered: set[str] = set()  # silent static workers that did not answer the handshake since
         self._promoting: tuple[int, str, str] | None = None  # the shard, standby and key being promoted
         self._kept: Counter[tuple[int, str]] = Counter()  # data servers (index, worker) kept by `_answering`
         # The controller's copy of the coordinator's record (ledger, history, events), taken after every
@@ -637,6 +641,21 @@ class TrainingRun:
             checkpoint=written,
         )
 
+    def unexpected(self, exc: BaseException) -> FatalError:
+        """The public error for a failure no other error names (one of Dask's, a bug): what `train()`
+        raises is always one of `errors.py`'s, and says where the job can go on from."""
+        written = self.persistence.last_written
+        then = (
+            f"run the job again: it resumes from the last checkpoint, {written}"
+            if written
+            else "run the job again (it has no checkpoint to resume from, so it starts over)"
+        )
+        return FatalError(
+            f"job {self.job.job_id} stopped at step {self.committed_seen} of {self.schedule.total_steps} "
+            f"on an unexpected {type(exc).__name__}: {exc}; {then}, and if it happens again, report it "
+            "with this message"
+        )
+
     def finish(self, progress: Progress) -> TrainResult:
         """Write the last checkpoint and collect the result; raise what ended a failed or stopped run."""
         coordinator, shards = self.coordinator, self.shards
@@ -741,11 +760,48 @@ class TrainingRun:
         return [r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))]
 
     def _start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
+        """Start the data servers and the coordinator on the static workers. Nothing is trained before they
+        all stand, so a static worker lost meanwhile costs nothing but the start: it is tried again on the
+        static workers left (a standby is one more of them), up to `START_TRIES` times."""
         job = self.job
         plan = plan_shards(self.persistence.initial, job.data_servers, job.min_shard_bytes)
-        static = self._static_workers()
+        tries = 0
+        while True:
+            static = self._static_workers()
+            for where in static:  # (a standby's engine loads too: it may be promoted soon)
+                self._load_engine(where)
+            try:
+                return self._start_servers_on(static, plan)
+            except Exception as exc:
+                gone = sorted(
+                    w
+                    for w in {*self.placement, self.coordinator_at} - {""}
+                    if self._leaves_soon(w, LEAVING_GRACE_SECONDS, heard=False)
+                )
+                if not gone:
+                    raise
+                self._abandon_start()
+                tries += 1
+                if tries >= START_TRIES:
+                    raise DataServerLostError(
+                        f"job {job.job_id} could not start: static workers were lost while its data servers "
+                        f"started, {tries} times (the last: {', '.join(gone)}); check why its static workers "
+                        "die, then run the job again"
+                    ) from exc
+                log.warning(
+                    "job %s: static worker %s lost while the data servers started (%s: %s); starting them "
+                    "again on the static workers left",
+                    job.job_id, ", ".join(gone), type(exc).__name__, exc,
+                )  # fmt: skip
+
+    def _start_servers_on(
+        self, static: list[str], plan: list[list[str]]
+    ) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
+        job = self.job
         self.placement = [static[i % len(static)] for i in range(len(plan))]
         self.coordinator_at = static[0]
+        for where in sorted(set(self.placement)):
+            self._wait_unless_left(self._load_engine(where), where, self._startup_timeout(), heard=False)
         for i, names in enumerate(plan):
             start = self.persistence.shard_start(i, names)
             self.actor_futures.append(self._submit_data_server(i, self.placement[i], start))
@@ -1172,8 +1228,10 @@ class TrainingRun:
             old, self.actor_futures[i] = self.actor_futures[i], future
             with contextlib.suppress(Exception):
                 self.client.cancel([old])
+            moved = self.channels[i]
             shards[i], self.channels[i], self.placement[i] = shard, channel, standby
             self._told_lost.discard(i)
+            self._leave_links([moved])
             log.warning(
                 "job %s: data server %d now on standby %s at step %d, %.2f s after it was lost (suspend "
                 "%.3f s, start %.3f s, copy from the peer %.3f s, promote %.3f s)",
@@ -1183,6 +1241,27 @@ class TrainingRun:
             suspended = 0.0
         self.standbys = tuple(w for w in self.standbys if w not in self.placement)
         self._copy_journal()
+
+    def _leave_links(self, channels: list[ChannelAddress]) -> None:
+        """Tell the compute loops to drop their connections to `channels`, where shards whose roles moved
+        listened (`compute.leave_links`): one blocked on a frozen static worker would wait a call timeout.
+        Not waited for: a member that does not answer has its own loop to wake, or none."""
+        members = sorted(a for a in self.known_live if a in self.loops)
+        if not members:
+            return
+
+        async def tell() -> None:
+            with contextlib.suppress(Exception):
+                await self.client._run(
+                    leave_links,
+                    self.job.job_id,
+                    [tuple(c) for c in channels],
+                    workers=members,
+                    on_error="return",
+                )
+
+        if self.client.loop is not None:
+            self.client.loop.add_callback(tell)
 
     def _keep(self, index: int) -> bool:
         """Data server `index`, taken for lost, answered (`_answering`): it keeps its role, every shard
@@ -1653,14 +1732,24 @@ class TrainingRun:
         # turn a pause into a job that fails after `min_workers_timeout`, so they stay and the controller
         # waits for it (or for Dask to remove it). One that answered a direct call lately was heard then.
         answered = self._answered_at
-        heard = [
-            r
-            for r in static
-            if min(r["silent"], time.monotonic() - answered.get(r["address"], -math.inf))
-            <= max(silent_after, r["silent_limit"])
-        ]
+
+        def unheard(r: dict[str, Any]) -> bool:
+            since = min(r["silent"], time.monotonic() - answered.get(r["address"], -math.inf))
+            return bool(since > max(silent_after, r["silent_limit"]))
+
+        # A role's worker silent to the scheduler is asked for Dask's handshake first: one starved of CPU
+        # (the chaos soak's 2 cores) still answers, and taking it for lost cost a promotion or the
+        # coordinator's rebuild, seconds under that load; a frozen or cut-off one never answers.
+        # One that did not answer is not asked again until the scheduler hears from it.
+        roles = {*self.placement, self.coordinator_at}
+        self._unanswered &= {r["address"] for r in static if unheard(r)}
+        asked = {r["address"] for r in static if r["address"] in roles and unheard(r)} - self._unanswered
+        alive = self._members_answering(asked, min(SILENT_PROBE_SECONDS, max(silent_after, 0.1)))
+        for worker in alive:
+            answered[worker] = time.monotonic()
+        self._unanswered |= asked - alive
+        heard = [r for r in static if not unheard(r)]
         if not standbys([r["address"] for r in heard], self.placement):
-            roles = {*self.placement, self.coordinator_at}
             heard += [r for r in static if r not in heard and r["address"] in roles]
         elif self.job.mode == "async":
             # Nor is the coordinator's worker given up for silence in async mode, where its loss ends the
