@@ -15,6 +15,13 @@ which readers ignore and the next prune removes. Readers only consider final nam
 the folder afresh each time (another process may have written since). Old checkpoints are pruned to `keep`.
 docs/storage.md says the same for users.
 
+A write that fails (a full disk, a folder made read-only) removes its temporary and leaves the folder as it
+was: the last checkpoint written stays the newest, and loads. For the run it is a warning and a
+`checkpoint-failed` event, not an error: every shard still holds the snapshot in memory (and its peer a
+copy), so training goes on and the next checkpoint is tried as usual. More failures in a row than
+`ElasticJob.checkpoint_failures_allowed` (`WriteFailures`, the decision) stop training and raise
+`CheckpointWriteError`, which holds the state every shard was stopped at, so nothing trained is lost.
+
 Owned by the controller: it decides when to write and what to restore; shards and the coordinator only
 export and import their parts.
 """
@@ -26,7 +33,9 @@ import io
 import json
 import logging
 import re
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +43,10 @@ import fsspec
 import torch
 
 from .dataset import explain_storage_error, is_object_store
-from .errors import CheckpointMismatchError, FatalError, JobConfigError
+from .errors import CheckpointMismatchError, CheckpointWriteError, FatalError, JobConfigError
 from .job import ElasticJob, StateLayout
 from .ledger import LedgerEntry
-from .messages import Resume
+from .messages import EventKind, MembershipEvent, Resume
 
 log = logging.getLogger(__name__)
 
@@ -205,14 +214,27 @@ class CheckpointStore:
         return sorted(n for n in self._entries() if _NAME.match(n))
 
     def write(self, checkpoint: Checkpoint) -> str:
+        """Write `checkpoint` and return its URL; raises what the storage raised when it cannot, after
+        removing its temporary (on a full disk, half a checkpoint would hold the room the next try needs)."""
         data = checkpoint.to_bytes()
         final = f"{self.root}/ckpt-{checkpoint.committed_steps:09d}.pt"
         temporary = f"{self.root}/.tmp-{uuid.uuid4().hex}.pt"
-        if self._make_folders:
-            self.fs.makedirs(self.root, exist_ok=True)
-        self.fs.pipe_file(temporary, data)
-        self.fs.mv(temporary, final)
-        self.prune()
+        try:
+            if self._make_folders:
+                self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.pipe_file(temporary, data)
+            self.fs.mv(temporary, final)
+        except BaseException:
+            try:
+                self.fs.rm_file(temporary)
+            except Exception as exc:  # (never made, or the folder refuses removals too: the next prune)
+                log.debug("removing the temporary %s: %s", temporary, exc)
+            raise
+        try:
+            self.prune()
+        except Exception as exc:
+            # The checkpoint is whole under its final name; older ones stay until a prune succeeds.
+            log.warning("checkpoint %s written, but pruning %s failed: %s", final, self.url, exc)
         log.info("checkpoint written: %s (step %d, %d bytes)", final, checkpoint.committed_steps, len(data))
         return self._url_of(final)
 
@@ -236,6 +258,24 @@ class CheckpointStore:
     def _url_of(self, path: str) -> str:
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         return path if protocol == "file" else f"{protocol}://{path}"
+
+
+@dataclass(frozen=True)
+class WriteFailures:
+    """The checkpoint writes that failed since the last one that succeeded: the decision whether the job
+    goes on (pure; `Persistence` acts on it)."""
+
+    in_a_row: int = 0
+    last: str = ""  # what the storage said the last time
+
+    def after(self, error: str | None) -> WriteFailures:
+        """The count after one more write: `error` is what failed, None for a write that succeeded."""
+        return WriteFailures() if error is None else WriteFailures(self.in_a_row + 1, error)
+
+    def ends_job(self, allowed: int) -> bool:
+        """Whether training stops: more writes failed in a row than the job allows
+        (`ElasticJob.checkpoint_failures_allowed`)."""
+        return self.in_a_row > allowed
 
 
 @dataclass(frozen=True)
@@ -271,6 +311,10 @@ class Persistence:
         self.last_written: str | None = None
         self.written_step = -1
         self._snapshots = 0
+        self.failures = WriteFailures()
+        # A `checkpoint-failed` event per write that failed, for the run's result (the coordinator records
+        # the others; these happen in the controller).
+        self.events: list[MembershipEvent] = []
         if self.store is not None:
             self.store.check_writable()
             found = self.store.latest()
@@ -323,23 +367,53 @@ class Persistence:
         r = self.resumed
         return Resume(r.generation, r.committed_steps, r.ledger, r.history, r.versions, r.applied)
 
-    def after_snapshot(self, coordinator: Any, shards: list[Any], timeout: float) -> str | None:
-        """Count a snapshot; every `checkpoint_every`-th is written."""
+    def after_snapshot(
+        self,
+        coordinator: Any,
+        shards: list[Any],
+        timeout: float,
+        on_event: Callable[[MembershipEvent], None] | None = None,
+    ) -> str | None:
+        """Count a snapshot; every `checkpoint_every`-th is written. A write that fails is a warning and a
+        `checkpoint-failed` event (also given to `on_event`); more in a row than the job allows stop
+        training and raise `CheckpointWriteError`."""
         self._snapshots += 1
         # (In async mode the coordinator snapshots only every `checkpoint_every` checks: each is written.)
         every = 1 if self.job.mode == "async" else self.job.checkpoint_every
         if self.store is None or self._snapshots % every:
             return None
-        return self.write(coordinator, shards, timeout)
+        failed = len(self.events)
+        written = self.write(coordinator, shards, timeout)
+        if on_event is not None:
+            for event in self.events[failed:]:
+                on_event(event)
+        if self.failures.ends_job(self.job.checkpoint_failures_allowed):
+            raise self._give_up(coordinator, shards, timeout)
+        return written
 
     def write(self, coordinator: Any, shards: list[Any], timeout: float) -> str | None:
         """Write the last snapshot every shard holds (shards keep it until the controller's next survival
-        check asks for a newer one, so nothing replaces it while this reads)."""
+        check asks for a newer one, so nothing replaces it while this reads). Returns the last checkpoint
+        written; one the storage refuses is counted in `failures` and recorded in `events`, not raised
+        (the shards still hold the snapshot)."""
         if self.store is None:
             return None
         record: Resume = coordinator.snapshot_record().result(timeout=timeout)
         if self.written_step == record.committed_steps:
             return self.last_written
+        checkpoint = self._gather(record, shards, timeout)
+        began = time.time()
+        try:
+            written = self.store.write(checkpoint)
+        except Exception as exc:
+            self._failed(checkpoint, exc, began)
+            return self.last_written
+        self.last_written, self.written_step = written, checkpoint.committed_steps
+        self.failures = self.failures.after(None)
+        return written
+
+    def _gather(self, record: Resume, shards: list[Any], timeout: float) -> Checkpoint:
+        """The last snapshot every shard holds (`record`: the coordinator's part of it) as one checkpoint."""
         # Async mode: each shard has a version of its own (`record.versions`); sync: the ledger's.
         versions = list(record.versions) or [record.committed_steps] * len(shards)
         asked = [s.export_snapshot(v) for s, v in zip(shards, versions, strict=True)]
@@ -352,7 +426,7 @@ class Persistence:
         tensors: dict[str, torch.Tensor] = {}
         for p in parts:
             tensors.update(p["tensors"])
-        checkpoint = Checkpoint(
+        return Checkpoint(
             job_id=self.job.job_id,
             fingerprint=self.expected,
             generation=record.generation,
@@ -364,6 +438,67 @@ class Persistence:
             versions=tuple(record.versions),
             applied=tuple(tuple(p["applied"]) for p in parts) if record.versions else (),
         )
-        self.last_written = self.store.write(checkpoint)
-        self.written_step = record.committed_steps
-        return self.last_written
+
+    def _last_good(self) -> str | None:
+        """The newest checkpoint in the folder as this run knows it: its last write, or its resume's."""
+        return self.last_written or self.resumed_from
+
+    def _failed(self, checkpoint: Checkpoint, exc: Exception, began: float) -> None:
+        """Count a write the storage refused; warn, and record it as an event."""
+        assert self.store is not None
+        # (Its advice is about storage servers: credentials, endpoints. A local folder's error says enough.)
+        store = self.store
+        what = (
+            explain_storage_error(exc, store.storage_options)
+            if is_object_store(store.fs)
+            else f"{type(exc).__name__}: {exc}"
+        )
+        self.failures = self.failures.after(what)
+        allowed = self.job.checkpoint_failures_allowed
+        then = (
+            "training stops"
+            if self.failures.ends_job(allowed)
+            else "training goes on from the snapshot every shard holds in memory, and the next checkpoint "
+            "tries again"
+        )
+        last = self._last_good()
+        reason = (
+            f"the checkpoint of step {checkpoint.committed_steps} could not be written to {self.store.url} "
+            f"({what}); {then} ({self.failures.in_a_row} failed in a row, checkpoint_failures_allowed="
+            f"{allowed}); the last checkpoint written is {last or 'none yet'}"
+        )
+        log.warning("job %s: %s", self.job.job_id, reason)
+        self.events.append(
+            MembershipEvent(
+                time=began,
+                kind=EventKind.CHECKPOINT_FAILED,
+                generation=checkpoint.generation,
+                step=checkpoint.committed_steps,
+                workers=(),
+                reason=reason,
+                seconds=time.time() - began,
+            )
+        )
+
+    def _give_up(self, coordinator: Any, shards: list[Any], timeout: float) -> CheckpointWriteError:
+        """Stop training (every shard brought to one version and snapshotted, as a stop does) and return
+        the error that ends the job, holding that snapshot: the parameters every shard held, not lost."""
+        assert self.store is not None
+        failures, allowed, url = self.failures, self.job.checkpoint_failures_allowed, self.store.url
+        coordinator.stop(f"{failures.in_a_row} checkpoint writes in a row failed").result(timeout=3 * timeout)
+        final = self._gather(coordinator.snapshot_record().result(timeout=timeout), shards, timeout)
+        step, last = final.committed_steps, self._last_good()
+        written = f"the last checkpoint written is {last}" if last else f"{url} holds none of this job"
+        return CheckpointWriteError(
+            f"job {self.job.job_id}: {failures.in_a_row} checkpoint writes in a row to {url} failed (more "
+            f"than checkpoint_failures_allowed={allowed}), the last with {failures.last}; training stopped "
+            f"at step {step}, and {written}. The final parameters (step {step}) are not lost: this error "
+            "holds them, as `state_dict` and as a whole checkpoint, `final`. Free space in the folder or "
+            "make it writable again (or point `checkpoint` at another folder), write them there with "
+            "`CheckpointStore(url).write(error.final)`, and run the job again: it resumes at step "
+            f"{step}",
+            checkpoint=last,
+            final=final,
+            state_dict=self.layout.export(final.tensors),
+            step=step,
+        )

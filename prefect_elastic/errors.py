@@ -9,6 +9,7 @@
     |   +-- DataServerLostError   a static worker holding a data server or the coordinator died
     |   +-- SchedulerLostError    the Dask scheduler went away; run the job again once one is back
     |   +-- CheckpointMismatchError  the checkpoint belongs to another job or model
+    |   +-- CheckpointWriteError  checkpoint writes kept failing; it holds the final parameters
     +-- TrainingStopped           the controller was asked to stop; not a failure
     +-- JobConfigError (also ValueError)  an impossible value, before any cluster work
     +-- ModelFailure              inside a compute loop only: becomes a TrainingFailedError
@@ -19,7 +20,12 @@ compute loop at once (it is never retried).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (types only: checkpoint.py imports this module, and errors cross torch-less processes)
+    import torch
+
+    from .checkpoint import Checkpoint
 
 
 class ElasticError(Exception):
@@ -108,6 +114,33 @@ class JobConfigError(ElasticError, ValueError):
 
 class CheckpointMismatchError(FatalError):
     """The checkpoint at the URL belongs to another job or another model."""
+
+
+class CheckpointWriteError(FatalError):
+    """More checkpoint writes failed in a row than `ElasticJob.checkpoint_failures_allowed` (a full disk, a
+    folder made read-only, storage that refuses writes): training stopped, and nothing trained is lost.
+
+    `checkpoint`: the last checkpoint written, which loads (None when none was). `final`: the state every
+    shard held when training stopped, as a whole checkpoint (`CheckpointStore(url).write(error.final)`
+    puts it where a new run of the job resumes from); `state_dict`: its parameters and buffers, as
+    `TrainResult.state_dict` would hold them; `step`: the committed steps they hold."""
+
+    def __init__(
+        self,
+        message: str,
+        checkpoint: str | None,
+        final: Checkpoint,
+        state_dict: dict[str, torch.Tensor],
+        step: int,
+    ) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.final = final
+        self.state_dict = state_dict
+        self.step = step
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.checkpoint, self.final, self.state_dict, self.step))
 
 
 class ModelFailure(ElasticError):

@@ -128,6 +128,11 @@ class ElasticJob(BaseModel):
     checkpoint: str | None = None  # fsspec URL of a folder for persistent checkpoints; None: none
     checkpoint_every: int = 10  # snapshots between two checkpoints (one is always written at the end)
     checkpoint_keep: int = 3  # checkpoints kept; older ones are pruned
+    # Checkpoint writes that may fail in a row (a full disk, a folder made read-only, storage refusing
+    # writes): each is a warning and a `checkpoint-failed` event, and training goes on from the in-memory
+    # snapshots, writing again at the next checkpoint. One more ends the job with `CheckpointWriteError`,
+    # which holds the final parameters. 0: the first failure ends it.
+    checkpoint_failures_allowed: int = 3
     # fsspec options by protocol for `dataset` and `checkpoint`, in the shape of fsspec's own configuration:
     # {"s3": {"endpoint_url": "http://minio:9000"}}. They travel with the job to every process that opens
     # the storage (the controller, the data servers on static workers). Secrets are better left to the
@@ -180,6 +185,7 @@ class ElasticJob(BaseModel):
         "call_timeout",
         "max_staleness",
         "min_shard_bytes",
+        "checkpoint_failures_allowed",
         mode="before",
     )
     @classmethod
@@ -220,6 +226,16 @@ class ElasticJob(BaseModel):
             raise ValueError(
                 "must be 0 or more (in async mode, how many versions a shard may have moved on since the "
                 "parameters a gradient was computed on; 0 refuses every gradient a faster worker overtook)"
+            )
+        return value
+
+    @field_validator("checkpoint_failures_allowed", mode="after")
+    @classmethod
+    def _failures_floor(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(
+                "must be 0 or more (checkpoint writes that may fail in a row before the job stops; 0 stops "
+                "it at the first failure)"
             )
         return value
 

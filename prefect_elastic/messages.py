@@ -47,6 +47,9 @@ class EventKind(StrEnum):
     COORDINATOR_REBUILT = "coordinator-rebuilt"  # its worker died: rebuilt from the journal and the shards
     RESTORED = "restored"  # data servers lost with their replicas: every shard back to the last checkpoint
     EXCLUDED = "excluded"  # a compute worker's model failed on a batch: it trains no more for this job
+    # The controller could not write a persistent checkpoint: training goes on from the in-memory snapshots
+    # and the next checkpoint tries again (more failures in a row than `checkpoint_failures_allowed` stop it).
+    CHECKPOINT_FAILED = "checkpoint-failed"
     FAILED = "failed"
     DONE = "done"
 

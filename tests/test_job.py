@@ -96,6 +96,16 @@ def test_booleans_refused(field: str) -> None:
     _refused(field, True, "boolean")
 
 
+def test_checkpoint_failures_allowed() -> None:
+    """A few checkpoint writes may fail in a row by default; 0 ends the job at the first; a negative count
+    or a boolean is refused. It does not decide the result: a checkpoint resumes a job that changed it."""
+    assert ElasticJob(model=MLP, dataset=UNREAD).checkpoint_failures_allowed == 3
+    assert make_job(UNREAD, checkpoint_failures_allowed=0).checkpoint_failures_allowed == 0
+    _refused("checkpoint_failures_allowed", -1, "0 or more", "in a row")
+    _refused("checkpoint_failures_allowed", True, "boolean")
+    assert "checkpoint_failures_allowed" not in make_job(UNREAD).fingerprint_fields()
+
+
 def test_wrong_type_named() -> None:
     _refused("batch_size", "many", "integer")
 
