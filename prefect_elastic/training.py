@@ -700,7 +700,7 @@ class TrainingRun:
             job=self.job,
             state_dict=self.layout.export(state),
             ledger=outcome.ledger,
-            events=outcome.events,
+            events=sorted([*outcome.events, *self.persistence.events], key=lambda e: e.time),
             history=outcome.history,
             generation=outcome.generation,
             counters={
@@ -1043,7 +1043,9 @@ class TrainingRun:
                 self._copy_journal()
                 for event in events:
                     if event.kind is EventKind.SNAPSHOT:
-                        self.persistence.after_snapshot(self.coordinator, shards, job.call_timeout)
+                        self.persistence.after_snapshot(
+                            self.coordinator, shards, job.call_timeout, self.on_event
+                        )
                     if self.on_event is not None:
                         self.on_event(event)
             progress: Progress = self._call(self.coordinator.progress())
