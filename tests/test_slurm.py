@@ -90,15 +90,25 @@ def static_jobs(slurm: LocalSlurm) -> set[str]:
     return {job for job, name in jobs_named(slurm).items() if name.endswith("-static")}
 
 
+# The flow is called from a thread (as an application's own scheduler or a notebook's kernel may call
+# it): `dask_jobqueue.SLURMCluster` imports there, and the process's SIGINT handler stays as it was.
 RUN_FLOW = textwrap.dedent(
     """
-    import json, sys
+    import json, signal, sys, threading
     from prefect_elastic.flows import elastic_training
     job, kwargs, output = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    state = elastic_training(
-        job, cluster_class="dask_jobqueue.SLURMCluster", cluster_kwargs=kwargs, static_workers=2,
-        adapt_kwargs={"minimum": 2, "maximum": 2}, output=output, return_state=True,
-    )
+    sigint = signal.getsignal(signal.SIGINT)
+    states = []
+    def run():
+        states.append(elastic_training(
+            job, cluster_class="dask_jobqueue.SLURMCluster", cluster_kwargs=kwargs, static_workers=2,
+            adapt_kwargs={"minimum": 2, "maximum": 2}, output=output, return_state=True,
+        ))
+    thread = threading.Thread(target=run, name="caller")
+    thread.start()
+    thread.join()
+    [state] = states
+    print("SIGINT", "kept" if signal.getsignal(signal.SIGINT) is sigint else "replaced", flush=True)
     print("STATE", state.type.value, flush=True)
     print("RESULT", json.dumps(state.result()), flush=True)
     """
@@ -109,11 +119,12 @@ def test_flow_run_on_slurm_with_an_elastic_job_scancelled(
     slurm: LocalSlurm, prefect_server: PrefectServer, reference: References, digits_url: str, tmp_path: Path
 ) -> None:
     """The issue's call: `elastic_training(job, cluster_class="dask_jobqueue.SLURMCluster", ...,
-    static_workers=2, adapt_kwargs=...)` in its own process, as under a deployment. Two static jobs carry
-    the static resource and two elastic ones scale with adapt; training is held at a step of at least 2
-    while one elastic job is `scancel`led (pre-emption: SIGTERM, then SIGKILL after KillWait) and until
-    the job submitted in its place is a member. The result is the one-worker no-fault run's, bit for bit,
-    and every batch id is committed once."""
+    static_workers=2, adapt_kwargs=...)` in its own process, as under a deployment, from a thread of it
+    (the cluster class imports there, and the process's SIGINT handler is left as it was). Two static
+    jobs carry the static resource and two elastic ones scale with adapt; training is held at a step of
+    at least 2 while one elastic job is `scancel`led (pre-emption: SIGTERM, then SIGKILL after KillWait)
+    and until the job submitted in its place is a member. The result is the one-worker no-fault run's,
+    bit for bit, and every batch id is committed once."""
     job = make_job(digits_url, model="tests.models:held_mlp", epochs=1, job_id="slurm-flow")
     spec = tmp_path / "job.yaml"
     spec.write_text(job.to_yaml())
@@ -161,6 +172,7 @@ def test_flow_run_on_slurm_with_an_elastic_job_scancelled(
                 proc.kill()
                 proc.communicate(timeout=30)
     assert proc.returncode == 0 and "STATE COMPLETED" in out, out[-4000:]
+    assert "SIGINT kept" in out, "importing dask_jobqueue left the caller's Ctrl-C handler as it was"
     summary = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
     assert summary["exactly_once"] and summary["batches_committed"] == summary["total_steps"] * 4
     events = summary["events"]
