@@ -33,8 +33,9 @@ def table(runs: list[dict[str, Any]], rounds: int, when: str) -> str:
         "training job, every invariant asserted at its end.",
         "",
         "| run | faults survived | worker processes | steps | membership changes | promotions | "
-        "steps undone | time without a commit | longest stall | run time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "steps undone | time without a commit | longest stall | run time | goodput | without a commit, by "
+        "cause |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in runs:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(f["by_kind"].items()))
@@ -42,7 +43,11 @@ def table(runs: list[dict[str, Any]], rounds: int, when: str) -> str:
             f"| {f['mode']}, {f['policy']} | {f['faults']} ({kinds}) | {f['processes']} | {f['steps']} | "
             f"{f['membership_changes']} | {f['promotions']} | {f['steps_lost']} | "
             f"{sum(f['stalls']):.1f} s in {len(f['stalls'])} stalls | {f['longest_stall']:.2f} s | "
-            f"{f['elapsed']:.0f} s |"
+            f"{f['elapsed']:.0f} s | {1 - sum(f['stalls']) / f['elapsed']:.2f} | "
+            + ", ".join(
+                f"{cause} {seconds:.1f} s" for cause, seconds in f.get("causes", {}).items() if seconds
+            )
+            + " |"
         )
     lines += ["", "The longest stalls, with the faults and then what survival detection did within each:", ""]
     for f in runs:

@@ -182,7 +182,7 @@ class Progress:
     committed_steps: int
     total_steps: int
     workers: tuple[str, ...]
-    state: str  # running | waiting | done | failed
+    state: str  # running | waiting | done | failed | controller-lost (`registry.read_progress`)
     loss: float | None
     failure: str | None = None
     failure_kind: str | None = None

@@ -39,7 +39,7 @@ from .models import GATE
 pytestmark = [pytest.mark.timeout(300)]
 
 LIVENESS_S = 1.0
-# Dask's TCP timeout, as in ../shared/infra.md (it cannot go much below 11 s): the scheduler drops a
+# Dask's TCP timeout, as short as it goes here (it cannot go much below 11 s): the scheduler drops a
 # cut-off worker about 12.5 s after the cut, and the worker process exits 15 to 20 s after it. (No short
 # worker-ttl: on a loaded machine a 5 s one dropped a worker that had just started.)
 DASK_ENV = {"DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": "12s"}

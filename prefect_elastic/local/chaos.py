@@ -153,6 +153,16 @@ class SoakFigures:
     )  # gaps between commits longer than the liveness interval
     # The longest stalls, each with the faults and the events of survival detection within it.
     worst: list[str] = field(default_factory=list)
+    # The seconds without a commit by what the stall held (`stall_causes`).
+    causes: dict[str, float] = field(default_factory=dict)
+    # Each promotion's seconds from the loss seen to the standby's role in place, by part ("suspend",
+    # "start", "adopt", "promote": `messages.Promotion`).
+    promotion_parts: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def goodput(self) -> float:
+        """The share of the run's time in which committed steps went on (no stall)."""
+        return 1.0 - self.stalled_seconds / self.elapsed if self.elapsed > 0 else 0.0
 
     @property
     def stalled_seconds(self) -> float:
@@ -166,7 +176,15 @@ class SoakFigures:
             f"{self.processes} worker processes; {self.steps} steps in {self.elapsed:.1f} s; "
             f"{self.membership_changes} membership changes, {self.promotions} promotions, "
             f"{self.steps_lost} steps undone; {self.stalled_seconds:.1f} s without a commit in "
-            f"{len(self.stalls)} stalls, the longest {self.longest_stall:.2f} s"
+            f"{len(self.stalls)} stalls, the longest {self.longest_stall:.2f} s; goodput {self.goodput:.2f} ("
+            + ", ".join(f"{cause} {seconds:.1f} s" for cause, seconds in self.causes.items())
+            + ")"
+            + "".join(
+                f"\n  promotion {sum(parts.values()):.2f} s ("
+                + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+                + ")"
+                for parts in self.promotion_parts
+            )
             + "".join(f"\n  stall {w}" for w in self.worst)
         )
 
@@ -204,6 +222,34 @@ def worst_stalls(result: TrainResult, log: list[FaultRecord], top: int = 3) -> l
     return described
 
 
+# What a stall held, from the events within it, the first that applies: a static role that moved (or was
+# asked and kept), a moment with no compute member, steps undone by a rollback, a step dropped by a reassign.
+STALL_CAUSES: tuple[tuple[str, tuple[EventKind, ...]], ...] = (
+    (
+        "static role",
+        (EventKind.SHARD_LOST, EventKind.PROMOTED, EventKind.KEPT, EventKind.COORDINATOR_REBUILT),
+    ),
+    ("no member", (EventKind.WAITING,)),
+    ("rollback", (EventKind.ROLLBACK,)),
+    ("reassign", (EventKind.REASSIGN,)),
+)
+
+
+def stall_causes(result: TrainResult, stall_after: float) -> dict[str, float]:
+    """The seconds of the gaps between commits longer than `stall_after`, by what each held
+    (`STALL_CAUSES`; "other" where no event of survival detection came within it: a straggler, a pause
+    shorter than the silence limit, the soak holding training for its last faults). Pure."""
+    causes = dict.fromkeys([name for name, _ in STALL_CAUSES] + ["other"], 0.0)
+    times = result.commit_times
+    for begin, end in itertools.pairwise(times):
+        if end - begin <= stall_after:
+            continue
+        kinds = {e.kind for e in result.events if begin <= e.time <= end}
+        cause = next((name for name, held in STALL_CAUSES if kinds & set(held)), "other")
+        causes[cause] += end - begin
+    return causes
+
+
 def soak_figures(result: TrainResult, faults: FaultSchedule) -> SoakFigures:
     """The figures of a soak run from its result and the schedule's log (pure)."""
     gaps = commit_gaps(result.commit_times)
@@ -229,4 +275,9 @@ def soak_figures(result: TrainResult, faults: FaultSchedule) -> SoakFigures:
         elapsed=result.elapsed,
         stalls=stalls,
         worst=worst_stalls(result, faults.log),
+        causes=stall_causes(result, result.job.liveness_interval),
+        promotion_parts=[
+            {"suspend": p.suspend, "start": p.start, "adopt": p.adopt, "promote": p.promote}
+            for p in result.promotions
+        ],
     )

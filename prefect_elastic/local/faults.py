@@ -228,7 +228,7 @@ class FaultSchedule:
         """Apply the schedule from a thread, following the progress that the controller of `job_id`
         publishes on the cluster (for a controller that runs elsewhere, such as a Prefect flow). Set the
         returned event to stop watching; it stops by itself when the job ends."""
-        from ..registry import read_progress
+        from ..registry import CONTROLLER_LOST, read_progress
 
         self.bind(cluster)
         done = threading.Event()
@@ -241,7 +241,7 @@ class FaultSchedule:
                         continue
                     if on_progress is not None:
                         on_progress(progress)
-                    if progress.state in ("done", "failed"):
+                    if progress.state in ("done", "failed", CONTROLLER_LOST):
                         return
                     self.apply(progress)
 
