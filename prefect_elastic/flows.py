@@ -7,49 +7,72 @@ reassign, suspend and resume, with the flow run as a related resource, so automa
 with a markdown summary. Cancelling the flow run stops training, writes a final checkpoint (when the job
 has a checkpoint folder) and releases the actors; the run ends Cancelled.
 
-Owns nothing of the training itself: it drives a `TrainingRun` (training.py) and reports.
+Owns nothing of the training itself: it drives a `TrainingRun` (training.py) and reports. Reporting never
+holds it up: artifacts and events go out from a thread of their own (`reporting.ReportSender`), which keeps
+them while the Prefect API does not answer and sends them when it does. A job whose API stays away still
+ends, its model written to `output`: the flow waits `END_REPORT_SECONDS` at most for the reports left, and
+the caller of `elastic_training(...)` gets the job's result even when Prefect cannot record the run's end
+(`ElasticTrainingFlow`). Why: docs/design/prefect-reporting.md.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 from uuid import UUID
 
 import fsspec
 import torch
 from distributed import Client
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import (
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
+from prefect import Flow, Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.events import emit_event
+from prefect.context import FlowRunContext
+from prefect.events import Event
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, State
+from prefect.settings import Settings
+from prefect.states import Cancelled, Completed, Failed, State
 
 from .connect import Connection, connect, tls_security
 from .errors import TrainingStopped
 from .job import ElasticJob
 from .messages import MembershipEvent, Progress
+from .reporting import (
+    REQUEST_TIMEOUT_SECONDS,
+    ArtifactReport,
+    ProgressReport,
+    ReportSender,
+    Unsent,
+    is_outage,
+)
 from .training import PROGRESS_POLL_IDLE_SECONDS, Prepared, TrainingRun, TrainResult, prepare
 
 log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # The progress artifact is updated at most this often: each update is a call to the Prefect API.
 PROGRESS_UPDATE_SECONDS = 1.0
 # How often the flow asks the Prefect API whether its run is being cancelled.
 CANCEL_POLL_SECONDS = 1.0
+# At its end, the flow waits at most this long for the reports still waiting for the Prefect API (an API
+# that answers takes milliseconds; one that restarts, seconds). Then it ends without them, and says so.
+END_REPORT_SECONDS = 30.0
+INTERRUPTED_REPORT_SECONDS = 2.0  # the same, when the flow was interrupted
 
 
 class PrefectReporter:
-    """Turns the controller's progress and events into Prefect artifacts, events and log lines."""
+    """Turns the controller's progress and events into Prefect artifacts, events and log lines.
+
+    Every call returns at once: what it makes waits in a `ReportSender`, whose thread sends it to the API
+    (and keeps it while the API does not answer). `close` waits a bounded time for what is left.
+    """
 
     def __init__(self, job: ElasticJob, flow_run_id: str | None) -> None:
         self.job = job
@@ -57,27 +80,39 @@ class PrefectReporter:
         self.key = _artifact_key(job.job_id)
         self.rows: list[dict[str, Any]] = []
         self.logger = get_run_logger()
-        self.progress_id: UUID | None = None
+        self.related = _run_resources(flow_run_id)
         self.last_update = 0.0
         self.last_fraction = -1.0
         self.waiting = False
+        self.sender = ReportSender(flow_run_id)
+
+    @property
+    def answering(self) -> bool:
+        """Whether the Prefect API answered the last report sent (True before the first)."""
+        return self.sender.answering
 
     def start(self, resumed_step: int, total_steps: int) -> None:
-        fraction = resumed_step / max(1, total_steps)
-        self.progress_id = create_progress_artifact(  # type: ignore[assignment]
-            progress=100.0 * fraction,
-            key=f"{self.key}-progress",
-            description=f"share of the schedule of job {self.job.job_id} committed ({self.job.mode} mode)",
+        self._progress(resumed_step / max(1, total_steps))
+
+    def _progress(self, fraction: float) -> None:
+        self.sender.set_progress(
+            ProgressReport(
+                percent=100.0 * fraction,
+                key=f"{self.key}-progress",
+                description=(
+                    f"share of the schedule of job {self.job.job_id} committed ({self.job.mode} mode)"
+                ),
+            )
         )
 
     def progress(self, p: Progress) -> None:
         fraction = p.committed_steps / max(1, p.total_steps)
         now = time.monotonic()
         due = now - self.last_update >= PROGRESS_UPDATE_SECONDS or p.state in ("done", "failed")
-        if self.progress_id is None or not due or fraction == self.last_fraction:
+        if not due or fraction == self.last_fraction:
             return
         self.last_update, self.last_fraction = now, fraction
-        update_progress_artifact(self.progress_id, progress=100.0 * fraction)
+        self._progress(fraction)
 
     def event(self, e: MembershipEvent) -> None:
         table = (
@@ -107,10 +142,13 @@ class PrefectReporter:
                     "reason": e.reason,
                 }
             )
-            create_table_artifact(
-                self.rows,
-                key=f"{self.key}-membership",
-                description=f"membership events of job {self.job.job_id}",
+            self.sender.put_artifact(
+                ArtifactReport(
+                    key=f"{self.key}-membership",
+                    kind="table",
+                    data=list(self.rows),
+                    description=f"membership events of job {self.job.job_id}",
+                )
             )
             self.logger.info(
                 "generation %d, step %d: %s (%d live workers)",
@@ -143,14 +181,6 @@ class PrefectReporter:
             self._emit("resumed", e)
 
     def _emit(self, what: str, e: MembershipEvent, worker: str | None = None) -> None:
-        related = []
-        if self.flow_run_id:
-            related.append(
-                {
-                    "prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}",
-                    "prefect.resource.role": "flow-run",
-                }
-            )
         payload: dict[str, Any] = {
             "generation": e.generation,
             "step": e.step,
@@ -162,14 +192,17 @@ class PrefectReporter:
         }
         if worker is not None:
             payload["worker"] = worker
-        emit_event(
-            event=f"prefect-elastic.{what}",
-            resource={
-                "prefect.resource.id": f"prefect-elastic.job.{self.job.job_id}",
-                "prefect.resource.name": self.job.job_id,
-            },
-            related=related,
-            payload=payload,
+        # (Stamped now: an event sent after an outage keeps the time it happened.)
+        self.sender.emit(
+            Event(
+                event=f"prefect-elastic.{what}",
+                resource={  # type: ignore[arg-type]  # (validated into a Resource)
+                    "prefect.resource.id": f"prefect-elastic.job.{self.job.job_id}",
+                    "prefect.resource.name": self.job.job_id,
+                },
+                related=self.related,  # type: ignore[arg-type]
+                payload=payload,
+            )
         )
 
     def summary(self, result: TrainResult, output: str | None, accuracy: float | None) -> None:
@@ -205,7 +238,61 @@ class PrefectReporter:
                 "|---|---|",
                 *(f"| {s} | {n} |" for s, n in result.staleness.items()),
             ]
-        create_markdown_artifact("\n".join(lines), key=f"{self.key}-summary", description="training summary")
+        self.sender.put_artifact(
+            ArtifactReport(
+                key=f"{self.key}-summary",
+                kind="markdown",
+                data="\n".join(lines),
+                description="training summary",
+            )
+        )
+
+    def close(self, timeout: float) -> Unsent:
+        """Wait at most `timeout` seconds for the reports still waiting; what did not go out is said in a
+        warning (and returned)."""
+        unsent = self.sender.close(timeout)
+        if not unsent.nothing:
+            log.warning(
+                "job %s: the Prefect API at %s did not answer for the last %.0f s; not sent: %s. The "
+                "job's own result does not depend on it",
+                self.job.job_id, self.sender.api_url, self.sender.silent_for(), unsent.describe(),
+            )  # fmt: skip
+        return unsent
+
+
+def _run_resources(flow_run_id: str | None) -> list[dict[str, str]]:
+    """The related resources of the job's events: the flow run, its flow, deployment and tags, from the
+    run's context (as Prefect's own events worker would attach them, without asking the API)."""
+    context = FlowRunContext.get()
+    run = context.flow_run if context is not None else None
+    related: list[dict[str, str]] = []
+    if flow_run_id:
+        related.append(
+            {
+                "prefect.resource.id": f"prefect.flow-run.{flow_run_id}",
+                "prefect.resource.role": "flow-run",
+                **({"prefect.resource.name": run.name} if run is not None else {}),
+            }
+        )
+    if run is not None and context is not None:
+        related.append(
+            {
+                "prefect.resource.id": f"prefect.flow.{run.flow_id}",
+                "prefect.resource.role": "flow",
+                "prefect.resource.name": context.flow.name if context.flow is not None else "",
+            }
+        )
+        if run.deployment_id:
+            related.append(
+                {
+                    "prefect.resource.id": f"prefect.deployment.{run.deployment_id}",
+                    "prefect.resource.role": "deployment",
+                }
+            )
+        related += [
+            {"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"} for tag in run.tags
+        ]
+    return related
 
 
 def _artifact_key(job_id: str) -> str:
@@ -220,7 +307,13 @@ class CancelWatch:
         self.flow_run_id = flow_run_id
         self.stop = threading.Event()
         self._done = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="prefect-elastic-cancel-watch", daemon=True)
+        # (In a copy of the flow's context: the same Prefect settings.)
+        self._thread = threading.Thread(
+            target=contextvars.copy_context().run,
+            args=(self._watch,),
+            name="prefect-elastic-cancel-watch",
+            daemon=True,
+        )
 
     def __enter__(self) -> CancelWatch:
         if self.flow_run_id:
@@ -231,9 +324,18 @@ class CancelWatch:
         self._done.set()
 
     def _watch(self) -> None:
+        import httpx
         from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-        with get_client(sync_client=True) as client:
+        # One try per poll, bounded: with Prefect's retries a read during an outage would take a minute,
+        # and a cancel made once the API is back would wait for it.
+        with (
+            temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}),
+            get_client(
+                httpx_settings={"timeout": httpx.Timeout(REQUEST_TIMEOUT_SECONDS)}, sync_client=True
+            ) as client,
+        ):
             while not self._done.wait(CANCEL_POLL_SECONDS):
                 try:
                     state = client.read_flow_run(UUID(str(self.flow_run_id))).state
@@ -297,7 +399,124 @@ def training_accuracy(prepared: Prepared, state: dict[str, torch.Tensor], limit:
     return float((predicted == torch.from_numpy(y)).float().mean())
 
 
-@flow(name="elastic-training", log_prints=True)
+@dataclass
+class RunEnding:
+    """How one call of `elastic_training` ended, for its `ElasticTrainingFlow.__call__`: the body's own
+    outcome (a result, or an error), whether the Prefect API answered at its end, and the Prefect settings
+    the engine of this call runs with (a copy of its own, so that the body can shorten what the engine
+    waits for when the API did not answer)."""
+
+    settings: Settings | None = None
+    finished: bool = False
+    result: Any = None
+    error: BaseException | None = None
+    api_away: bool = False
+
+    @staticmethod
+    def current() -> RunEnding:
+        """The ending of the `ElasticTrainingFlow` call running this body, or a fresh one nobody reads (the
+        body called otherwise: as `elastic_training.fn` inside another flow, or by a deployment's engine)."""
+        return _ENDING.get(None) or RunEnding()
+
+    def end(self, reporter: PrefectReporter, result: Any = None, error: BaseException | None = None) -> None:
+        # (An interrupt, Ctrl-C or the runner's SIGTERM, is not kept waiting for an API that is away.)
+        interrupted = error is not None and not isinstance(error, Exception)
+        reporter.close(
+            min(END_REPORT_SECONDS, INTERRUPTED_REPORT_SECONDS) if interrupted else END_REPORT_SECONDS
+        )
+        self.finished, self.result, self.error = True, result, error
+        self.api_away = not reporter.answering
+        if self.api_away and self.settings is not None:
+            # Prefect's engine records the run's end next, each call with 5 retries over about a minute (and
+            # a failed one is followed by another, to record a failure). The API has not answered for
+            # END_REPORT_SECONDS already: one try each, and `__call__` hands the caller the job's outcome.
+            self.settings.client.max_retries = 0
+
+    def for_caller(self, return_state: bool) -> Any:
+        """What the call returns (or raises) when the engine could not record the end in the API: what the
+        body returned or raised, as the engine would have handed it over."""
+        if self.error is not None:
+            if return_state and isinstance(self.error, Exception):
+                return Failed(message=f"{type(self.error).__name__}: {self.error}", data=self.error)
+            raise self.error
+        if isinstance(self.result, State):  # Cancelled: the run was stopped
+            if return_state:
+                return self.result
+            raise TrainingStopped(self.result.message or "the flow run was cancelled")
+        if return_state:
+            return Completed(
+                data=self.result, message="the job completed; the Prefect API did not answer at its end"
+            )
+        return self.result
+
+
+_ENDING: contextvars.ContextVar[RunEnding] = contextvars.ContextVar("prefect_elastic_run_ending")
+
+
+class ElasticTrainingFlow(Flow[Any, Any]):
+    """The flow of `elastic_training`: a Prefect `Flow` whose caller gets the job's outcome even when the
+    Prefect API is away at the end of the run.
+
+    Prefect's engine records the end of a run in the API after the body returns; with the API away that
+    takes two calls of about a minute of retries each and then raises httpx's `ConnectError`, which would
+    hide a job that completed (its model written to `output`). Here the body, once its reports waited
+    `END_REPORT_SECONDS` for the API in vain, makes those calls one try each (`RunEnding.end`), and the
+    call returns what the body returned (a `Completed` state when `return_state`) or raises what it raised,
+    with a warning that Prefect did not record the end. An error of the API before the body ended is
+    raised as Prefect raises it. A deployment's engine calls the body without this `__call__`: the job's
+    result is written all the same, and its process ends once the engine gives up.
+    """
+
+    # (Typed as `elastic_training`'s calls are: Flow's own overloads are those of any sync or async fn.)
+    @overload  # type: ignore[override]
+    def __call__(
+        self, *args: Any, return_state: Literal[True], wait_for: Any = None, **kwargs: Any
+    ) -> State[dict[str, Any] | State[Any]]: ...
+
+    @overload
+    def __call__(
+        self, *args: Any, return_state: Literal[False] = False, wait_for: Any = None, **kwargs: Any
+    ) -> dict[str, Any] | State[Any]: ...
+
+    def __call__(self, *args: Any, return_state: bool = False, wait_for: Any = None, **kwargs: Any) -> Any:
+        from prefect.settings import temporary_settings
+
+        ending = RunEnding()
+        token = _ENDING.set(ending)
+        try:
+            with temporary_settings() as settings:  # (a copy this call owns: `RunEnding.end` may change it)
+                ending.settings = settings
+                return super().__call__(*args, return_state=return_state, wait_for=wait_for, **kwargs)
+        except Exception as exc:
+            if not ending.finished or exc is ending.error or not is_outage(exc):
+                raise
+            log.warning(
+                "the Prefect API did not answer at the end of the flow run (%s: %s): Prefect has not "
+                "recorded how it ended, but the job's own outcome stands and is handed over",
+                type(exc).__name__, exc,
+            )  # fmt: skip
+            return ending.for_caller(return_state)
+        finally:
+            _ENDING.reset(token)
+
+    def with_options(self, **options: Any) -> ElasticTrainingFlow:
+        # (Prefect's makes a plain Flow of the same fields: keep this class, which adds none.)
+        plain = super().with_options(**options)
+        made = ElasticTrainingFlow.__new__(ElasticTrainingFlow)
+        made.__dict__.update(plain.__dict__)
+        return made
+
+
+def elastic_flow(**options: Any) -> Callable[[Callable[..., Any]], ElasticTrainingFlow]:
+    """`@flow(**options)`, making an `ElasticTrainingFlow`."""
+
+    def make(fn: Callable[..., Any]) -> ElasticTrainingFlow:
+        return ElasticTrainingFlow(fn, **options)
+
+    return make
+
+
+@elastic_flow(name="elastic-training", log_prints=True)
 def elastic_training(
     job: ElasticJob | str,
     address: str | None = None,
@@ -327,6 +546,31 @@ def elastic_training(
     prepared = validate_job(job)
     security = tls_security(tls)
     reporter = PrefectReporter(prepared.job, flow_run.id)
+    ending = RunEnding.current()
+    try:
+        outcome = _train(
+            prepared, reporter, address, cluster_class, cluster_kwargs, adapt_kwargs, output, cluster,
+            static_workers, security,
+        )  # fmt: skip
+    except BaseException as exc:
+        ending.end(reporter, error=exc)
+        raise
+    ending.end(reporter, result=outcome)
+    return outcome
+
+
+def _train(
+    prepared: Prepared,
+    reporter: PrefectReporter,
+    address: str | None,
+    cluster_class: str | None,
+    cluster_kwargs: dict[str, Any] | None,
+    adapt_kwargs: dict[str, Any] | None,
+    output: str | None,
+    cluster: Any,
+    static_workers: int | None,
+    security: Any,
+) -> dict[str, Any] | State:
     start_step = restore(prepared)
     reporter.start(start_step, prepared.schedule.total_steps)
     with connect(
@@ -357,10 +601,10 @@ def elastic_training(
                 cluster=where.cluster,
             )
             try:
-                start_servers(run)
-                progress = supervise(run)
+                _phase(reporter, start_servers)(run)
+                progress = _phase(reporter, supervise)(run)
                 try:
-                    result, written = export(run, progress, output)
+                    result, written = _phase(reporter, export)(run, progress, output)
                 except TrainingStopped as stopped:
                     return Cancelled(message=f"cancelled: {stopped}")
             finally:
@@ -382,6 +626,13 @@ def elastic_training(
         "batches_dropped": result.batches_dropped,
         "events": json.loads(json.dumps([e.__dict__ for e in result.membership_events()], default=str)),
     }
+
+
+def _phase(reporter: PrefectReporter, phase: Task[P, R]) -> Callable[P, R]:
+    """A phase as its Prefect task while the API answers, and as its function alone while it does not:
+    the task's record would not reach the API, and each of its state changes would wait in Prefect's
+    events worker, which holds the process's exit for every one (about 7 s each with the API away)."""
+    return phase if reporter.answering else phase.fn
 
 
 def _security_of(where: Connection) -> Any:

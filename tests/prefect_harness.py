@@ -3,6 +3,8 @@
 - `prefect_server`: one server on SQLite (UI on), shared by every Prefect test.
 - `prefect_server_db`: the same tests' server on each database Prefect supports, `sqlite` (the shared
   server above) and `postgres` (a second server on a throwaway PostgreSQL, `LocalPostgres`).
+- `KillablePrefectServer`: a server a test SIGKILLs and starts again on the same port and database
+  (tests/test_prefect_outage.py); never the shared one, which other tests need alive.
 
 Which tests take `prefect_server_db`, and why only those: a Prefect server on PostgreSQL is a second
 server process (most of a core while it is up) plus migrations on a fresh database, and every test run on
@@ -31,15 +33,24 @@ more tests on PostgreSQL should make its own module-scoped fixture rather than p
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from prefect_elastic.local import processes
 from prefect_elastic.local.postgres import LocalPostgres
 from prefect_elastic.local.prefect_server import PrefectServer, free_port
 
-__all__ = ["PrefectServer", "free_port", "prefect_server", "prefect_server_db", "rest_client"]
+__all__ = [
+    "KillablePrefectServer",
+    "PrefectServer",
+    "free_port",
+    "prefect_server",
+    "prefect_server_db",
+    "rest_client",
+]
 
 
 def rest_client(base_url: str) -> httpx.Client:
@@ -53,6 +64,22 @@ def rest_client(base_url: str) -> httpx.Client:
     return httpx.Client(
         base_url=base_url, timeout=30, trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)
     )
+
+
+class KillablePrefectServer(PrefectServer):
+    """A `PrefectServer` that a test SIGKILLs (`kill`: the whole process group, uvicorn and its services,
+    as a node's crash would) and starts again (`start`: the same port, PREFECT_HOME and database, so
+    clients that knew it reach it again)."""
+
+    def kill(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            processes.signal_group(proc, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
 
 @pytest.fixture(scope="session")

@@ -34,12 +34,18 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 RUN_FLOW = textwrap.dedent(
     """
     import json
+    import os
     import sys
+    from prefect_elastic import flows
     from prefect_elastic.flows import elastic_training
+    if "END_REPORT_SECONDS" in os.environ:  # (a test of an API that never comes back waits less for it)
+        flows.END_REPORT_SECONDS = float(os.environ["END_REPORT_SECONDS"])
     job, address, name, output, retries, tls = sys.argv[1:7]
     named = elastic_training.with_options(flow_run_name=name, retries=int(retries), retry_delay_seconds=0)
     state = named(job, address=address, output=output, tls=json.loads(tls), return_state=True)
     print("STATE", state.type.value, flush=True)
+    if state.is_completed():
+        print("RESULT", json.dumps(state.result()), flush=True)
     """
 )
 
@@ -55,6 +61,7 @@ class FlowRun:
         tmp_path: Path,
         retries: int = 0,
         tls: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.api = prefect_harness.rest_client(server.api_url)
         self.name = f"test-{uuid.uuid4().hex[:8]}"
@@ -64,7 +71,11 @@ class FlowRun:
         script = tmp_path / "run_flow.py"
         script.write_text(RUN_FLOW)
         self.output = tmp_path / "model.pt"
-        env = {**server.subprocess_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        env = {
+            **server.subprocess_env(),
+            "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
             [
                 sys.executable, str(script), str(spec), address, self.name, str(self.output), str(retries),
@@ -113,6 +124,12 @@ class FlowRun:
         out, _ = self.proc.communicate(timeout=timeout)
         assert self.proc.returncode == 0, out[-3000:]
         return out
+
+    @staticmethod
+    def result(out: str) -> dict[str, Any]:
+        """What the flow returned, from the output of a completed run."""
+        line = next(line for line in out.splitlines() if line.startswith("RESULT "))
+        return dict(json.loads(line.removeprefix("RESULT ")))
 
 
 def workers_in(events: list[dict[str, Any]], name: str) -> set[str]:
