@@ -526,7 +526,8 @@ class TrainingRun:
         self.coordinator_future: Future | None = None
         # Per worker, the task that imports the engine there before it takes a role (`load_engine`): a
         # worker is a member, or a data server's home, only once it has.
-        self.engine: dict[str, Future] = {}
+        self.engine: dict[str, Future] = {}  # loads in flight
+        self.engine_loaded: set[str] = set()
 
     # -- setup -----------------------------------------------------------------------------------
 
@@ -542,7 +543,7 @@ class TrainingRun:
         # The compute workers there from the start are its first members, not joins a moment later.
         for where in sorted(elastic):
             with contextlib.suppress(Exception):  # (gone, or failed: the membership tells, as for any)
-                self._wait_unless_left(self._load_engine(where), where, self.job.call_timeout, elastic=True)
+                self._await_engine(where, self.job.call_timeout, elastic=True)
         self._copy_journal()
         job = self.job
         if job.mode == "async":
@@ -801,7 +802,7 @@ class TrainingRun:
         self.placement = [static[i % len(static)] for i in range(len(plan))]
         self.coordinator_at = static[0]
         for where in sorted(set(self.placement)):
-            self._wait_unless_left(self._load_engine(where), where, self._startup_timeout(), heard=False)
+            self._await_engine(where, self._startup_timeout(), heard=False)
         for i, names in enumerate(plan):
             start = self.persistence.shard_start(i, names)
             self.actor_futures.append(self._submit_data_server(i, self.placement[i], start))
@@ -835,9 +836,18 @@ class TrainingRun:
         self.placement = []
         self.coordinator_at = ""
 
-    def _load_engine(self, where: str) -> Future:
-        """The task that imports the engine on the worker `where` (`connect.load_engine`), started once."""
+    def _load_engine(self, where: str) -> Future | None:
+        """The task that imports the engine on the worker `where` (`connect.load_engine`), started once;
+        None once it has ended. (Its future is then dropped: a worker holding its result would have to hand
+        it to another before it could retire, and would stay "closing_gracefully" meanwhile, a graceful
+        leave taken for a loss.)"""
+        if where in self.engine_loaded:
+            return None
         future = self.engine.get(where)
+        if future is not None and future.done():
+            del self.engine[where]
+            self.engine_loaded.add(where)
+            return None
         if future is None:
             self._loop_serial += 1
             future = self.engine[where] = self.client.submit(
@@ -851,7 +861,14 @@ class TrainingRun:
     def _engine_loaded(self, workers: Iterable[str]) -> set[str]:
         """Of `workers`, those that imported the engine; it starts loading on the others. (A load that
         failed counts as loaded: the role it was for fails there, and says why, as it would have.)"""
-        return {w for w in workers if self._load_engine(w).done()}
+        return {w for w in workers if self._load_engine(w) is None}
+
+    def _await_engine(self, where: str, timeout: float, **watch: bool) -> None:
+        """Wait for the engine to be loaded on `where` (`_wait_unless_left`, `watch` its options)."""
+        future = self._load_engine(where)
+        if future is not None:
+            self._wait_unless_left(future, where, timeout, **watch)
+            self._load_engine(where)  # (drops the future)
 
     def _submit_coordinator(self, where: str, resume: Resume | None) -> Future:
         job = self.job
@@ -1329,7 +1346,7 @@ class TrainingRun:
             future: Future | None = None
             watched = standby  # the worker whose loss would explain a broken call
             try:
-                self._wait_unless_left(self._load_engine(standby), standby, self._startup_timeout())
+                self._await_engine(standby, self._startup_timeout())
                 future = self._submit_data_server(index, standby, start, version)
                 shard: ShardHandle = self._wait_unless_left(future, standby, self._startup_timeout())
                 started = time.monotonic() - clock
@@ -1709,6 +1726,7 @@ class TrainingRun:
         listed = {r["address"] for r in rows}
         for gone in [w for w in self.engine if w not in listed]:
             del self.engine[gone]
+        self.engine_loaded &= listed
         elastic = [r for r in rows if not is_static_worker(r, self.job.static_resource)]
         running = [
             r["address"]
@@ -1856,6 +1874,7 @@ class TrainingRun:
         self.loops.clear()
         self.warmed.clear()
         self.engine.clear()
+        self.engine_loaded.clear()
         for shard in self.shards:
             with contextlib.suppress(Exception):
                 shard.close_channel().result(timeout=5)
