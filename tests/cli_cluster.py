@@ -7,6 +7,7 @@ workers with nothing but `--nthreads 1`, each its own process group, killed with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,7 +24,9 @@ DASK = str(Path(sys.executable).with_name("dask"))
 
 
 class CliCluster:
-    """`dask scheduler` and `dask worker` processes; `with CliCluster(static=2, elastic=2) as c: c.address`."""
+    """`dask scheduler` and `dask worker` processes:
+
+    `with CliCluster(static=2, elastic=2) as cluster: train(job, address=cluster.address)`."""
 
     def __init__(self, static: int = 2, elastic: int = 2, nanny: bool = False) -> None:
         self.nanny = nanny
@@ -47,7 +50,9 @@ class CliCluster:
         log = open(self.folder / f"{name}.log", "wb")  # noqa: SIM115  (the process keeps it)
         # The tests' signal files and PYTHONPATH reach the workers through the environment, as a user's do.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        proc = subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.procs[name] = proc
         return proc
 
@@ -55,7 +60,16 @@ class CliCluster:
         file = self.folder / "scheduler.json"
         self._spawn(
             "scheduler",
-            ["scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard", "--scheduler-file", str(file)],
+            [
+                "scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-dashboard",
+                "--scheduler-file",
+                str(file),
+            ],
         )
         deadline = time.monotonic() + 60
         while not file.exists() or not file.read_text().strip():
@@ -105,12 +119,8 @@ class CliCluster:
     def close(self) -> None:
         for proc in self.procs.values():
             if proc.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         for proc in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
