@@ -65,6 +65,9 @@ CANCEL_POLL_SECONDS = 1.0
 # that answers takes milliseconds; one that restarts, seconds). Then it ends without them, and says so.
 END_REPORT_SECONDS = 30.0
 INTERRUPTED_REPORT_SECONDS = 2.0  # the same, when the flow was interrupted
+# Before each phase the flow asks the API whether it answers, waiting at most this long: a phase runs as a
+# Prefect task only if it does (`_phase`).
+PHASE_CHECK_SECONDS = 5.0
 
 
 class PrefectReporter:
@@ -632,7 +635,7 @@ def _phase(reporter: PrefectReporter, phase: Task[P, R]) -> Callable[P, R]:
     """A phase as its Prefect task while the API answers, and as its function alone while it does not:
     the task's record would not reach the API, and each of its state changes would wait in Prefect's
     events worker, which holds the process's exit for every one (about 7 s each with the API away)."""
-    return phase if reporter.answering else phase.fn
+    return phase if reporter.sender.confirm(PHASE_CHECK_SECONDS) else phase.fn
 
 
 def _security_of(where: Connection) -> Any:

@@ -200,7 +200,7 @@ def retry_after(failures: int) -> float:
 
 class ReportSender:
     """Sends a `Backlog` to the Prefect API from a daemon thread; every method returns at once but
-    `flush` and `close`, which wait at most the time they are given.
+    `flush`, `confirm` and `close`, which wait at most the time they are given.
 
     Its requests go out with no retries of Prefect's client and a short timeout (`REQUEST_TIMEOUT_SECONDS`):
     a retry is its own loop's, which keeps taking new reports meanwhile and sends only the latest of each.
@@ -218,6 +218,7 @@ class ReportSender:
         self._closing = False
         self._stopped = False
         self._told_drops = 0  # drops already warned of
+        self._failed_requests = 0  # requests that failed for an outage, all told
         # The thread runs in a copy of the caller's context: the same Prefect settings (API URL, auth).
         context = contextvars.copy_context()
         self._thread = threading.Thread(
@@ -265,6 +266,21 @@ class ReportSender:
                 self._lock.wait(left)
             return self.backlog.unsent()
 
+    def confirm(self, timeout: float) -> bool:
+        """Whether the API answers now: what waits is sent, then a health check, for at most `timeout`
+        seconds; False as soon as one of those requests fails (or the thread stopped), True if none did."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            failures = self._failed_requests
+            self.backlog.check = True
+            self._lock.notify_all()
+            while not self.backlog.empty() and self._failed_requests == failures and not self._stopped:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            return self._failed_requests == failures and not self._stopped and self.answering
+
     def close(self, timeout: float) -> Unsent:
         """Send what waits and ask the API whether it answers, for at most `timeout` seconds (so that
         `answering` says how it is now, not at the last report); then stop the thread (a request in flight
@@ -310,11 +326,12 @@ class ReportSender:
                             # Refused for what it is, not for an outage: dropped, not retried.
                             log.warning("the Prefect API refused a report, which is dropped: %s", exc)
                         else:
+                            self._silent(exc)
                             with self._lock:
                                 self.backlog.failed()
+                                self._failed_requests += 1
                                 self._lock.notify_all()
                             failures += 1
-                            self._silent(exc)
                             with self._lock:
                                 if self._closing:  # (close gave the backlog its time already)
                                     return
