@@ -315,7 +315,7 @@ def leave_links(job_id: str, channels: Sequence[Sequence[Any]]) -> int:
     connections it broke.
 
     A frozen (or cut-off) static worker's kernel keeps its connections open, so a loop waiting for its
-    answer would wait out the call timeout (20 s by default) after its role had long moved; a killed one's
+    answer would wait out `call_timeout` (30 s by default) after its role had long moved; a killed one's
     connections close by themselves."""
     moved = {ChannelAddress(*channel) for channel in channels}
     broken = 0
