@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -62,6 +63,20 @@ def held_training() -> Iterator[None]:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     shutil.rmtree(_SIGNALS, ignore_errors=True)
+
+
+# The seed of the tests that rotate over their cases from one CI run to the next (which chaos soak, which
+# benchmark group): `ELASTIC_CI_SEED` repeats a run's choices; without it each session draws one.
+CI_SEED = int(os.environ.get("ELASTIC_CI_SEED") or random.SystemRandom().randrange(10_000))
+
+
+def rotated(cases: list[Any], salt: int = 0) -> Any:
+    """The one of `cases` this session runs: the seed picks it, so successive CI runs go round them all."""
+    return cases[(CI_SEED + salt) % len(cases)]
+
+
+def pytest_report_header() -> str:
+    return f"ELASTIC_CI_SEED={CI_SEED} (set it to repeat this run's soak and benchmark group)"
 
 
 # The figures of each chaos soak run of this session (tests/test_chaos.py), printed at the end of the output.

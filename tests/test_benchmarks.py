@@ -7,14 +7,19 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from benchmarks.elastic import fixed_cost, longest_gap, snapshot_excess
 from benchmarks.report import END, START, figures
+from benchmarks.run import GROUPS
+
+from .conftest import rotated
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,21 +86,7 @@ def test_longest_gap_counts_the_gap_the_freeze_falls_in() -> None:
     assert longest_gap(times, after=4.0) is None
 
 
-@pytest.mark.cluster
-@pytest.mark.heavy  # (about 9 minutes on 2 cores: .ci/run runs it after the main suite)
-@pytest.mark.timeout(1400)
-def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
-    raw = tmp_path / "results.json"
-    docs = tmp_path / "benchmarks.md"
-    docs.write_text(f"# Benchmarks\n\nintro kept\n\n{START}\nold table\n{END}\n\nanalysis kept\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--smoke", "--data-dir", str(tmp_path / "data"),
-         "--raw", str(raw), "--docs", str(docs)],
-        cwd=ROOT, capture_output=True, text=True, timeout=1320,  # (14 min: too few in CI for the old sizes)
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    r = json.loads(raw.read_text())
-    assert not r.get("errors")
+def check_steady(r: dict[str, Any]) -> None:
     for w in ("cnn", "cnn-20", "transformer", "mlp"):
         assert r["steady"][w]["plain"] > 0 and r["steady"][w]["elastic"] > 0
         assert r["steady"][w]["plain_tuned"] > 0
@@ -111,57 +102,123 @@ def test_smoke_run_writes_every_figure(tmp_path: Path) -> None:
         assert cost["phase_ms"]["compute"] == cost["compute_ms"]
     # The mlp's 2.7 MB of gradients reach its shard through shared memory (`inbox.py`), after the first.
     assert sum(b["shared"] for b in r["fixed_cost"]["mlp"]["shard_bodies"]) > 0, r["fixed_cost"]["mlp"]
-    # Smoke runs compare with DDP on cnn-20 only, and freeze a worker under one policy only.
-    ddp = r["ddp"]["cnn-20"]
+
+
+def check_ddp(r: dict[str, Any]) -> None:
+    ddp = r["ddp"]["cnn-20"]  # (smoke runs compare with DDP on cnn-20 only)
     assert ddp["ratio"] > 0 and len(ddp["pair_ratios"]) == 1, ddp
     assert {x["system"] for x in ddp["runs"]} == {"prefect-elastic", "torchrun-ddp"}
-    frozen = r["frozen"]["reassign"]
-    assert frozen["frozen"] and frozen["longest_gap_s"] > 0, frozen
-    assert frozen["cont_t"] > frozen["stop_t"]
-    assert set(r["calls"]["ms"]) == {"empty", "cnn share", "mlp share"}
-    assert all(v > 0 for by in r["calls"]["ms"].values() for v in by.values())
-    for w in ("cnn", "mlp"):
-        assert [x["workers"] for x in r["scaling"][w]] == [1, 2]
+
+
+def check_recovery(r: dict[str, Any]) -> None:
     for policy in ("reassign", "rollback"):
         rec = r["recovery"][policy]
         assert rec["kills"] == 1 and rec["recovery_s"]["n"] == 1, rec
     # A SIGKILL under rollback undoes committed steps or drops the step in flight: work lost is counted.
     assert r["recovery"]["rollback"]["lost_steps_per_failure"] > 0
     assert r["recovery"]["reassign"]["steps_lost"] == [0]
+    frozen = r["frozen"]["reassign"]  # (smoke runs freeze a worker under one policy only)
+    assert frozen["frozen"] and frozen["longest_gap_s"] > 0, frozen
+    assert frozen["cont_t"] > frozen["stop_t"]
+
+
+def check_elastic(r: dict[str, Any]) -> None:
+    assert set(r["calls"]["ms"]) == {"empty", "cnn share", "mlp share"}
+    assert all(v > 0 for by in r["calls"]["ms"].values() for v in by.values())
+    for w in ("cnn", "mlp"):
+        assert [x["workers"] for x in r["scaling"][w]] == [1, 2]
+    kinds = [e["kind"] for e in r["timeline"]["events"]]
+    assert "kill" in kinds and "join" in kinds
+
+
+def check_standby(r: dict[str, Any]) -> None:
     assert [s["server"] for s in r["memory"]["servers"]] == [0, 1]
     assert all(s["must_hold"] > s["data_bytes"] > 0 for s in r["memory"]["servers"])
     # What they must hold counts the replicas: each one's peer's shard (with its SGD momentum), which for
     # a model that lives on one data server (`min_shard_bytes`) is all on the other.
     servers = r["memory"]["servers"]
     assert sum(s["replica_bytes"] for s in servers) == 2 * sum(s["param_bytes"] for s in servers) > 0
-    kinds = [e["kind"] for e in r["timeline"]["events"]]
-    assert "kill" in kinds and "join" in kinds
-    assert r["torchrun"]["recovery"] and r["torchrun"]["timeline"]["started"], r["torchrun"]["timeline"]
-    assert r["torchrun"]["timeline"]["steps"]
     # A data server's static worker killed: promoted on a standby from the replica, and the baseline ran.
     promo, restart = r["standby"]["promotion"], r["standby"]["restart"]
     assert promo["promotions"] == promo["kills"] == 1 and promo["per_kill"][0]["source"] == "replica", promo
     assert restart["recovery_s"] > restart["fail_s"] > 0 and restart["resumed_from"], restart
     assert any("a standby promoted" in row[0] for row in figures(r))
+    check_replicas(r)
+
+
+def check_replicas(r: dict[str, Any]) -> None:
     cost = r["standby"]["replica_cost"]
     assert len(cost["ratios"]) == 1 and cost["pairs"][0]["snapshots_with"] > 0, cost
-    # TLS on every connection against none, on both workloads, one pair each in a smoke run.
-    for w in ("cnn-20", "mlp"):
+
+
+def check_async(r: dict[str, Any]) -> None:
+    accuracy = r["async"]["accuracy"]  # (one run of each in a smoke run)
+    assert [len(v) for v in accuracy["runs"].values()] == [1, 1] and 0 < accuracy["async"] <= 1, accuracy
+    assert any("final accuracy" in row[0] for row in figures(r))
+
+
+def check_tls(r: dict[str, Any]) -> None:
+    for w in ("cnn-20", "mlp"):  # TLS on every connection against none, one pair each in a smoke run
         tls = r["tls"][w]
         assert len(tls["ratios"]) == 1 and tls["pairs"][0]["tls"] > 0 and tls["pairs"][0]["plain"] > 0, tls
     assert any("cost of TLS" in row[0] for row in figures(r))
-    # Async against sync, the final accuracy on held-out digits: one run of each in a smoke run.
-    accuracy = r["async"]["accuracy"]
-    assert [len(v) for v in accuracy["runs"].values()] == [1, 1] and 0 < accuracy["async"] <= 1, accuracy
-    assert any("final accuracy" in row[0] for row in figures(r))
+
+
+def check_torchrun(r: dict[str, Any]) -> None:
+    assert r["torchrun"]["recovery"] and r["torchrun"]["timeline"]["started"], r["torchrun"]["timeline"]
+    assert r["torchrun"]["timeline"]["steps"]
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "steady": check_steady,
+    "ddp": check_ddp,
+    "recovery": check_recovery,
+    "elastic": check_elastic,
+    "standby": check_standby,
+    "replicas": check_replicas,
+    "async": check_async,
+    "tls": check_tls,
+    "torchrun": check_torchrun,
+}
+
+
+def test_every_group_of_the_suite_has_its_smoke_check() -> None:
+    assert set(CHECKS) == set(GROUPS)
+
+
+# A smoke run of one group of scenarios a CI run (a minute or two; the whole suite at smoke sizes took 9 to
+# 14 minutes here), the group picked by the run's seed so that successive runs go round them all;
+# `python -m benchmarks.run --smoke` runs every group at once.
+SMOKE_GROUP = rotated(list(GROUPS), salt=1)
+
+
+@pytest.mark.cluster
+@pytest.mark.heavy  # (a minute or two, with clusters of its own)
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("group", [SMOKE_GROUP])
+def test_smoke_run_of_one_group_writes_its_figures_into_the_stored_ones(tmp_path: Path, group: str) -> None:
+    raw = tmp_path / "results.json"
+    stored = json.loads((ROOT / "docs" / "benchmarks" / "results.json").read_text())
+    raw.write_text(json.dumps(stored))
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"# Benchmarks\n\nintro kept\n\n{START}\nold table\n{END}\n\nanalysis kept\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--only", group,
+         "--data-dir", str(tmp_path / "data"), "--raw", str(raw), "--docs", str(docs)],
+        cwd=ROOT, capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    r = json.loads(raw.read_text())
+    assert not r.get("errors")
+    assert r["partial_runs"][-1]["only"] == group
+    CHECKS[group](r)
     # The table has a row per figure, put between the marks; the text around them is kept.
     text = docs.read_text()
     assert "intro kept" in text and "analysis kept" in text and "old table" not in text
     for row in figures(r):
         assert f"| {row[0]} | {row[1]} |" in text
-    assert (tmp_path / "img" / "bench-timeline.png").stat().st_size > 10_000
-    assert (tmp_path / "img" / "bench-ratios.png").stat().st_size > 10_000
-    assert (tmp_path / "img" / "bench-fixed-cost.png").stat().st_size > 10_000
+    for plot in ("bench-timeline", "bench-ratios", "bench-fixed-cost"):
+        assert (tmp_path / "img" / f"{plot}.png").stat().st_size > 10_000
 
 
 @pytest.mark.heavy  # (about 2 minutes on 2 cores)

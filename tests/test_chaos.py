@@ -4,8 +4,9 @@ retires, joins, groups of joins, and static workers' SIGKILLs with standbys taki
 both policies ends bitwise equal to the one-worker, no-fault run with every batch id committed once; async
 mode commits every batch id once and reaches the loss of a sync run. No process is left behind.
 
-The soak runs are `heavy` (.ci/run runs them in every CI run, after the main suite); the plan and the
-figures are checked here without a cluster. The figures of each run are printed at the end of the test
+The soak is `heavy`: .ci/run runs one in every CI run, after the main suite, its mode and policy picked by
+the run's seed (`ELASTIC_CI_SEED`: successive runs go round the three, and the seed shuffles the faults);
+the plan and the figures are checked here without a cluster. The figures of each run are printed at the end of the test
 output (`pytest_terminal_summary` in conftest.py); `python -m benchmarks.soak` runs a longer soak and writes
 its figures into docs/faults.md.
 """
@@ -37,7 +38,15 @@ from prefect_elastic.local.faults import FaultRecord, FaultSchedule
 from prefect_elastic.local.netns import HostNetwork
 from prefect_elastic.messages import EventKind, Progress
 
-from .conftest import SOAK_FIGURES, References, assert_ledger_exactly_once, assert_same_parameters, make_job
+from .conftest import (
+    CI_SEED,
+    SOAK_FIGURES,
+    References,
+    assert_ledger_exactly_once,
+    assert_same_parameters,
+    make_job,
+    rotated,
+)
 from .models import GATE
 from .test_async import check_async
 
@@ -46,6 +55,9 @@ from .test_async import check_async
 ROUNDS = int(os.environ.get("ELASTIC_SOAK_ROUNDS", "5"))
 EVERY = {"sync": 25, "async": 100}  # committed steps between faults (async commits one micro-batch a step)
 PACE_S = "0.01"  # each forward pass on the soak's workers (not the reference's)
+# One soak a CI run: the seed picks the mode and policy (in turn from one run to the next) and shuffles the
+# faults; `ELASTIC_CI_SEED` runs a given one again, `python -m benchmarks.soak` runs all three.
+SOAK_CASE = (*rotated([("sync", "rollback"), ("sync", "reassign"), ("async", "reassign")]), CI_SEED)
 
 
 # -- the plan, without a cluster --------------------------------------------------------------------------
@@ -133,10 +145,8 @@ def soak_processes(marker: str) -> list[psutil.Process]:
 @pytest.mark.heavy
 @pytest.mark.cluster
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    ("mode", "policy"), [("sync", "rollback"), ("sync", "reassign"), ("async", "reassign")]
-)
-def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: str) -> None:
+@pytest.mark.parametrize(("mode", "policy", "seed"), [SOAK_CASE], ids=["{}-{}-seed{}".format(*SOAK_CASE)])
+def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: str, seed: int) -> None:
     marker = uuid.uuid4().hex
     # Steps of 4 micro-batches; async mode's faults are `EVERY` batch ids (a quarter of a step) apart.
     steps_wanted = 5 + ROUNDS * len(ROUND) * EVERY["sync"] + 60
@@ -149,7 +159,7 @@ def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: s
         mode=mode,
         job_id=f"soak-{mode}-{policy}",
     )
-    faults = chaos_schedule(seed=7, rounds=ROUNDS, every=EVERY[mode])
+    faults = chaos_schedule(seed=seed, rounds=ROUNDS, every=EVERY[mode])
     planned = sum(f.count for f in faults.faults)
     env = {"ELASTIC_TESTS_PACE_S": PACE_S, "ELASTIC_TESTS_SOAK": marker}
     with (
