@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import signal
 import subprocess
@@ -11,8 +12,9 @@ from typing import Any
 
 import pytest
 
+import prefect_elastic
 from prefect_elastic import train
-from prefect_elastic.connect import (
+from prefect_elastic.cluster import (
     WORKER_EVENTS_TOPIC,
     AnnounceRunning,
     KeepStaticWorkers,
@@ -100,12 +102,80 @@ def test_a_worker_answers_until_it_is_frozen_or_killed(cluster: LocalElasticClus
 
 
 def test_the_cluster_side_modules_import_no_torch() -> None:
-    """The scheduler and the nannies unpickle the plugins and scheduler-side functions of `connect.py` and
-    `registry.py`, which import the package: were torch imported with it, each of those processes would
-    spend 2 s of CPU and about 300 MB on it (a cluster of 4 workers started its first job 4 s later)."""
-    probe = "import sys, prefect_elastic.connect, prefect_elastic.registry; print('torch' in sys.modules)"
+    """The scheduler and the nannies unpickle the plugins and scheduler-side functions of
+    `prefect_elastic.cluster` and `registry.py`, which import the package: were torch imported with it,
+    each of those processes would spend 2 s of CPU and about 300 MB on it (a cluster of 4 workers started
+    its first job 4 s later)."""
+    probe = "import sys, prefect_elastic.cluster, prefect_elastic.registry; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+PACKAGE = Path(prefect_elastic.__file__).parent
+HARNESS = "prefect_elastic.local"
+
+
+def engine_files() -> dict[str, Path]:
+    """Every module of the package but the harness (`local/`) and the command line (the people's entry
+    point, which starts the harness's demo), by name."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE)
+        if relative.parts[0] == "local" or relative == Path("cli.py"):
+            continue
+        parts = ["prefect_elastic", *relative.with_suffix("").parts]
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imported_names(path: Path, module: str) -> set[str]:
+    """The modules a file's import statements name, relative ones made absolute; every statement, also
+    those inside functions and under `TYPE_CHECKING`."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            stem = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(stem)
+            names.update(f"{stem}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_engine_and_its_imports_are_read_as_python_does() -> None:
+    engine = engine_files()
+    assert {"prefect_elastic", "prefect_elastic.cluster", "prefect_elastic.cluster.connection"} <= set(engine)
+    assert not [m for m in engine if m.startswith(HARNESS)]
+    local_cluster = imported_names(PACKAGE / "local" / "cluster.py", "prefect_elastic.local.cluster")
+    assert "prefect_elastic.cluster.static" in local_cluster, "`..` is resolved against the package above"
+    assert "prefect_elastic.local.processes" in local_cluster, "`.` against the module's own package"
+
+
+def test_no_engine_module_imports_the_harness() -> None:
+    """The engine runs on any Dask cluster; the local harness (`prefect_elastic.local`) is support for
+    tests, demos and users' rehearsals. Read from the source, so an import in a function counts too."""
+    offending = {
+        module: sorted(n for n in imported_names(path, module) if n == HARNESS or n.startswith(HARNESS + "."))
+        for module, path in engine_files().items()
+    }
+    assert not {module: names for module, names in offending.items() if names}
+
+
+def test_importing_the_engine_loads_nothing_of_the_harness() -> None:
+    """In a fresh process: every engine module imported (the controller, the flow, the cluster side), and
+    not one module of the harness loaded with them."""
+    probe = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]: importlib.import_module(name)\n"
+        f"print(sorted(m for m in sys.modules if m == {HARNESS!r} or m.startswith({HARNESS + '.'!r})))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe, *engine_files()], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.cluster
@@ -129,7 +199,7 @@ def test_bad_cluster_class_is_named() -> None:
 # `resolve_cluster_class("dask_jobqueue.SLURMCluster")` from a thread or from the main thread.
 SLURM_CLASS_PROBE = """
 import signal, sys, threading
-from prefect_elastic.connect import resolve_cluster_class
+from prefect_elastic.cluster import resolve_cluster_class
 def callers(*_): pass
 signal.signal(signal.SIGINT, callers)
 found = []
@@ -261,7 +331,7 @@ def test_static_workers_need_a_cluster_class() -> None:
 
 
 def test_static_worker_template_carries_the_resource_and_no_lifetime() -> None:
-    from prefect_elastic.connect import StaticWorkers
+    from prefect_elastic.cluster import StaticWorkers
 
     class JobQueueLike:
         job_cls = type("SLURMJob", (), {"default_config_name": staticmethod(lambda: "slurm")})
@@ -281,7 +351,7 @@ def test_static_worker_template_carries_the_resource_and_no_lifetime() -> None:
 
 
 def test_slurm_walltimes_read_in_every_format_slurm_takes() -> None:
-    from prefect_elastic.connect import walltime_seconds
+    from prefect_elastic.cluster import walltime_seconds
 
     assert walltime_seconds("30") == 1800
     assert walltime_seconds("30:15") == 1815
@@ -293,7 +363,7 @@ def test_slurm_walltimes_read_in_every_format_slurm_takes() -> None:
 
 
 def test_elastic_workers_get_a_lifetime_that_ends_before_the_walltime() -> None:
-    from prefect_elastic.connect import with_lifetime_before_walltime
+    from prefect_elastic.cluster import with_lifetime_before_walltime
 
     given = {"walltime": "04:00:00", "cores": 1, "worker_extra_args": ["--resources", "GPU=1"]}
     got = with_lifetime_before_walltime(given)

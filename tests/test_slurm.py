@@ -29,7 +29,7 @@ import torch
 from distributed import Client
 
 from prefect_elastic import TrainResult, train
-from prefect_elastic.connect import connect
+from prefect_elastic.cluster import connect
 from prefect_elastic.local.prefect_server import free_port
 from prefect_elastic.local.slurm import LocalSlurm
 from prefect_elastic.messages import Progress

@@ -17,7 +17,7 @@ from distributed.security import Security
 
 from prefect_elastic import train
 from prefect_elastic.channel import Entry, Frame, ShardLink, ShardServer
-from prefect_elastic.connect import tls_security
+from prefect_elastic.cluster import tls_security
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.local.cluster import LocalElasticCluster
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import distributed
 from distributed.security import Security
 
-from ..connect import is_static_worker
+from ..cluster.static import is_static_worker
 from .processes import Service, log_tail, signal_group, start_group, stop_groups
 
 if TYPE_CHECKING:
