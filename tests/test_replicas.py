@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from prefect_elastic.data_server import DataServer, _join_tensors, _split_tensors
+from prefect_elastic.data_server import DataServer, join_tensors, split_tensors
 from prefect_elastic.errors import FatalError, StaleGenerationError
 from prefect_elastic.training import prepare, standbys
 
@@ -48,9 +48,9 @@ def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(d
 
     async def run() -> None:
         # A snapshot with the optimizer's state in it (Adam's moments exist from the first step on).
-        assert first._optimizer is not None
-        first._optimizer.step([{n: torch.full_like(p, 0.5) for n, p in first._params.items()}])
-        first._snapshots[0] = first._copy_state()
+        assert first.shard.optimizer is not None
+        first.shard.optimizer.step([{n: torch.full_like(p, 0.5) for n, p in first._params.items()}])
+        first.shard.snapshots[0] = first.shard.copy_state()
         await first.set_peer(0, second)
         await settled()
         with torch.no_grad():  # the shard moved on after its snapshot: the replica is of the snapshot
@@ -60,19 +60,19 @@ def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(d
         empty = DataServer(0, job, prepared.dataset, schedule, {}, {}, None, 0)
         assert not empty._params
         assert await empty.adopt(second, 0) == 0
-        snapshot = first._snapshots[0]
+        snapshot = first.shard.snapshots[0]
         assert set(empty._params) == set(snapshot.params) == set(plan[0]) & set(first._params)
         assert all(torch.equal(empty._params[n], t) for n, t in snapshot.params.items())
         assert not any(torch.equal(empty._params[n], t) for n, t in first._params.items())
-        assert empty._optimizer is not None, "the optimizer is built for the adopted parameters"
+        assert empty.shard.optimizer is not None, "the optimizer is built for the adopted parameters"
         # The tensors came over the peer's channel as one frame: the flat parameters and each of Adam's
         # moments, flat too, are views of that frame's one buffer, not copies of it.
-        flat = empty._optimizer._flat
+        flat = empty.shard.optimizer._flat
         assert flat is not None
-        (moments,) = empty._optimizer._optimizer.state.values()
+        (moments,) = empty.shard.optimizer._optimizer.state.values()
         for key in ("exp_avg", "exp_avg_sq"):
             assert moments[key].untyped_storage().data_ptr() == flat.untyped_storage().data_ptr(), key
-        taken, held = empty._optimizer.state_dict()["state"], snapshot.optimizer["state"]
+        taken, held = empty.shard.optimizer.state_dict()["state"], snapshot.optimizer["state"]
         assert taken.keys() == held.keys() and taken
         for i in held:
             assert held[i].keys() == taken[i].keys()
@@ -89,11 +89,11 @@ def test_the_peer_keeps_the_snapshot_every_shard_holds_and_the_two_newest(digits
             await second.hold_replica(
                 0, 0, {"version": version, "params": {}, "buffers": {}, "optimizer": {}}
             )
-        assert second._keep == 0
-        assert sorted(second._replicas) == [0, 4, 5]
-        second._keep = 4  # as a snapshot_at(..., keep=4) sets it
-        second._prune_replicas()
-        assert sorted(second._replicas) == [4, 5]
+        assert second.replicas.keep == 0
+        assert sorted(second.replicas.held) == [0, 4, 5]
+        second.replicas.keep = 4  # as a snapshot_at(..., keep=4) sets it
+        second.replicas.prune()
+        assert sorted(second.replicas.held) == [4, 5]
         with pytest.raises(FatalError, match="holds no replica of shard 0 at version 2"):
             await second.replica(0, 2)
 
@@ -124,7 +124,7 @@ def test_without_peer_replicas_snapshots_count_at_once_and_no_copy_is_sent(digit
         await first.set_peer(0, second)
         await settled()
         assert [s.version for s in (await first.status(0)).snapshots] == [0]
-        assert second._replicas == {}
+        assert second.replicas.held == {}
 
     asyncio.run(run())
 
@@ -147,11 +147,11 @@ def test_a_replica_travels_as_its_tensors_and_an_outline_that_puts_them_back() -
         },
         "applied": [1, 2],
     }
-    outline, placed = _split_tensors(replica)
+    outline, placed = split_tensors(replica)
     assert len(placed) == 3 and not any(isinstance(v, torch.Tensor) for v in _leaves(outline))
     # The optimizer's state goes after the parameters, key by key (each key one run in the frame).
     assert [place for place, _ in placed] == [0, 2, 1]
-    back = _join_tensors(outline, {place: t.clone() for place, t in placed})
+    back = join_tensors(outline, {place: t.clone() for place, t in placed})
     assert back["optimizer"]["param_groups"] == replica["optimizer"]["param_groups"]
     assert isinstance(back["optimizer"]["param_groups"][0]["betas"], tuple)
     assert list(back["optimizer"]["state"]) == [0]

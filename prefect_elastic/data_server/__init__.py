@@ -1,0 +1,37 @@
+"""The data server with its parameter shard: a Dask actor on a static worker, one per data partition.
+
+- `actor.py`: `DataServer`, the actor: receives the calls of the coordinator, the controller and the
+  peers, and hands them on;
+- `frames.py`: the step path's frames of compute loops, decoded and answered;
+- `apply.py`: the step's apply, `StepApplies`, as `SyncCommits` or `AsyncApplies` (`for_mode`);
+- `records.py`: the open step, the records of applied steps, and the apply's decisions (pure);
+- `state.py`: the shard's tensors, version, generation and snapshots;
+- `replicas.py`: copies of snapshots on the peer, and a standby's adoption of one;
+- `plan.py`: which tensors each shard holds (`plan_shards`, pure);
+- `hooks.py`: the points a rehearsal can slow a data server down or kill it at (`ServerHooks`).
+"""
+
+from __future__ import annotations
+
+from .actor import DataServer
+from .apply import ApplyMode, AsyncApplies, StepApplies, SyncCommits, for_mode
+from .hooks import NoHooks, ServerHooks
+from .plan import plan_shards
+from .replicas import join_tensors, split_tensors, warm_standby
+from .state import INLINE_APPLY_ELEMENTS
+
+__all__ = [
+    "INLINE_APPLY_ELEMENTS",
+    "ApplyMode",
+    "AsyncApplies",
+    "DataServer",
+    "NoHooks",
+    "ServerHooks",
+    "StepApplies",
+    "SyncCommits",
+    "for_mode",
+    "join_tensors",
+    "plan_shards",
+    "split_tensors",
+    "warm_standby",
+]

@@ -1,0 +1,381 @@
+"""The step's apply on a shard, in its two modes: one Protocol (`StepApplies`), two implementations.
+
+- `SyncCommits` (sync mode): a step's gradients are collected from every worker's push, and the push that
+  completes the step applies it, summed in batch-id order: the shard is a commit point of its own, with no
+  round trip to the coordinator on the step path. A pull of a step waits until the step before is applied.
+- `AsyncApplies` (async mode): each micro-batch's gradient is applied as it arrives, once per batch id,
+  refused above `max_staleness`; a loop reads the parameters as they are now (`current`).
+
+The data server is handed one of them (`for_mode`, chosen when the job is prepared) and never asks which
+it has. Both act on the shard's `ShardState` and keep its records; the decisions are pure (`records.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Protocol
+
+from ..errors import FatalError, RecoverableError
+from ..messages import StepRecord, Tensors
+from ..schedule import Schedule
+from ..shard_optimizer import Gradient
+from .hooks import ServerHooks
+from .records import OpenStep, async_verdict, push_refusal, replicas_kept_async, replicas_kept_sync
+from .state import ShardState
+
+
+class StepApplies(Protocol):
+    """How a shard takes gradients and applies them, and what that means for a fence and its replicas."""
+
+    async def push(
+        self,
+        generation: int,
+        step: int,
+        worker: str,
+        grads: dict[int, Gradient],
+        buffers: dict[int, Tensors],
+        losses: dict[int, float],
+    ) -> None:
+        """The gradients, buffers and losses of some batch ids of step `step` (sync mode)."""
+
+    async def pull(self, generation: int, step: int, wait: float) -> Tensors:
+        """The parameters and buffers as of `step`, waiting up to `wait` s for them (sync mode)."""
+
+    async def apply_one(
+        self,
+        generation: int,
+        worker: str,
+        batch_id: int,
+        computed_on: int,
+        grads: Tensors,
+        buffers: Tensors,
+        loss: float,
+    ) -> tuple[str, int]:
+        """One micro-batch's gradient, applied at once (async mode): the outcome and its staleness."""
+
+    async def current(self, generation: int) -> tuple[int, Tensors]:
+        """The version and a copy of the parameters and buffers as they are now (async mode)."""
+
+    async def current_for_answer(self, generation: int) -> tuple[int, Tensors]:
+        """`current`, for a frame's answer (no copy where that is safe)."""
+
+    async def advance(self) -> None:
+        """Apply what is complete and no hold keeps (after a hold is lifted or raised)."""
+
+    async def settle(self) -> int:
+        """For a fence: the apply under way ends, the gradients held of unapplied steps are dropped;
+        returns how many of the open step's there were."""
+
+    def drop_open(self) -> None:
+        """A restore: the gradients held of unapplied steps are dropped."""
+
+    def reset(self) -> None:
+        """The shard took a whole new state (a promotion): nothing held of the old one counts."""
+
+    @property
+    def pending(self) -> int:
+        """The micro-batches of the open step whose gradients the shard holds."""
+
+    def applied_from(self, first: int) -> tuple[int, ...] | None:
+        """The batch ids applied here from `first` on, for a rebuilt coordinator (None: not kept)."""
+
+    def replicas_kept(self, versions: list[int], keep: int) -> set[int]:
+        """Of the copies of the peer's snapshots (by version), the ones to keep."""
+
+
+class ApplyMode(Protocol):
+    """What `for_mode` gives: makes the apply of one shard."""
+
+    def __call__(
+        self, state: ShardState, schedule: Schedule, hooks: ServerHooks, max_staleness: int
+    ) -> StepApplies: ...
+
+
+def for_mode(mode: str) -> ApplyMode:
+    """The apply of a job's mode (`ElasticJob.mode`): the one place its name is read."""
+    if mode == "sync":
+        return SyncCommits
+    if mode == "async":
+        return AsyncApplies
+    raise ValueError(f"mode={mode!r}: a data server applies in 'sync' or 'async' mode")
+
+
+class SyncCommits:
+    """Sync mode: the push that completes a step applies it."""
+
+    def __init__(self, state: ShardState, schedule: Schedule, hooks: ServerHooks, max_staleness: int) -> None:
+        self._state = state
+        self._schedule = schedule
+        self._open = OpenStep()
+        # A data server that holds no state: pushes of steps after its open one, kept until it gets there
+        # (a loop does not wait for such a server's answer, so its pushes can overtake another's).
+        self._later: dict[int, OpenStep] = {}
+        self._advancing = False  # `advance` under way
+        self._step_applied: asyncio.Future[None] | None = None  # done when the last `_apply_step` ends
+
+    async def push(
+        self,
+        generation: int,
+        step: int,
+        worker: str,
+        grads: dict[int, Gradient],
+        buffers: dict[int, Tensors],
+        losses: dict[int, float],
+    ) -> None:
+        """The push that completes step `step` applies it."""
+        state = self._state
+        state.check(generation, "push")
+        refusal = push_refusal(state.index, step, state.version, state.applying, state.stateless)
+        if refusal is not None:
+            raise RecoverableError(refusal)
+        opened = self._open if step == state.version else self._later.setdefault(step, OpenStep())
+        for batch_id in losses:
+            if self._schedule.step_of(batch_id) != step:
+                raise FatalError(f"gradient of batch {batch_id} pushed for step {step}")
+            opened.take(
+                batch_id, worker, grads.get(batch_id, {}), buffers.get(batch_id, {}), losses[batch_id]
+            )
+        await self.advance()
+
+    async def pull(self, generation: int, step: int, wait: float) -> Tensors:
+        """A worker asks for the next step's parameters right after pushing this step's gradients; the call
+        waits (up to `wait` seconds) until the shard has applied the step before, so the answer leaves the
+        moment the parameters exist. It fails when the generation changes or the wait runs out."""
+        state = self._state
+        state.check(generation, "pull")
+        if (state.version < step or state.applying) and not state.held(step):
+            await state.wait_for_version(generation, step, wait)
+        if state.held(step):  # (also a hold that came while this pull waited)
+            raise RecoverableError(
+                f"shard {state.index} holds at step {state.hold} (a static worker retires)"
+            )
+        if state.applying or state.version != step:
+            raise RecoverableError(
+                f"pull for step {step}, but shard {state.index} is at step {state.version}"
+            )
+        # No copy: the tensors are serialized as this reply is sent, or read in place by a loop on this
+        # machine while it computes (`published.py`). The shard changes them only when it applies this
+        # step, which needs the gradient of every worker that computes with them (a worker computes a
+        # step only when its share of it is not empty, and is done with them before its push). A reply
+        # still on the wire to a worker declared dead, or a loop of that worker reading in place, may see
+        # a restore; that worker's generation is refused anyway.
+        return state.live()
+
+    async def apply_one(
+        self,
+        generation: int,
+        worker: str,
+        batch_id: int,
+        computed_on: int,
+        grads: Tensors,
+        buffers: Tensors,
+        loss: float,
+    ) -> tuple[str, int]:
+        self._state.check(generation, "apply")
+        raise FatalError(f"shard {self._state.index} got an async gradient in a sync job")
+
+    async def current(self, generation: int) -> tuple[int, Tensors]:
+        self._state.check(generation, "pull")
+        raise FatalError(f"shard {self._state.index} of a sync job was asked for its parameters of no step")
+
+    async def current_for_answer(self, generation: int) -> tuple[int, Tensors]:
+        return await self.current(generation)
+
+    async def advance(self) -> None:
+        """Apply the open step if every gradient of it is here and no hold keeps it; then the next one,
+        from the pushes kept for later (`_later`), as far as they go."""
+        if self._advancing:
+            return  # the call under way checks again after each step it applies
+        self._advancing = True
+        state = self._state
+        try:
+            # One at a time: a push that completes the next step while `_apply_step` awaits (its version
+            # announced, a snapshot due) leaves the apply to this loop, so each step's own ends run first.
+            while not state.applying and self._open_step_complete() and not state.held(state.version):
+                await self._apply_step(state.version)
+        finally:
+            self._advancing = False
+
+    def _open_step_complete(self) -> bool:
+        step = self._state.version
+        return step < self._schedule.total_steps and self._open.complete(
+            len(self._schedule.step_batches(step))
+        )
+
+    async def _apply_step(self, step: int) -> None:
+        state = self._state
+        opened, self._open = self._open, OpenStep()
+        _, grads, buffers = opened.in_order()
+        state.applying = True
+        done = self._step_applied = asyncio.get_running_loop().create_future()
+        try:
+            await state.snapshot_taken()  # a snapshot of this version still reads the tensors
+            await state.run_apply(grads, buffers)
+        finally:
+            state.applying = False
+            done.set_result(None)
+        state.version += 1
+        # (Before any await: a push of the new step may come in at the next one.)
+        self._open = self._later.pop(state.version, self._open)
+        state.records.add(opened.record(step, state.generation, time.time()))
+        await state.announce_version()
+        if state.snapshot_wanted == state.version:
+            state.start_snapshot()
+
+    async def settle(self) -> int:
+        if self._step_applied is not None:
+            # A step being applied in a thread (a shard too big to apply on the event loop) ends before
+            # the fence's answer says where the shard stands; else a restore would copy the snapshot into
+            # tensors the thread is still changing, and the version would move after the answer.
+            await asyncio.shield(self._step_applied)
+        pending = self.pending
+        self.drop_open()
+        return pending
+
+    def drop_open(self) -> None:
+        self._open = OpenStep()
+        self._later.clear()
+
+    def reset(self) -> None:
+        self.drop_open()
+
+    @property
+    def pending(self) -> int:
+        return len(self._open.grads)
+
+    def applied_from(self, first: int) -> tuple[int, ...] | None:
+        return None  # (the steps' records say what was applied)
+
+    def replicas_kept(self, versions: list[int], keep: int) -> set[int]:
+        return replicas_kept_sync(versions, keep)
+
+
+class AsyncApplies:
+    """Async mode: each micro-batch's gradient is applied as it arrives, once per batch id."""
+
+    def __init__(self, state: ShardState, schedule: Schedule, hooks: ServerHooks, max_staleness: int) -> None:
+        self._state = state
+        self._total_batches = schedule.total_batches
+        self._hooks = hooks
+        self._max_staleness = max_staleness
+        self._published: tuple[int, Tensors] | None = None  # (version, a copy of the state) for pulls
+
+    async def push(
+        self,
+        generation: int,
+        step: int,
+        worker: str,
+        grads: dict[int, Gradient],
+        buffers: dict[int, Tensors],
+        losses: dict[int, float],
+    ) -> None:
+        self._state.check(generation, "push")
+        raise FatalError(f"shard {self._state.index} got a sync push in an async job")
+
+    async def pull(self, generation: int, step: int, wait: float) -> Tensors:
+        self._state.check(generation, "pull")
+        raise FatalError(f"shard {self._state.index} got a pull of step {step} in an async job")
+
+    async def apply_one(
+        self,
+        generation: int,
+        worker: str,
+        batch_id: int,
+        computed_on: int,
+        grads: Tensors,
+        buffers: Tensors,
+        loss: float,
+    ) -> tuple[str, int]:
+        """Apply the gradient of one micro-batch now, unless this shard applied that batch id already or
+        it is too stale (`async_verdict`). Returns the outcome and the staleness."""
+        state = self._state
+        state.check(generation, "apply")
+        if not 0 <= batch_id < self._total_batches or computed_on < 0:
+            raise FatalError(f"gradient of batch {batch_id} computed on version {computed_on}")
+        async with state.turn():
+            state.check(generation, "apply")  # a fence may have come while this one waited its turn
+            await self._hooks.before_apply()
+            state.check(generation, "apply")  # (and while a hook held it)
+            verdict, staleness = async_verdict(
+                batch_id, computed_on, state.version, state.applied, self._max_staleness
+            )
+            if verdict is not None:
+                # (A stale one is counted by the loops, as `stale_refusals`; `refused` counts messages of
+                # old generations.)
+                return verdict, staleness
+            if state.held(state.version):
+                raise RecoverableError(f"shard {state.index} holds at version {state.hold}")
+            if staleness > 1:
+                # Staleness-aware step (Zhang et al., 2016): a gradient computed `staleness` versions ago
+                # counts 1/staleness. With several workers pushing, plain async SGD with momentum diverges
+                # (a transformer, 4 workers, staleness 5 to 8: the loss went from 1.4 to 1e9).
+                grads = {n: g.div_(staleness) for n, g in grads.items()}
+            state.applying = True
+            try:
+                await state.run_apply([grads], [buffers])
+            finally:
+                state.applying = False
+            state.applied.add(batch_id)
+            state.records.add(
+                StepRecord(
+                    state.version,
+                    state.generation,
+                    (batch_id,),
+                    {batch_id: worker},
+                    {batch_id: loss},
+                    time.time(),
+                    computed_on,
+                    staleness,
+                )
+            )
+            state.version += 1
+            self._published = None
+        await state.announce_version()
+        return "applied", staleness
+
+    async def current_for_answer(self, generation: int) -> tuple[int, Tensors]:
+        """`current` without a copy where every apply runs on this event loop (`apply_inline`). No apply
+        can then change the tensors between here and the answer's write, and `ShardServer` sends an
+        answer's bytes, or copies them, before it awaits anything. (The mlp's 2.7 MB copy per apply cost
+        the compute worker beside it more than the copy itself: memory bandwidth on a shared machine.)"""
+        state = self._state
+        if not state.apply_inline:
+            return await self.current(generation)
+        state.check(generation, "pull")
+        return state.version, state.live()
+
+    async def current(self, generation: int) -> tuple[int, Tensors]:
+        """A copy, made once per version: an apply may change the live tensors while the answer is still
+        being sent."""
+        state = self._state
+        state.check(generation, "pull")
+        published = self._published
+        if published is None or published[0] != state.version:
+            async with state.turn():
+                live = {n: t.detach().clone() for n, t in state.live().items()}
+                published = self._published = (state.version, live)
+        return published
+
+    async def advance(self) -> None:
+        return None  # (every gradient is applied as it arrives, or refused)
+
+    async def settle(self) -> int:
+        return 0  # (the apply under way is waited for with every other turn: `ShardState.wait_turns`)
+
+    def drop_open(self) -> None:
+        return None
+
+    def reset(self) -> None:
+        self._published = None
+
+    @property
+    def pending(self) -> int:
+        return 0
+
+    def applied_from(self, first: int) -> tuple[int, ...] | None:
+        # (Async commits run close to the lowest open id: few ids lie above it.)
+        return tuple(sorted(b for b in self._state.applied if b >= first))
+
+    def replicas_kept(self, versions: list[int], keep: int) -> set[int]:
+        return replicas_kept_async(versions, keep)

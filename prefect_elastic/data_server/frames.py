@@ -1,0 +1,139 @@
+"""A data server's side of the step path: the frames of compute loops (`channel.py`), decoded into calls
+of the shard's apply and answered with parameters and batches.
+
+One frame each way per step: a push (gradients, buffers and losses of a share of a step) or an async
+apply, and what the loop needs next (the parameters of a step once applied here, batches that live here);
+also a standby's read of a replica's tensors (`adopt`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import torch
+
+from ..channel import Entry, Frame, error_header
+from ..errors import FatalError
+from ..messages import Tensors
+from ..shard_optimizer import Gradient
+from .apply import StepApplies
+from .replicas import Replicas, split_tensors
+from .state import ShardState
+
+BatchReader = Callable[[int, int], Awaitable[tuple[torch.Tensor, torch.Tensor]]]
+
+
+class ShardFrames:
+    """Answers the frames of compute loops for one shard."""
+
+    def __init__(
+        self, shard: ShardState, applies: StepApplies, replicas: Replicas, get_batch: BatchReader
+    ) -> None:
+        self._shard = shard
+        self._applies = applies
+        self._replicas = replicas
+        self._get_batch = get_batch  # (generation, batch id) -> x, y
+
+    async def answer(self, frame: Frame) -> Frame:
+        """One frame of a compute loop: a push (gradients, buffers and losses of its share of a step)
+        and/or what it needs next (`then`: the parameters of a step, once applied here, and batches that
+        live here). A failed push fails the frame; a failed `then` (not ready within its wait, a fence)
+        is answered as `next_error`, since the push itself went in."""
+        header = frame.header
+        generation = int(header["generation"])
+        if header["op"] == "apply":
+            return await self._on_apply(generation, frame)
+        if header["op"] == "current":
+            version, state = await self._applies.current_for_answer(generation)
+            return Frame(
+                {"ok": True, "version": version}, [(Entry("state", -1, n), t) for n, t in state.items()]
+            )
+        if header["op"] == "replica":
+            # A standby taking shard `source`'s role reads the replica's tensors here (`adopt`).
+            # Each tensor's place in the outline (`replica_outline`) goes as the entry's batch id.
+            _, held = split_tensors(self._replicas.replica(int(header["source"]), int(header["version"])))
+            return Frame({"ok": True}, [(Entry("replica", place, ""), t) for place, t in held], True)
+        if header["op"] == "push":
+            grads: dict[int, Gradient] = {}
+            buffers: dict[int, Tensors] = {}
+            for entry, tensor in frame.tensors:
+                if entry.kind == "grads":  # packed: one flat run over the parameters `order` names
+                    grads[entry.batch_id] = self._packed(header.get("order") or [], tensor)
+                    continue
+                target: dict[int, Any] = grads if entry.kind == "grad" else buffers
+                target.setdefault(entry.batch_id, {})[entry.name] = tensor
+            losses = {int(b): float(v) for b, v in header["losses"].items()}
+            await self._applies.push(
+                generation, int(header["step"]), str(header["worker"]), grads, buffers, losses
+            )
+        then = header.get("then")
+        if then is None:
+            return Frame({"ok": True})
+        answer: dict[str, Any] = {"ok": True}
+        tensors: list[tuple[Entry, torch.Tensor]] = []
+        try:
+            if then.get("step") is not None:
+                tensors += await self._params_for_answer(generation, then, answer)
+            for b in then["batches"]:
+                x, y = await self._get_batch(generation, int(b))
+                tensors += [(Entry("x", int(b), ""), x), (Entry("y", int(b), ""), y)]
+        except Exception as exc:
+            return Frame({"ok": True, "next_error": error_header(exc)})
+        return Frame(answer, tensors)
+
+    async def _params_for_answer(
+        self, generation: int, then: dict[str, Any], answer: dict[str, Any]
+    ) -> list[tuple[Entry, torch.Tensor]]:
+        state = await self._applies.pull(generation, int(then["step"]), float(then["wait"]))
+        tensors: list[tuple[Entry, torch.Tensor]] = []
+        optimizer = self._shard.optimizer
+        if optimizer is not None and optimizer.flat is not None:
+            # The parameters as the one flat tensor they live in, named in the header: one tensor
+            # to encode instead of one per parameter (the loop takes views of it, of this shard's
+            # own memory where it reads them in place, unless it asks for a copy: `fetch`).
+            answer["params"] = optimizer.names
+            flat = optimizer.flat.clone() if then.get("copy") else optimizer.flat
+            tensors = [(Entry("params", -1, ""), flat)]
+            state = self._shard.buffers
+            runs = self._shard.buffer_runs.runs
+            if runs:
+                # Likewise the buffers: one flat tensor per dtype, their names in the header.
+                answer["buffers"] = [names for names, _ in runs]
+                tensors += [(Entry("buffers", k, ""), run) for k, (_, run) in enumerate(runs)]
+                state = {}
+        return tensors + [(Entry("state", -1, name), t) for name, t in state.items()]
+
+    def _packed(self, order: list[str], flat: torch.Tensor) -> Gradient:
+        if self._shard.optimizer is None:
+            raise FatalError(
+                f"a packed gradient for data server {self._shard.index}, which holds no parameters"
+            )
+        return self._shard.optimizer.packed(order, flat)
+
+    async def _on_apply(self, generation: int, frame: Frame) -> Frame:
+        """Async mode: one micro-batch's gradient (with the version of this shard it was computed on),
+        applied at once; the answer says what became of it and, if asked (`then`), carries the
+        parameters as they are after it and the batches asked for."""
+        header = frame.header
+        grads: Tensors = {}
+        buffers: Tensors = {}
+        for entry, tensor in frame.tensors:
+            (grads if entry.kind == "grad" else buffers)[entry.name] = tensor
+        outcome, staleness = await self._applies.apply_one(
+            generation,
+            str(header["worker"]),
+            int(header["batch_id"]),
+            int(header["computed_on"]),
+            grads,
+            buffers,
+            float(header["loss"]),
+        )
+        answer = {"ok": True, "outcome": outcome, "staleness": staleness}
+        then = header.get("then") or {}
+        tensors: list[tuple[Entry, torch.Tensor]] = []
+        if then.get("state"):
+            version, state = await self._applies.current_for_answer(generation)
+            answer["version"] = version
+            tensors = [(Entry("state", -1, name), t) for name, t in state.items()]
+        return Frame(answer, tensors)
