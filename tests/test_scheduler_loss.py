@@ -18,6 +18,7 @@ from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import Progress
 from prefect_elastic.training import CoordinatorLost, TrainingRun
+from prefect_elastic.training.scheduler import SchedulerWatch
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job
 
@@ -73,6 +74,7 @@ def test_a_rebuild_broken_by_the_schedulers_loss_ends_in_scheduler_lost_error() 
     run.schedule = SimpleNamespace(total_steps=56)  # type: ignore[assignment]
     run.persistence = SimpleNamespace(last_written=None)  # type: ignore[assignment]
     run._scheduler_gone_since = None
+    run.scheduler = SchedulerWatch(run)
 
     def lose_the_coordinator() -> None:
         raise CoordinatorLost("its static worker was lost")
@@ -82,7 +84,7 @@ def test_a_rebuild_broken_by_the_schedulers_loss_ends_in_scheduler_lost_error() 
         raise CommClosedError("in <TCP (closed) ConnectionPool.run_function>: Connection reset by peer")
 
     run._supervise = lose_the_coordinator  # type: ignore[method-assign]
-    run._rebuild_coordinator = rebuild_while_the_scheduler_dies  # type: ignore[method-assign]
+    run.roles = SimpleNamespace(rebuild_coordinator=rebuild_while_the_scheduler_dies)  # type: ignore[assignment]
     with pytest.raises(SchedulerLostError, match="lost the Dask scheduler") as lost:
         run.supervise()
     assert "stopped at step 7 of 56" in str(lost.value)

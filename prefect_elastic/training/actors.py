@@ -1,0 +1,284 @@
+"""Placing the job's actors: registering the job, loading the engine on a worker before it takes a role,
+starting the data servers and the coordinator on the static workers (tried again on the ones left when a
+static worker is lost during the start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from distributed import Future
+
+from ..checkpoint import ShardStart
+from ..connect import (
+    AnnounceRunning,
+    CloseOnSigterm,
+    GracefulLeaves,
+    NannyKeepsWorkerOnSigterm,
+    has_plugin,
+    is_static_worker,
+    load_engine,
+    scheduler_view_of_workers,
+)
+from ..coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator
+from ..data_server import DataServer, plan_shards
+from ..errors import (
+    DataServerLostError,
+    FatalError,
+)
+from ..messages import (
+    CoordinatorHandle,
+    Resume,
+    ShardHandle,
+)
+from ..registry import claim_job
+from ..signals import StaticWorkerLeft
+from .calls import LEAVING_GRACE_SECONDS, WATCH_WHILE_CALLING_SECONDS, controller_handle
+from .pacing import PROGRESS_POLL_IDLE_SECONDS
+from .prepare import _async_snapshot_every
+from .workers import SILENT_HEARTBEATS
+
+if TYPE_CHECKING:
+    from .run import TrainingRun
+
+log = logging.getLogger(__name__)
+
+# How many cancelled starts of one role in a row the controller tries again before it gives up.
+START_TRIES = 3
+
+
+class Actors:
+    """(of a `TrainingRun`)"""
+
+    def __init__(self, run: TrainingRun) -> None:
+        self.run = run
+        self.job = run.job
+        self.client = run.client
+
+    def register(self) -> None:
+        # Roles register under the job id: a second live controller of the same job would
+        # train the same batches twice, so it is refused; a key left by a controller that died is taken
+        # over. Check and set run in one function on the scheduler, so two controllers cannot both pass.
+        # Tells a retired worker from a lost one (a graceful leave is not rolled back); kept if registered.
+        if not self.client.run_on_scheduler(has_plugin, name=GracefulLeaves.name):
+            self.client.register_plugin(GracefulLeaves(), name=GracefulLeaves.name)
+            self.client.register_plugin(CloseOnSigterm(), name=CloseOnSigterm.name)
+            self.client.register_plugin(NannyKeepsWorkerOnSigterm(), name=NannyKeepsWorkerOnSigterm.name)
+        if not self.client.run_on_scheduler(has_plugin, name=AnnounceRunning.name):
+            self.client.register_plugin(AnnounceRunning(), name=AnnounceRunning.name)
+        holder = claim_job(self.client, self.job.job_id, self.run.run_id)
+        if holder is not None:
+            raise FatalError(
+                f"job_id={self.job.job_id!r} is already training on this cluster "
+                f"(controller {holder['client']}); give this job another job_id or wait for that one to end"
+            )
+        self.run.registered = True
+
+    def static_workers(self) -> list[str]:
+        # Read on the scheduler, not from `Client.scheduler_info()`: the client's periodic refresh of that
+        # cache (which carries no workers) can land between its fetch and its return.
+        view = self.client.run_on_scheduler(scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        static = [
+            r
+            for r in view["workers"]
+            if is_static_worker(r, self.job.static_resource)
+            and r["status"] in ("running", "paused")
+            and r["address"] not in self.run.left
+        ]
+        if not static:
+            raise FatalError(
+                f"no static workers on the cluster: start some with "
+                f"`dask worker <scheduler> --resources {self.job.static_resource}=1`; data servers and the "
+                "coordinator must live on workers that are never taken away"
+            )
+        return [r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))]
+
+    def start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
+        """Start the data servers and the coordinator on the static workers. Nothing is trained before they
+        all stand, so a static worker lost meanwhile costs nothing but the start: it is tried again on the
+        static workers left (a standby is one more of them), up to `START_TRIES` times."""
+        job = self.job
+        plan = plan_shards(self.run.persistence.initial, job.data_servers, job.min_shard_bytes)
+        tries = 0
+        while True:
+            static = self.static_workers()
+            for where in static:  # (a standby's engine loads too: it may be promoted soon)
+                self.load_engine(where)
+            try:
+                return self.start_servers_on(static, plan)
+            except Exception as exc:
+                gone = sorted(
+                    w
+                    for w in {*self.run.placement, self.run.coordinator_at} - {""}
+                    if self.run.calls.leaves_soon(w, LEAVING_GRACE_SECONDS, heard=False)
+                )
+                if not gone:
+                    raise
+                self.abandon_start()
+                tries += 1
+                if tries >= START_TRIES:
+                    raise DataServerLostError(
+                        f"job {job.job_id} could not start: static workers were lost while its data servers "
+                        f"started, {tries} times (the last: {', '.join(gone)}); check why its static workers "
+                        "die, then run the job again"
+                    ) from exc
+                log.warning(
+                    "job %s: static worker %s lost while the data servers started (%s: %s); starting them "
+                    "again on the static workers left",
+                    job.job_id, ", ".join(gone), type(exc).__name__, exc,
+                )  # fmt: skip
+
+    def start_servers_on(
+        self, static: list[str], plan: list[list[str]]
+    ) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
+        job = self.job
+        self.run.placement = [static[i % len(static)] for i in range(len(plan))]
+        self.run.coordinator_at = static[0]
+        for where in sorted(set(self.run.placement)):
+            self.await_engine(where, self.startup_timeout(), heard=False)
+        for i, names in enumerate(plan):
+            start = self.run.persistence.shard_start(i, names)
+            self.run.actor_futures.append(self.submit_data_server(i, self.run.placement[i], start))
+        self.run.coordinator_future = self.submit_coordinator(
+            self.run.coordinator_at, self.run.persistence.resume()
+        )
+        # Reading a partition may take a while on a big dataset; the wait is still bounded.
+        slow = self.startup_timeout()
+        shards = [
+            self.run.calls.wait_unless_left(f, self.run.placement[i], slow, heard=False)
+            for i, f in enumerate(self.run.actor_futures)
+        ]
+        coordinator = controller_handle(
+            self.run.calls.wait_unless_left(
+                self.run.coordinator_future, self.run.coordinator_at, slow, heard=False
+            )
+        )
+        # The step path's own connections (channel.py): compute loops reach each shard there.
+        self.run.channels = [
+            self.run.calls.wait_unless_left(
+                s.open_channel(), self.run.placement[i], job.call_timeout, heard=False
+            )
+            for i, s in enumerate(shards)
+        ]
+        self.run.calls.wait_unless_left(
+            coordinator.attach(shards, self.run.channels),
+            self.run.coordinator_at,
+            job.call_timeout,
+            heard=False,
+        )
+        return coordinator, shards, plan
+
+    def abandon_start(self) -> None:
+        """Drop what a start that lost a static worker made: its actors (on the workers left) and places."""
+        futures = [
+            *self.run.actor_futures,
+            *([self.run.coordinator_future] if self.run.coordinator_future else []),
+        ]
+        with contextlib.suppress(Exception):
+            self.client.cancel(futures)
+        self.run.actor_futures.clear()
+        self.run.coordinator_future = None
+        self.run.placement = []
+        self.run.coordinator_at = ""
+
+    def load_engine(self, where: str) -> Future | None:
+        """The task that imports the engine on the worker `where` (`connect.load_engine`), started once;
+        None once it has ended. (Its future is then dropped: a worker holding its result would have to hand
+        it to another before it could retire, and would stay "closing_gracefully" meanwhile, a graceful
+        leave taken for a loss.)"""
+        if where in self.run.engine_loaded:
+            return None
+        future = self.run.engine.get(where)
+        if future is not None and future.done():
+            del self.run.engine[where]
+            self.run.engine_loaded.add(where)
+            return None
+        if future is None:
+            self.run._loop_serial += 1
+            future = self.run.engine[where] = self.client.submit(
+                load_engine, workers=[where], allow_other_workers=False, pure=False,
+                key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-load-{where}-{self.run._loop_serial}",
+            )  # fmt: skip
+            # Its end may make a member: look at once, not at the next poll.
+            future.add_done_callback(lambda _: self.run._check_soon())
+        return future
+
+    def engine_loaded_on(self, workers: Iterable[str]) -> set[str]:
+        """Of `workers`, those that imported the engine; it starts loading on the others. (A load that
+        failed counts as loaded: the role it was for fails there, and says why, as it would have.)"""
+        return {w for w in workers if self.load_engine(w) is None}
+
+    def await_engine(self, where: str, timeout: float, **watch: bool) -> None:
+        """Wait for the engine to be loaded on `where` (`_wait_unless_left`, `watch` its options)."""
+        future = self.load_engine(where)
+        if future is not None:
+            self.run.calls.wait_unless_left(future, where, timeout, **watch)
+            self.load_engine(where)  # (drops the future)
+
+    def submit_coordinator(self, where: str, resume: Resume | None) -> Future:
+        job = self.job
+        self.placed_on(where)
+        return self.client.submit(
+            Coordinator, job.job_id, self.run.schedule, job.data_servers, job.on_membership_change,
+            job.min_workers, job.min_workers_timeout, job.call_timeout, resume, job.mode,
+            _async_snapshot_every(job), self.steady_sync(),
+            actor=True, workers=[where], allow_other_workers=False, pure=False,
+            key=f"prefect-elastic-{job.job_id}-{self.run.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
+        )  # fmt: skip
+
+    def steady_sync(self) -> float:
+        """How often the coordinator reads the shards in a sync job's steady state: as often as near the
+        end where this controller polls progress for a caller that acts on steps as they commit (faults,
+        `on_progress`), whose fault at step 5 of a short job would otherwise come after its end."""
+        return SYNC_SECONDS if self.run.progress_poll < PROGRESS_POLL_IDLE_SECONDS else STEADY_SYNC_SECONDS
+
+    def placed_on(self, where: str) -> None:
+        """A role goes to the live static worker `where`: from now on `left` tells whether it left since.
+        A worker the scheduler removed once and that came back at the same address (a paused process
+        that resumed and registered again) stayed in `left`, and a role put there later was taken for
+        lost at its first call (the chaos soak: a coordinator rebuilt there failed the job)."""
+        self.run.left.discard(where)
+
+    def startup_timeout(self) -> float:
+        return max(self.job.call_timeout, 600.0)
+
+    def submit_data_server(
+        self, index: int, where: str, start: ShardStart | None, version: int = 0
+    ) -> Future:
+        """A data server for shard `index` on the static worker `where`: with the tensors of `start`
+        (scattered straight to that worker, not put in the task graph, which would make a big model's
+        graph big), or empty, to take its state from its peer (`adopt`) at `version`."""
+        applied: tuple[int, ...] = ()
+        if start is None:
+            tensors: list[Any] = [{}, {}, None]
+        else:
+            applied = start.applied
+            version = start.version
+            tensors = self.client.sync(
+                self.scatter_unless_left, [start.params, start.buffers, start.optimizer_state], where
+            )
+        self.placed_on(where)
+        return self.client.submit(
+            DataServer, index, self.job, self.run.dataset, self.run.schedule, *tensors, version, applied,
+            actor=True, workers=[where], allow_other_workers=False,
+            key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",
+            pure=False,
+        )  # fmt: skip
+
+    async def scatter_unless_left(self, data: list[Any], where: str) -> list[Future]:
+        """`data` scattered to the worker `where`, unless it leaves first: a scatter to a worker that died
+        waits for Dask's connect timeout (30 s) before it fails."""
+        scatter = asyncio.ensure_future(self.client._scatter(data, workers=[where], hash=False))
+        while True:
+            done, _ = await asyncio.wait([scatter], timeout=WATCH_WHILE_CALLING_SECONDS)
+            if done:
+                futures: list[Future] = scatter.result()
+                return futures
+            if where in self.run.left:
+                scatter.cancel()
+                raise StaticWorkerLeft(where)

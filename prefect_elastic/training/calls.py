@@ -1,0 +1,239 @@
+"""Calls to the job's actors with their timeouts, watching the static workers they depend on: a call to a
+dead worker waits for Dask's connect timeout, so each wait looks at the scheduler's list meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from distributed.actor import Actor
+
+from ..connect import (
+    answering,
+)
+from ..dask_failures import actor_lost, settled_result
+from ..errors import (
+    DataServerLostError,
+)
+from ..signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
+
+if TYPE_CHECKING:
+    from .run import TrainingRun
+
+log = logging.getLogger(__name__)
+
+# While a call to the coordinator waits (a survival check calls every shard), how often the controller looks
+# for a static worker that died under it: a call to it would otherwise wait for Dask's 30 s connect timeout.
+WATCH_WHILE_CALLING_SECONDS = 0.1
+
+# How long the controller waits on a coordinator call between two looks at whether its worker is gone: a
+# call to a worker that died waits for Dask's connect timeout, not for an answer that will never come.
+CALL_SLICE_SECONDS = 0.05
+
+# A call to a static worker that broke is given this long to turn out a loss of that worker before the error
+# counts as the call's own: the broken connection to a killed worker can reach the controller before the
+# scheduler has removed the worker.
+LEAVING_GRACE_SECONDS = 2.0
+
+# How many times a data server taken for lost may keep its role because it answered (`_answering`): a
+# worker that stays silent to the scheduler while it answers would otherwise be fenced over and over.
+KEEP_TRIES = 3
+
+
+class ControllerCoordinatorHandle(Actor):
+    """The controller's handle on its coordinator: a Dask `Actor` whose calls raise `CoordinatorLost`
+    when its worker is lost, where Dask raises a `RuntimeError`.
+
+    Dask raises it at the attribute's lookup (`handle.progress`), before any call, once the actor's
+    future is in error: outside `Calls.call`, which turns the same error from an answer into
+    `CoordinatorLost`. A coordinator killed between two calls therefore ended the job instead of being
+    rebuilt (the async chaos soak in CI), and a handler that tells `CoordinatorLost` from other errors
+    (`_keep`) took it for a data server's failure. It pickles as a plain `Actor` (`Actor.__reduce__`), so
+    the compute loops and the data servers get Dask's own handle."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return super().__getattr__(key)
+        except RuntimeError as exc:
+            if not actor_lost(exc):
+                raise
+            raise CoordinatorLost(f"its static worker {self._address} was lost ({exc})") from exc
+
+
+def controller_handle(coordinator: Actor) -> ControllerCoordinatorHandle:
+    """`coordinator`, as the controller holds it (`ControllerCoordinatorHandle`): the same actor, bound
+    to the same client as Dask binds the handle it gives back (`Actor.__reduce__`)."""
+    return ControllerCoordinatorHandle(coordinator._cls, coordinator._address, coordinator.key)
+
+
+class Calls:
+    """(of a `TrainingRun`)"""
+
+    def __init__(self, run: TrainingRun) -> None:
+        self.run = run
+        self.job = run.job
+        self.client = run.client
+
+    def call(self, future: Any, timeout: float | None = None) -> Any:
+        """The answer to a call to the coordinator. If its static worker leaves meanwhile, raises
+        `CoordinatorLost` at once (the call itself would wait for Dask's connect timeout)."""
+        deadline = time.monotonic() + (timeout or self.job.call_timeout)
+        next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
+        while True:
+            try:
+                return future.result(timeout=max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
+            except TimeoutError as exc:
+                if self.run.coordinator_at in self.run.left:
+                    raise CoordinatorLost(
+                        f"its static worker {self.run.coordinator_at} left the cluster"
+                    ) from exc
+                now = time.monotonic()
+                if now >= next_look:
+                    next_look = now + WATCH_WHILE_CALLING_SECONDS
+                    self.tell_lost_shards()
+                if now < deadline:
+                    continue
+                raise DataServerLostError(
+                    f"the coordinator of job {self.job.job_id} on {self.run.coordinator_at} did not answer "
+                    f"within {timeout or self.job.call_timeout:g} s; its static worker is probably frozen"
+                ) from exc
+            except (OSError, RuntimeError) as exc:
+                if isinstance(exc, RuntimeError) and not actor_lost(exc):
+                    raise
+                # The connection to its worker broke, or the scheduler said the worker is gone.
+                raise CoordinatorLost(
+                    f"its static worker {self.run.coordinator_at} was lost ({type(exc).__name__}: {exc})"
+                ) from exc
+
+    def wait_unless_left(
+        self, future: Any, worker: str, timeout: float, elastic: bool = False, heard: bool = True
+    ) -> Any:
+        """`future`'s result, unless the static worker `worker` (an elastic one with `elastic`), which the
+        call depends on, leaves first: a call to a dead worker waits for Dask's connect timeout. With
+        `heard`, a static worker the scheduler has not heard from lately has left too (a promotion must not
+        wait on a frozen standby); without, only one the scheduler no longer lists (at the start, a worker
+        busy with its first import is silent for a moment)."""
+        deadline = time.monotonic() + timeout
+        next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
+        while True:
+            try:
+                slice_s = max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic()))
+                return settled_result(future, slice_s)
+            except TimeoutError:
+                now = time.monotonic()
+                if worker in self.run.left:
+                    raise StaticWorkerLeft(worker) from None
+                if now >= next_look:
+                    next_look = now + WATCH_WHILE_CALLING_SECONDS
+                    if not self.listed(worker, elastic, heard):
+                        raise StaticWorkerLeft(worker) from None
+                if now >= deadline:
+                    raise
+            except StartCancelled:
+                raise
+            except Exception as exc:
+                # The call broke: if `worker` is gone, that is why (the error itself may be any of
+                # Dask's: a closed comm, an actor whose worker was lost, one from a worker in its death).
+                if not elastic and self.leaves_soon(worker, LEAVING_GRACE_SECONDS, heard):
+                    raise StaticWorkerLeft(worker) from exc
+                raise
+
+    def listed(self, worker: str, elastic: bool = False, heard: bool = True) -> bool:
+        """Whether `worker` is still there: an elastic one listed by the scheduler; a static one listed and
+        (with `heard`) heard from lately."""
+        view = self.run.workers.view()
+        if elastic:
+            return worker in view.listed
+        return worker in view.static or (not heard and worker in view.silent_static)
+
+    def leaves_soon(self, worker: str, grace: float, heard: bool = True) -> bool:
+        """Whether the static worker `worker` is gone, or goes within `grace` seconds."""
+        deadline = time.monotonic() + grace
+        while True:
+            if worker in self.run.left or not self.listed(worker, heard=heard):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(WATCH_WHILE_CALLING_SECONDS)
+
+    def answering(self, indices: Iterable[int]) -> set[int]:
+        """Of the data servers `indices`, taken for lost, those that answer a call within `call_timeout`.
+
+        A static worker the scheduler lists but has not heard from for a moment is taken for lost, so that
+        a cut or frozen one's roles move within seconds. But a worker, or the scheduler itself, starved of
+        CPU is silent for a moment too (CI's chaos soak on 2 cores: the coordinator's worker and both data
+        servers' silent at once, and a job that had lost nothing failed for want of a live shard). So where
+        silence would cost a shard its last copy (the job would go back to a checkpoint, or fail), the
+        silent ones are asked first: one that answers is not lost, and its answer counts as a heartbeat
+        (for one silence limit). A worker being handed over is not asked, nor one whose data server was kept
+        `KEEP_TRIES` times (silent to the scheduler while it answers, it would be fenced over and over)."""
+        view = self.run.workers.view()
+        listed = {*view.static, *view.silent_static}  # (heard again, perhaps, since it was taken for lost)
+        asked: dict[int, Any] = {}
+        for i in sorted(set(indices)):
+            where = self.run.placement[i]
+            if where not in listed or where in self.run.leaving or self.run._kept[(i, where)] >= KEEP_TRIES:
+                continue  # gone; handing its roles over; or kept too often already
+            with contextlib.suppress(RuntimeError):  # Dask already knows its worker is gone
+                asked[i] = self.run.shards[i].status(self.run.schedule.total_steps)
+        if asked:
+            log.warning(
+                "job %s: data servers %s, taken for lost, are still listed by the scheduler; asking them "
+                "before they count as lost (up to %g s, call_timeout)",
+                self.job.job_id, sorted(asked), self.job.call_timeout,
+            )  # fmt: skip
+        answered: set[int] = set()
+        deadline = time.monotonic() + self.job.call_timeout
+        while asked and time.monotonic() < deadline:
+            for i, future in list(asked.items()):
+                if self.run.placement[i] in self.run.left:
+                    del asked[i]  # the scheduler removed its worker: lost after all
+                    continue
+                try:
+                    future.result(timeout=CALL_SLICE_SECONDS)
+                except TimeoutError:
+                    continue
+                except Exception:  # its worker died meanwhile
+                    del asked[i]
+                    continue
+                del asked[i]
+                answered.add(i)
+                self.run._answered_at[self.run.placement[i]] = time.monotonic()
+        if answered:
+            log.warning("job %s: data servers %s answered: not lost", self.job.job_id, sorted(answered))
+        return answered
+
+    def tell_lost_shards(self) -> None:
+        """While a coordinator call waits (it may be calling every shard), look at the static workers: a
+        call to a shard whose worker just died waits for Dask's connect timeout, so the coordinator is told
+        of the loss at once (`shards_lost`, not waited for), which makes it give that call up."""
+        static = set(self.run.workers.view().static)
+        if self.run.coordinator_at not in static:
+            raise CoordinatorLost(f"its static worker {self.run.coordinator_at} left the cluster")
+        if self.run._promoting is not None and self.run._promoting[1] not in static:
+            # Told again at each look while the promotion lasts: a report that reaches the coordinator
+            # before the promotion put the standby's data server in place does not match its key.
+            index, standby, key = self.run._promoting
+            self.run.coordinator.shards_lost([index], f"standby {standby} left during its promotion", [key])
+        for i, where in enumerate(self.run.placement):
+            if where not in static and i not in self.run._told_lost:
+                self.run._told_lost.add(i)
+                # Not waited for: the answer may come after the promotion, which the key fences out.
+                self.run.coordinator.shards_lost([i], f"static worker {where} left", [self.run.shards[i].key])
+
+    def members_answering(self, workers: set[str], timeout: float) -> frozenset[str]:
+        """The workers among `workers` whose process answers a connection within `timeout` seconds
+        (`connect.answering`); none if asking fails."""
+        if not workers:
+            return frozenset()
+        try:
+            alive: frozenset[str] = self.client.sync(
+                answering, workers, timeout, callback_timeout=timeout + 1, **self.client.connection_args
+            )
+        except Exception:  # (the client's loop closing under it: nothing is known, so wait)
+            return frozenset()
+        return alive

@@ -1,0 +1,183 @@
+"""The workers as the job sees them: which elastic workers are live members, which are still starting,
+which static workers hold roles, which are standbys, and which are silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..connect import (
+    is_static_worker,
+    scheduler_view_of_workers,
+)
+
+if TYPE_CHECKING:
+    from .run import TrainingRun
+
+log = logging.getLogger(__name__)
+
+# A worker silent for more than this many of the scheduler's heartbeat intervals (and for more than a
+# liveness interval) is out of the membership: 0.5 s heartbeats on small clusters make it 1.25 s.
+SILENT_HEARTBEATS = 2.5
+
+# How long a static worker that holds a role and is silent to the scheduler is given to answer Dask's
+# handshake before it counts as silent (at most a liveness interval): a live one answers in milliseconds.
+SILENT_PROBE_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class WorkersView:
+    live: list[str]  # elastic workers that run and were heard from lately
+    starting: bool
+    listed: set[str]  # elastic workers the scheduler lists (a frozen one stays listed)
+    static: tuple[str, ...] = ()  # static workers that run, in the order roles are placed on them
+    pending: int = 0  # workers the cluster object started that the scheduler does not list yet
+    graceful: frozenset[str] = frozenset()  # workers that left gracefully lately (retired, not lost)
+    # Static workers the scheduler still lists but has not heard from lately: left out of `static`, but
+    # asked before their loss would cost a shard's last copy (`TrainingRun._answering`).
+    silent_static: frozenset[str] = frozenset()
+
+
+def standbys(static: tuple[str, ...] | list[str], placement: list[str]) -> tuple[str, ...]:
+    """The live static workers that hold no data server of the job: where a lost one's role can go. (The
+    coordinator starts beside data server 0; one rebuilt on a standby leaves room there for a data
+    server, since it holds little.)"""
+    return tuple(w for w in static if w not in placement)
+
+
+def running_elastic(rows: list[dict[str, Any]], static_resource: str, silent_after: float) -> list[str]:
+    """The elastic workers that run and were heard from lately (`scheduler_view_of_workers`'s rows)."""
+    return [
+        r["address"]
+        for r in rows
+        if not is_static_worker(r, static_resource)
+        and r["status"] in ("running", "paused")
+        and r["silent"] <= max(silent_after, r["silent_limit"])
+    ]
+
+
+def static_rows(rows: list[dict[str, Any]], static_resource: str) -> list[dict[str, Any]]:
+    """The static workers that are there. (One asked to retire is "closing_gracefully" while the scheduler
+    tries, and refuses, since it holds an actor, then "running" again: it is still there, and its roles
+    are handed over.)"""
+    return [
+        r
+        for r in rows
+        if is_static_worker(r, static_resource) and r["status"] in ("running", "paused", "closing_gracefully")
+    ]
+
+
+def unheard(row: dict[str, Any], now: float, silent_after: float, answered_at: dict[str, float]) -> bool:
+    """Whether the scheduler has not heard from the worker of `row` lately, nor has it answered a direct
+    call lately (`answered_at`: such an answer counts as a heartbeat)."""
+    since = min(row["silent"], now - answered_at.get(row["address"], -math.inf))
+    return bool(since > max(silent_after, row["silent_limit"]))
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Where the job's roles live, as the view of the workers needs it."""
+
+    placement: list[str]  # the static worker of each data server
+    coordinator_at: str
+    # Whether the coordinator's worker keeps its role while silent with standbys heard (async mode, where
+    # its loss ends the job: docs/design/async.md).
+    keep_silent_coordinator: bool = False
+
+
+def classify(
+    rows: list[dict[str, Any]],
+    graceful: Iterable[str],
+    *,
+    static_resource: str,
+    silent_after: float,
+    now: float,
+    answered_at: dict[str, float],
+    loaded: set[str],
+    roles: Roles,
+    requested: Iterable[Any] | None = None,
+) -> WorkersView:
+    """The workers as the job sees them, from the scheduler's rows (`scheduler_view_of_workers`): a pure
+    decision. Elastic workers are live once running, heard from lately and with the engine `loaded`. A
+    static worker that stopped sending heartbeats (its network cut, or frozen) is gone too, as a silent
+    compute worker is: the scheduler lists it until Dask's TCP timeout or worker-ttl (12 s to minutes), and
+    every call to its data server waits meanwhile. It is never a standby; its roles move only while a
+    standby that is heard from can take them: with none, declaring it lost would turn a pause into a job
+    that fails after `min_workers_timeout`, so they stay and the controller waits for it (or for Dask to
+    remove it). `requested`: the workers a cluster object started (`SpecCluster.requested`), those the
+    scheduler does not list yet are `pending`."""
+    elastic = [r for r in rows if not is_static_worker(r, static_resource)]
+    running = running_elastic(rows, static_resource, silent_after)
+    static = static_rows(rows, static_resource)
+    heard = [r for r in static if not unheard(r, now, silent_after, answered_at)]
+    holders = {*roles.placement, roles.coordinator_at}
+    if not standbys([r["address"] for r in heard], roles.placement):
+        heard += [r for r in static if r not in heard and r["address"] in holders]
+    elif roles.keep_silent_coordinator:
+        heard += [r for r in static if r not in heard and r["address"] == roles.coordinator_at]
+    pending = len(set(map(str, requested)) - {str(r["name"]) for r in rows}) if requested else 0
+    return WorkersView(
+        live=sorted(a for a in running if a in loaded),
+        starting=any(r["status"] == "init" for r in elastic) or len(set(running) & loaded) < len(running),
+        pending=pending,
+        listed={r["address"] for r in elastic},
+        static=tuple(r["address"] for r in sorted(heard, key=lambda r: (str(r["name"]), r["address"]))),
+        graceful=frozenset(graceful),
+        silent_static=frozenset(r["address"] for r in static if r not in heard),
+    )
+
+
+class Workers:
+    """The run's view of the workers: the scheduler's rows read, the engine's loads and the handshakes
+    with silent role holders done, then `classify`."""
+
+    def __init__(self, run: TrainingRun) -> None:
+        self.run = run
+        self.job = run.job
+        self.client = run.client
+
+    def view(self) -> WorkersView:
+        """The workers as the scheduler sees them now (`classify`)."""
+        run = self.run
+        silent_after = max(self.job.liveness_interval, 0.0)
+        view = self.client.run_on_scheduler(scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
+        rows = view["workers"]
+        listed = {r["address"] for r in rows}
+        for gone in [w for w in run.engine if w not in listed]:
+            del run.engine[gone]
+        run.engine_loaded &= listed
+        # A worker that has not imported the engine yet is still starting: the import would otherwise
+        # happen on its event loop, which would send no heartbeat meanwhile (`connect.load_engine`).
+        loaded = run.actors.engine_loaded_on(running_elastic(rows, self.job.static_resource, silent_after))
+        # A role's worker silent to the scheduler is asked for Dask's handshake first: one starved of CPU
+        # (the chaos soak's 2 cores) still answers, and taking it for lost cost a promotion or the
+        # coordinator's rebuild, seconds under that load; a frozen or cut-off one never answers.
+        # One that did not answer is not asked again until the scheduler hears from it.
+        now = time.monotonic()
+        silent = {
+            r["address"]
+            for r in static_rows(rows, self.job.static_resource)
+            if unheard(r, now, silent_after, run._answered_at)
+        }
+        run._unanswered &= silent
+        asked = silent & {*run.placement, run.coordinator_at} - run._unanswered
+        alive = run.calls.members_answering(asked, min(SILENT_PROBE_SECONDS, max(silent_after, 0.1)))
+        for worker in alive:
+            run._answered_at[worker] = time.monotonic()
+        run._unanswered |= asked - alive
+        return classify(
+            rows,
+            view["graceful"],
+            static_resource=self.job.static_resource,
+            silent_after=silent_after,
+            now=time.monotonic(),
+            answered_at=run._answered_at,
+            loaded=loaded,
+            roles=Roles(list(run.placement), run.coordinator_at, self.job.mode == "async"),
+            requested=getattr(run.cluster, "requested", None),
+        )
