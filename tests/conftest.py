@@ -13,6 +13,7 @@ machine never share a file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -27,9 +28,12 @@ import numpy as np
 import pytest
 import torch
 
+import prefect_elastic
+import prefect_elastic.training
 from prefect_elastic import ElasticJob, TrainResult, memfd, train
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.dataset import digits_dataset, write_npz
+from prefect_elastic.errors import ElasticError
 from prefect_elastic.local.chaos import SoakFigures
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -37,6 +41,28 @@ from prefect_elastic.messages import Progress
 from prefect_elastic.training import prepare
 
 from .prefect_harness import prefect_server  # noqa: F401  (a session fixture: a real Prefect server)
+
+
+def _public_errors_only(train_: Callable[..., TrainResult]) -> Callable[..., TrainResult]:
+    """`train` as every test calls it: whatever a run meets (kills, freezes, partitions, a lost scheduler, a
+    bad job), what it raises must be one of the public errors of `prefect_elastic.errors`; any other
+    exception fails the test that met it, naming it."""
+
+    @functools.wraps(train_)
+    def train(*args: Any, **kwargs: Any) -> TrainResult:
+        try:
+            return train_(*args, **kwargs)
+        except ElasticError:
+            raise
+        except Exception as exc:
+            raise AssertionError(f"train() raised {type(exc).__name__}, not a public error: {exc}") from exc
+
+    return train
+
+
+# (Before any test module imports `train`: they all get the guarded one.)
+train = _public_errors_only(train)
+prefect_elastic.train = prefect_elastic.training.train = train  # type: ignore[attr-defined]
 
 # The variable names are repeated in tests/models.py, which worker processes import without this file.
 _SIGNALS = Path(tempfile.mkdtemp(prefix="prefect-elastic-tests-"))
