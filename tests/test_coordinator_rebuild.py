@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from prefect_elastic.coordinator_state import CoordinatorState
+from prefect_elastic.coordinator import CoordinatorState
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.messages import EventKind, Journal, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
@@ -99,7 +99,7 @@ def test_the_copy_follows_the_record_part_by_part_and_through_a_rollback() -> No
     # A rollback to the snapshot of step 2, then steps 2..4 trained again by another worker.
     admit(state, {"a", "b"}, (3, 3))
     state.absorb(status(0, 2, state.generation, (0, 2)))  # the restore
-    state._back_to_snapshot()
+    state.back_to_snapshot()
     for i in range(2):
         state.absorb(
             ShardStatus(

@@ -4,11 +4,26 @@ shards brought back to one version when a worker died between its pushes."""
 
 from __future__ import annotations
 
+import ast
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from prefect_elastic.coordinator_state import CoordinatorState, Failure
+from prefect_elastic.coordinator import (
+    AsyncLeases,
+    Coordinator,
+    CoordinatorState,
+    Exclusions,
+    Failure,
+    Promotion,
+    SnapshotAt,
+    SnapshotCommitted,
+    SnapshotWhereFenced,
+    SyncCommits,
+    for_mode,
+    read_interval,
+)
 from prefect_elastic.errors import FatalError
 from prefect_elastic.messages import EventKind, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
@@ -268,7 +283,7 @@ def test_the_shards_are_read_less_often_in_a_sync_jobs_steady_state_and_often_ne
     assert state.sync_interval(0.05, 0.25) == 0.05, "40 steps left: the end may come within two waits"
     applied(state, 100)
     assert state.finished and state.sync_interval(0.05, 0.25) == 0.05
-    asynchronous = CoordinatorState("job", schedule, 2, "reassign", 1, 10.0, mode="async")
+    asynchronous = CoordinatorState("job", schedule, 2, "reassign", 1, 10.0, commits=AsyncLeases)
     assert asynchronous.sync_interval(0.05, 0.25) == 0.05
 
 
@@ -332,7 +347,10 @@ def test_a_shard_keeps_only_the_records_of_steps_the_controllers_copy_may_lack()
     assert state.committed_steps == 2 and state.records_kept_from() == 2
     state.journal(3, 0)
     assert state.records_kept_from() == 2, "the copy says 3 steps, of which 2 still stand"
-    assert CoordinatorState("job", SCHEDULE, 2, "reassign", 1, 10.0, mode="async").records_kept_from() == 0
+    assert (
+        CoordinatorState("job", SCHEDULE, 2, "reassign", 1, 10.0, commits=AsyncLeases).records_kept_from()
+        == 0
+    )
 
 
 @pytest.mark.parametrize("policy", ["rollback", "reassign"])
@@ -399,3 +417,91 @@ def test_every_member_excluded_fails_the_job() -> None:
     assert [e.kind for e in events] == [EventKind.EXCLUDED, EventKind.FAILED]
     assert state.failure is not None and "every compute worker was excluded" in state.failure.message
     assert "step 0, batch 3" in state.failure.message
+
+
+# -- the two commit bookkeepings, chosen once ------------------------------------------------------------
+
+
+def test_the_mode_string_becomes_a_commit_book_in_one_place_and_is_compared_nowhere_else() -> None:
+    assert (for_mode("sync"), for_mode("async")) == (SyncCommits, AsyncLeases)
+    package = Path(__file__).parents[1] / "prefect_elastic" / "coordinator"
+    compared: list[str] = []
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                isinstance(side, ast.Constant) and side.value in ("sync", "async")
+                for side in (node.left, *node.comparators)
+            ):
+                compared.append(f"{path.name}:{node.lineno}")
+    assert [where.split(":")[0] for where in compared] == ["__init__.py"], compared
+
+
+def test_the_actor_takes_its_commit_book_as_the_implementation_or_as_the_jobs_mode() -> None:
+    for given, book in (("async", AsyncLeases), (AsyncLeases, AsyncLeases), ("sync", SyncCommits)):
+        actor = Coordinator("job", SCHEDULE, 2, "reassign", 1, 10.0, 5.0, None, given)
+        assert type(actor._state.commits) is book
+        assert actor._state.progress().mode == book.mode
+    assert type(Coordinator("job", SCHEDULE, 2, "reassign", 1, 10.0, 5.0)._state.commits) is SyncCommits
+
+
+def test_sync_commits_snapshot_one_version_at_a_check_and_the_committed_step_when_stopped() -> None:
+    state = new_state()
+    admit(state, {"a"})
+    state.absorb(status(0, 2))
+    state.absorb(status(1, 2))
+    assert state.snapshot_plan(progressed=True) == SnapshotAt(version=3, keep=0), "one ahead of the shards"
+    assert state.snapshot_wanted == 3
+    assert isinstance(state.snapshot_when_stopped(), SnapshotCommitted)
+    assert state.promotion() == Promotion(restore_to=0, asks_applied=False), "back to the snapshot"
+    assert state.rebuild_applied_from(state.journal(0, 0)) is None
+
+
+def test_async_leases_snapshot_where_each_shard_stands_every_few_checks_that_saw_progress() -> None:
+    state = CoordinatorState("job", SCHEDULE, 2, "reassign", 1, 10.0, commits=AsyncLeases, snapshot_every=2)
+    admit(state, {"a"})
+    assert state.want_snapshot(progressed=True) is None, "no one version to snapshot mid-run"
+    assert state.snapshot_plan(progressed=False) is None, "a check without progress does not count"
+    assert state.snapshot_plan(progressed=True) is None
+    assert state.snapshot_plan(progressed=True) == SnapshotWhereFenced(), "the second check with progress"
+    assert state.snapshot_plan(progressed=True) is None, "and the count starts again"
+    assert isinstance(state.snapshot_when_stopped(), SnapshotWhereFenced)
+    assert state.promotion() == Promotion(restore_to=None, asks_applied=True), "nothing goes back"
+    assert state.rebuild_applied_from(state.journal(0, 0)) == 0
+    assert (
+        CoordinatorState("job", SCHEDULE, 2, "reassign", 1, 10.0, commits=AsyncLeases).snapshot_plan(
+            progressed=True
+        )
+        is None
+    ), "without checkpoints: only when the run stops or ends"
+
+
+def test_a_sync_job_is_never_handed_a_lease_nor_a_snapshot_of_one_version_per_shard() -> None:
+    state = new_state()
+    admit(state, {"a"})
+    with pytest.raises(FatalError, match="async mode only"):
+        state.lease("a", state.generation, 2)
+    with pytest.raises(FatalError, match="one version for every shard"):
+        state.snapshot_async((1, 2), now=3.0, seconds=0.1)
+
+
+def test_the_read_interval_follows_the_pace_of_the_last_steps() -> None:
+    assert read_interval([], 100, 0.05, 0.25) == 0.05, "no pace yet"
+    assert read_interval([float("nan")] * 30, 100, 0.05, 0.25) == 0.05, "steps resumed from a checkpoint"
+    assert read_interval([1.0, 1.0], 100, 0.05, 0.25) == 0.05, "no time between them"
+    paced = [0.1 * s for s in range(40)]  # 100 ms a step; only the last 20 count
+    assert read_interval(paced, 6, 0.05, 0.25) == 0.25, "0.6 s left: more than two steady waits"
+    assert read_interval(paced, 4, 0.05, 0.25) == 0.05, "0.4 s left: the end may come within two waits"
+
+
+def test_a_worker_is_excluded_once_and_the_job_fails_on_a_second_worker_or_none_left() -> None:
+    exclusions = Exclusions()
+    assert exclusions.model_failed("a", 0, 3, "boom on a") is None
+    assert exclusions.excluded == {"a": "boom on a"}
+    assert exclusions.none_left(["a", "b"], 0, 3) is None
+    left = exclusions.none_left(["a"], 0, 3)
+    assert left is not None and "every compute worker was excluded" in left.message
+    twice = exclusions.model_failed("b", 0, 3, "boom on b")
+    assert twice is not None and (twice.kind, twice.step, twice.batch_id) == ("model", 0, 3)
+    assert "failed on 2 workers (a, b)" in twice.message and "b" not in exclusions.excluded
+    whole = Exclusions().model_failed("c", 4, None, "no batch")
+    assert whole is not None and whole.message.startswith("step 4 failed on 1 workers (c)")

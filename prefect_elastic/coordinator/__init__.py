@@ -1,0 +1,95 @@
+"""The coordinator: membership and the generation, the roles, the batch ledger and the snapshot
+bookkeeping of one job, kept by an async Dask actor on a static worker (`actor.Coordinator`).
+
+- `actor.py`: the actor; compute workers and the controller call it; it makes the calls to the shards
+  (`shard_calls.py`) and, for the static roles, `static_roles.py`.
+- `state.py`: the bookkeeping as a pure state machine (`CoordinatorState`), over the shared record
+  (`record.py`), the workers excluded after their model failed (`exclusion.py`) and the job's commit
+  bookkeeping, one `CommitBook` (`commit_book.py`) of two: `SyncCommits` (`sync_commits.py`) or
+  `AsyncLeases` (`async_leases.py`).
+- `rebuild.py`: a coordinator rebuilt from the controller's copy of the record; `pacing.py`: how often the
+  shards are read.
+
+`for_mode` below is the one place the job's mode string becomes its commit bookkeeping.
+"""
+
+from __future__ import annotations
+
+from ..messages import Resume
+from ..schedule import Schedule
+from ..survival import Policy
+from .actor import ROLE_POLL_SECONDS
+from .actor import Coordinator as _Coordinator
+from .async_leases import AsyncLeases
+from .commit_book import (
+    CommitBook,
+    Promotion,
+    Reconciliation,
+    SnapshotAt,
+    SnapshotCommitted,
+    SnapshotWhereFenced,
+)
+from .exclusion import Exclusions
+from .pacing import PACE_STEPS, STEADY_SYNC_SECONDS, SYNC_SECONDS, read_interval
+from .rebuild import rebuild_applied_from
+from .record import CoordinatorRecord, Failure
+from .shard_calls import ShardUnreachable, actor_key
+from .state import CoordinatorState
+from .static_roles import HOLD_WAIT_SECONDS
+from .sync_commits import SyncCommits
+
+__all__ = [
+    "HOLD_WAIT_SECONDS",
+    "PACE_STEPS",
+    "ROLE_POLL_SECONDS",
+    "STEADY_SYNC_SECONDS",
+    "SYNC_SECONDS",
+    "AsyncLeases",
+    "CommitBook",
+    "Coordinator",
+    "CoordinatorRecord",
+    "CoordinatorState",
+    "Exclusions",
+    "Failure",
+    "Promotion",
+    "Reconciliation",
+    "ShardUnreachable",
+    "SnapshotAt",
+    "SnapshotCommitted",
+    "SnapshotWhereFenced",
+    "SyncCommits",
+    "actor_key",
+    "for_mode",
+    "read_interval",
+    "rebuild_applied_from",
+]
+
+
+def for_mode(mode: str) -> type[CommitBook]:
+    """The commit bookkeeping of a job of `mode` (`ElasticJob.mode`, validated there)."""
+    return AsyncLeases if mode == "async" else SyncCommits
+
+
+class Coordinator(_Coordinator):
+    """The actor (`actor.Coordinator`), its commit bookkeeping given either as the implementation or as the
+    job's mode string (the controller passes `ElasticJob.mode` today), turned into one by `for_mode`."""
+
+    def __init__(
+        self,
+        job_id: str,
+        schedule: Schedule,
+        shards: int,
+        policy: Policy,
+        min_workers: int,
+        min_workers_timeout: float,
+        call_timeout: float,
+        resume: Resume | None = None,
+        commits: str | type[CommitBook] = SyncCommits,
+        snapshot_every: int = 0,
+        steady_sync: float = STEADY_SYNC_SECONDS,
+    ) -> None:
+        book = for_mode(commits) if isinstance(commits, str) else commits
+        super().__init__(
+            job_id, schedule, shards, policy, min_workers, min_workers_timeout, call_timeout, resume, book,
+            snapshot_every, steady_sync,
+        )  # fmt: skip
