@@ -17,13 +17,23 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from prefect_elastic import CheckpointMismatchError, ElasticJob, JobConfigError, TrainingStopped, train
-from prefect_elastic.checkpoint import Checkpoint, CheckpointStore, WriteFailures, fingerprint
+from prefect_elastic.checkpoint import (
+    AsyncCheckpoints,
+    Checkpoint,
+    CheckpointStore,
+    Persistence,
+    SyncCheckpoints,
+    WriteFailures,
+    fingerprint,
+    for_mode,
+)
 from prefect_elastic.errors import CheckpointWriteError, FatalError
 from prefect_elastic.ledger import LedgerEntry
 from prefect_elastic.local.cluster import LocalElasticCluster
@@ -280,6 +290,38 @@ def fill(disk: Path, room: int = 0) -> Path:
         os.close(fd)
     os.truncate(filler, max(0, filler.stat().st_size - room))
     return filler
+
+
+def test_each_mode_has_its_cadence() -> None:
+    """Sync mode writes every `checkpoint_every`-th snapshot; async mode's coordinator snapshots only
+    every `checkpoint_every` checks, so each of its snapshots is written."""
+    assert isinstance(for_mode("sync"), SyncCheckpoints) and isinstance(for_mode("async"), AsyncCheckpoints)
+    assert SyncCheckpoints().snapshots_per_checkpoint(10) == 10
+    assert AsyncCheckpoints().snapshots_per_checkpoint(10) == 1
+
+
+def mid_run_async(j: ElasticJob, step: int) -> Checkpoint:
+    """A checkpoint an async run wrote mid-run: its two shards at versions of their own."""
+    whole = sample(j, step)
+    versions, applied = (step, step + 1), (tuple(range(step)), tuple(range(step + 1)))
+    return replace(whole, optimizers=whole.optimizers * 2, versions=versions, applied=applied)
+
+
+def test_only_an_async_run_goes_on_from_a_checkpoint_an_async_run_wrote_mid_run(
+    digits_url: str, tmp_path: Path
+) -> None:
+    j = checkpointed_job(digits_url, tmp_path)
+    CheckpointStore(str(j.checkpoint)).write(mid_run_async(j, 6))
+    layout, tensors = j.initial_tensors()
+    with pytest.raises(CheckpointMismatchError, match=r"mid-run by an async run .* versions \[6, 7\]"):
+        Persistence(j, layout, tensors, SyncCheckpoints())
+    with pytest.raises(CheckpointMismatchError, match="mid-run"):
+        Persistence(j, layout, tensors)  # (the cadence of the job's mode, sync)
+    resumed = Persistence(j, layout, tensors, AsyncCheckpoints())
+    assert resumed.resumed is not None and resumed.resumed.versions == (6, 7)
+    assert resumed.shard_start(1, []).version == 7, "each shard resumes at its own version"
+    assert Persistence(j.model_copy(update={"mode": "async"}), layout, tensors).resumed is not None
+    SyncCheckpoints().check_resumable(sample(j, 6), "here")  # (a sync run's: every shard at step 6)
 
 
 def test_write_failures_end_the_job_only_past_the_limit() -> None:
