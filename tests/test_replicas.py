@@ -5,6 +5,8 @@ empty takes its shard from the peer's copy, bit for bit."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -166,3 +168,24 @@ def _leaves(value: Any) -> list[Any]:
     if isinstance(value, (list, tuple)):
         return [leaf for v in value for leaf in _leaves(v)]
     return [value]
+
+
+def test_a_released_data_server_is_freed_at_once(digits_url: str) -> None:
+    """No reference cycle through a data server's parts: a released actor (its job ended) frees its data
+    partition and tensors, and stops listening, without waiting for a full collection, which may never
+    come (startup objects are frozen, `freeze_startup_objects`)."""
+    first, second, _ = servers(digits_url)
+
+    async def run(shard: DataServer) -> None:
+        await shard.set_peer(0, second)
+        await settled()
+        await shard.snapshot_at(0, 0, 0)
+
+    asyncio.run(run(first))
+    gone = [weakref.ref(first), weakref.ref(first.shard), weakref.ref(first.replicas)]
+    gc.disable()
+    try:
+        del first
+        assert [ref() for ref in gone] == [None, None, None]
+    finally:
+        gc.enable()

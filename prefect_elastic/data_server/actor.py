@@ -39,7 +39,7 @@ import torch
 
 from ..allocator import freeze_startup_objects, tune_allocator
 from ..channel import ChannelAddress, Frame, ShardServer, worker_tls
-from ..dataset import DatasetInfo, load_partition, partition_bounds
+from ..dataset import DatasetInfo
 from ..errors import FatalError, RecoverableError, StaleGenerationError
 from ..job import ElasticJob
 from ..messages import ShardStatus, SnapshotInfo, Tensors
@@ -48,6 +48,7 @@ from ..shard_optimizer import Gradient
 from .apply import ApplyMode, for_mode
 from .frames import ShardFrames
 from .hooks import hooks_of_this_worker
+from .partition import Partition
 from .replicas import Replicas, fetch_replica, split_tensors
 from .state import ShardState
 
@@ -76,15 +77,13 @@ class DataServer:
         self.job_id = job.job_id
         self._job = job
         self._schedule = schedule
-        start, stop = partition_bounds(dataset.total, schedule.data_servers, index)
-        x, y = load_partition(dataset, start, stop)
-        self._x = torch.from_numpy(x)
-        self._y = torch.from_numpy(y)
         self.shard = ShardState(index, job, params, buffers, optimizer_state, version, applied)
+        self.partition = Partition(index, dataset, schedule, self.shard)
         make = mode if mode is not None else for_mode(job.mode)
         self.applies = make(self.shard, schedule, self._hooks, job.max_staleness)
         self.replicas = Replicas(self.shard, self.applies, schedule.data_servers, job.peer_replicas)
-        self._frames = ShardFrames(self.shard, self.applies, self.replicas, self.get_batch)
+        # (None of these holds the actor: released, it is freed at once, and stops listening.)
+        self._frames = ShardFrames(self.shard, self.applies, self.replicas, self.partition.get_batch)
         self._host = _worker_host()
         self._server: ShardServer | None = None
         freeze_startup_objects()  # see allocator.py: no full collection pauses a step for 0.1 s or more
@@ -92,8 +91,8 @@ class DataServer:
             "data server %d of job %s: samples [%d, %d), %d params, %d buffers, version %d",
             index,
             self.job_id,
-            start,
-            stop,
+            self.partition.start,
+            self.partition.stop,
             len(self.shard.params),
             len(self.shard.buffers),
             self.version,
@@ -178,11 +177,7 @@ class DataServer:
         return await self.applies.current(generation)
 
     async def get_batch(self, generation: int, batch_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.shard.check(generation, "get_batch")
-        if self._schedule.server_of(batch_id) != self.index:
-            raise FatalError(f"batch {batch_id} lives on data server {self._schedule.server_of(batch_id)}")
-        idx = torch.tensor(self._schedule.sample_indices(batch_id))  # (a copy: the order is read-only)
-        return self._x[idx], self._y[idx]
+        return await self.partition.get_batch(generation, batch_id)
 
     async def pull(self, generation: int, step: int, wait: float = 0.0) -> Tensors:
         """The shard's parameters and buffers as of `step` (before it is applied), once they exist."""
@@ -372,8 +367,8 @@ class DataServer:
             "generation": self.shard.generation,
             "version": self.shard.version,
             "snapshot_versions": sorted(self.shard.snapshots),
-            "samples": len(self._y),
-            "data_bytes": self._x.numel() * self._x.element_size() + self._y.numel() * self._y.element_size(),
+            "samples": len(self.partition.y),
+            "data_bytes": self.partition.nbytes,
             "param_bytes": nbytes(self.shard.params) + nbytes(self.shard.buffers),
         }
 

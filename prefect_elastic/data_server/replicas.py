@@ -43,7 +43,7 @@ class Replicas:
         self.replicating: dict[int, asyncio.Task[None]] = {}  # copies to the peer in flight, by version
         self.keep = state.version  # the snapshot every shard holds (from `snapshot_at`): kept, and its copy
         self.held: dict[int, dict[str, Any]] = {}  # version -> a snapshot of shard (index - 1) % D
-        state.on_snapshot = self.replicate
+        state.tell_snapshots_to(self.replicate)
 
     def set_peer(self, generation: int, peer: Any) -> None:
         """Copy this shard's snapshots to `peer` from now on; the snapshots held now are copied at once,

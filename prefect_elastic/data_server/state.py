@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,8 +63,8 @@ class ShardState:
         self.applied: set[int] = set(applied)  # batch ids applied here (async mode; a checkpoint's)
         self.snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
         self.snapshotting: asyncio.Task[None] | None = None
-        # Told of every snapshot taken in the background (the replicas copy it to the peer).
-        self.on_snapshot: Callable[[Snapshot], None] = lambda snap: None
+        # Told of every snapshot taken in the background (`tell_snapshots_to`).
+        self._on_snapshot: weakref.WeakMethod[Callable[[Snapshot], None]] | None = None
         self._version_changed: asyncio.Condition | None = None  # made in the event loop, on first use
         self._turn: asyncio.Lock | None = None  # one async apply or copy at a time (made on first use)
         self.load(params, buffers, optimizer_state, version)
@@ -185,6 +186,12 @@ class ShardState:
             self.version, params, buffers, optimizer, time.time(), time.perf_counter() - began, applied
         )
 
+    def tell_snapshots_to(self, listener: Callable[[Snapshot], None]) -> None:
+        """Hand every snapshot taken in the background to `listener` (a bound method: the replicas copy it
+        to the peer). Held weakly: its object holds this state, and a cycle would keep a released data
+        server's tensors until a full collection, which may never come (`freeze_startup_objects`)."""
+        self._on_snapshot = weakref.WeakMethod(listener)
+
     def start_snapshot(self) -> None:
         """Copy the shard in the background (started once the waiting pulls have their answer); the next
         apply waits for it (it only reads)."""
@@ -194,7 +201,9 @@ class ShardState:
             snap = await asyncio.to_thread(self.copy_state) if not self.apply_inline else self.copy_state()
             self.snapshots[snap.version] = snap
             self.snapshotting = None
-            self.on_snapshot(snap)
+            listener = self._on_snapshot() if self._on_snapshot is not None else None
+            if listener is not None:
+                listener(snap)
 
         self.snapshotting = asyncio.ensure_future(take())
 
