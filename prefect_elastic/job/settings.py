@@ -1,46 +1,43 @@
-"""The job blueprint, validated up front.
+"""The job blueprint: every setting of one elastic training job, validated when it is built.
 
-This module owns `ElasticJob`: every setting of one elastic training job, the cheap checks that run when it
-is built (each impossible value becomes a `JobConfigError` that names the field and the value), the
-expensive checks that run once before any cluster work (`check_inputs`), its YAML form, and turning its
-import paths into the model, the loss and the optimizer that every role builds the same way.
+This module owns `ElasticJob`: its fields, and the cheap checks that run when it is built (each impossible
+value becomes a `JobConfigError` that names the field and the value). What it builds and checks with those
+settings lives beside it: `build.py` (the model, the loss, the optimizer every role builds the same way),
+`inputs.py` (the expensive checks of the dataset, before any cluster work), `loading.py` (its YAML form and
+pydantic's refusals in our words).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import re
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self, cast
+from typing import Any, Literal, Self
 
 import fsspec
-import numpy as np
 import pydantic
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from prefect_elastic.dataset import DatasetInfo, inspect_dataset, partition_bounds
-from prefect_elastic.errors import JobConfigError
+from ..dataset import DatasetInfo
+from ..errors import JobConfigError
+from .build import (
+    GLOBAL_RNG_LOCK,
+    LOSSES,
+    OPTIMIZERS,
+    LossFn,
+    StateLayout,
+    build_model,
+    build_optimizer,
+    loss_named,
+    state_layout,
+)
+from .inputs import check_dataset
+from .loading import config_error, read_settings, yaml_of
 
-__all__ = ["ElasticJob", "resolve_callable"]
+__all__ = ["ElasticJob"]
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-_OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-}
-_LOSSES: dict[str, LossFn] = {
-    "cross_entropy": torch.nn.functional.cross_entropy,
-    "mse": torch.nn.functional.mse_loss,
-}
 _NON_NEGATIVE_OPTIONS = ("lr", "momentum", "weight_decay", "eps", "dampening")
 _JOB_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -61,40 +58,6 @@ _POSITIVE_SECONDS = {
     "min_workers_timeout": "how long training waits with fewer than min_workers",
     "call_timeout": "how long one remote call may take before it is an error",
 }
-# Held by whatever seeds torch's one global generator and draws from it: a model's construction
-# (`ElasticJob.initial_model`) and a micro-batch's forward (`compute.MicroBatchTrainer.gradient`).
-GLOBAL_RNG_LOCK = threading.Lock()
-
-
-@dataclass(frozen=True)
-class StateLayout:
-    """Which of a model's tensors are trained, which are buffers, and which are aliases (tied weights).
-
-    The servers hold each tensor once, under its first name; an alias is rebuilt when the state is exported.
-    Non-persistent buffers are held and used like the others but are not exported, as `state_dict` does.
-    """
-
-    params: tuple[str, ...]
-    buffers: tuple[str, ...]
-    aliases: dict[str, str]  # state_dict key -> the name of the tensor it shares
-    exported: tuple[str, ...]  # the model's state_dict keys, in order
-
-    def export(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {key: tensors[self.aliases.get(key, key)] for key in self.exported}
-
-
-def state_layout(model: torch.nn.Module) -> StateLayout:
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    first_name = {id(t): n for n, t in reversed([*params.items(), *buffers.items()])}
-    aliases = {}
-    exported = model.state_dict(keep_vars=True)
-    for key, tensor in exported.items():
-        if key not in params and key not in buffers:
-            aliases[key] = first_name[id(tensor)]
-    return StateLayout(tuple(params), tuple(buffers), aliases, tuple(exported))
-
-
 _TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
@@ -161,14 +124,14 @@ class ElasticJob(BaseModel):
             super().__init__(**data)
         except pydantic.ValidationError as exc:
             # pydantic's ValidationError is not ours and its text is generic; users catch JobConfigError.
-            raise _config_error(exc) from None
+            raise config_error(exc, tuple(type(self).model_fields)) from None
 
     @classmethod
     def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> Self:
         try:
             return super().model_validate(obj, *args, **kwargs)
         except pydantic.ValidationError as exc:
-            raise _config_error(exc) from None
+            raise config_error(exc, tuple(cls.model_fields)) from None
 
     # ---- cheap checks, run at construction -------------------------------------------------------------
 
@@ -323,9 +286,9 @@ class ElasticJob(BaseModel):
     @field_validator("loss", mode="after")
     @classmethod
     def _loss_name(cls, value: str) -> str:
-        if value not in _LOSSES and not _IMPORT_PATH.fullmatch(value):
+        if value not in LOSSES and not _IMPORT_PATH.fullmatch(value):
             raise ValueError(
-                f"must be one of {', '.join(repr(n) for n in _LOSSES)} or an import path 'module:callable' "
+                f"must be one of {', '.join(repr(n) for n in LOSSES)} or an import path 'module:callable' "
                 "of a function (output, target) -> scalar tensor"
             )
         return value
@@ -335,8 +298,8 @@ class ElasticJob(BaseModel):
     def _optimizer_options(cls, value: dict[str, Any]) -> dict[str, Any]:
         options = dict(value)
         name = options.pop("name", None)
-        choices = ", ".join(repr(n) for n in _OPTIMIZERS)
-        if name not in _OPTIMIZERS:
+        choices = ", ".join(repr(n) for n in OPTIMIZERS)
+        if name not in OPTIMIZERS:
             shown = "no 'name'" if name is None else f"name {name!r}"
             raise ValueError(
                 f"has {shown}; set 'name' to one of {choices} (these work elementwise, so a parameter shard "
@@ -356,11 +319,11 @@ class ElasticJob(BaseModel):
             # YAML gives a list; torch wants a tuple, and the dict must compare equal after a round trip.
             options["betas"] = tuple(betas)
         try:
-            _OPTIMIZERS[name]([torch.nn.Parameter(torch.zeros(1))], **options)
+            OPTIMIZERS[name]([torch.nn.Parameter(torch.zeros(1))], **options)
         except (TypeError, ValueError, RuntimeError) as exc:
             # A TypeError would escape pydantic unwrapped, so turn every refusal into a ValueError.
             raise ValueError(
-                f"torch.optim.{_OPTIMIZERS[name].__name__} refused these options ({exc}); give only "
+                f"torch.optim.{OPTIMIZERS[name].__name__} refused these options ({exc}); give only "
                 "keyword arguments that it accepts"
             ) from exc
         return {"name": name, **options}
@@ -371,65 +334,21 @@ class ElasticJob(BaseModel):
     def from_yaml(cls, path: str | os.PathLike[str]) -> ElasticJob:
         """The job described by the YAML mapping in the file at `path`."""
         file = Path(path)
+        data = read_settings(file, tuple(cls.model_fields))
         try:
-            text = file.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise JobConfigError(
-                "config", str(file), "no such file; give the path of a YAML file with the job's settings"
-            ) from None
-        except OSError as exc:
-            raise JobConfigError("config", str(file), f"cannot be read ({exc})") from exc
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise JobConfigError("config", str(file), f"is not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise JobConfigError(
-                "config",
-                str(file),
-                f"must hold a YAML mapping of settings (e.g. 'model: pkg.mod:make_net'), "
-                f"not {type(data).__name__}",
-            )
-        unknown = [key for key in data if key not in cls.model_fields]
-        if unknown:
-            key = unknown[0]
-            raise JobConfigError(
-                str(key),
-                data[key],
-                f"unknown setting in {file}; the settings are: {', '.join(cls.model_fields)}",
-            )
-        try:
-            return cls(**{str(key): item for key, item in data.items()})
+            return cls(**data)
         except JobConfigError as exc:
             raise JobConfigError(exc.field, exc.value, f"{exc.problem} (in {file})") from None
 
     def to_yaml(self) -> str:
         """The job as a YAML mapping that `from_yaml` reads back to an equal job."""
-        data = self.model_dump()
-        data["optimizer"] = {
-            key: list(item) if isinstance(item, tuple) else item for key, item in data["optimizer"].items()
-        }
-        return yaml.safe_dump(data, sort_keys=False)
+        return yaml_of(self.model_dump())
 
     # ---- what every role builds from the job -------------------------------------------------------------
 
     def make_model(self) -> torch.nn.Module:
         """A fresh model from the `model` import path."""
-        factory = resolve_callable(self.model, "model")
-        try:
-            module = factory()
-        except Exception as exc:
-            raise JobConfigError(
-                "model", self.model, f"calling it raised {type(exc).__name__}: {exc}; fix the model factory"
-            ) from exc
-        if not isinstance(module, torch.nn.Module):
-            raise JobConfigError(
-                "model",
-                self.model,
-                f"returned {type(module).__name__} ({module!r:.80}), not a torch.nn.Module; the callable "
-                "must take no arguments and return the model",
-            )
-        return module
+        return build_model(self.model)
 
     def storage_for(self, url: str) -> dict[str, Any]:
         """The fsspec keyword arguments for opening `url`: `storage_options` of its protocol, or all of
@@ -471,15 +390,11 @@ class ElasticJob(BaseModel):
 
     def loss_fn(self) -> LossFn:
         """The loss function named by `loss`."""
-        if self.loss in _LOSSES:
-            return _LOSSES[self.loss]
-        return cast(LossFn, resolve_callable(self.loss, "loss"))
+        return loss_named(self.loss)
 
     def build_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The optimizer named by `optimizer`, over `params` (the whole model or one shard's slice)."""
-        options = dict(self.optimizer)
-        name = options.pop("name")
-        return _OPTIMIZERS[name](params, **options)
+        return build_optimizer(self.optimizer, params)
 
     def check_inputs(self) -> DatasetInfo:
         """The expensive checks, run once before any cluster work: model, loss, dataset, and whether the
@@ -488,114 +403,8 @@ class ElasticJob(BaseModel):
         # in one thread changed another job's initial parameters, built at the same moment in another.)
         self.initial_model()
         self.loss_fn()
-        info = inspect_dataset(self.dataset, self.storage_for(self.dataset))
-        _check_targets(self.loss, info)
-        smallest = min(
-            stop - start
-            for start, stop in (
-                partition_bounds(info.total, self.data_servers, i) for i in range(self.data_servers)
-            )
-        )
-        if smallest < self.batch_size:
-            fits = info.total // self.batch_size
-            fixes = []
-            if smallest >= 1:
-                fixes.append(f"lower batch_size to at most {smallest}")
-            if fits >= 1:
-                fixes.append(f"lower data_servers to at most {fits}")
-            if not fixes:
-                fixes.append(f"lower data_servers to 1 and batch_size to at most {info.total}")
-            problem = (
-                f"the dataset {self.dataset} has {info.total} samples, so with data_servers="
-                f"{self.data_servers} the smallest partition holds {smallest} samples, fewer than one batch "
-                f"of batch_size={self.batch_size}; {' or '.join(fixes)}, or add samples"
-            )
-            # An empty partition is data_servers' fault alone: no batch_size can fill it.
-            if smallest == 0:
-                raise JobConfigError("data_servers", self.data_servers, problem)
-            raise JobConfigError("batch_size", self.batch_size, problem)
-        return info
-
-
-def _check_targets(loss: str, info: DatasetInfo) -> None:
-    """Refuse targets whose dtype the built-in `loss` cannot take, from the npy header of `y` alone (a loss
-    given by import path is the user's to check)."""
-    y = np.dtype(info.y_dtype)
-    per_sample = f"shape {info.y_shape} per sample" if info.y_shape else "one value per sample"
-    shown = f"{y.name} with {per_sample}"
-    if loss == "cross_entropy":
-        if y in (np.dtype(np.int64), np.dtype(np.uint8)):
-            return  # class indices, as torch takes them
-        if y.kind == "f" and info.y_shape:
-            return  # class probabilities: one value per class
-        if y.kind == "f":
-            raise JobConfigError(
-                "loss",
-                loss,
-                f"the targets 'y' of {info.url} are {shown}, but cross_entropy takes class indices (an "
-                "integer 'y', int64) or class probabilities (a float 'y' with one value per class); for "
-                "regression targets give loss='mse', for class labels write 'y' as int64 "
-                "(numpy.savez(f, x=x, y=y.astype(numpy.int64)))",
-            )
-        if y.kind in "iub":
-            raise JobConfigError(
-                "dataset",
-                info.url,
-                f"its targets 'y' are {shown}, but cross_entropy takes class indices as int64 (or uint8) "
-                "only; write 'y' as int64 (numpy.savez(f, x=x, y=y.astype(numpy.int64)))",
-            )
-        raise JobConfigError(
-            "dataset",
-            info.url,
-            f"its targets 'y' are {shown}, which cross_entropy cannot take; write 'y' as int64 class "
-            "indices or as float class probabilities",
-        )
-    if loss == "mse" and y.kind != "f":
-        raise JobConfigError(
-            "loss",
-            loss,
-            f"the targets 'y' of {info.url} are {shown}, but mse compares the output with float targets; "
-            "for class labels give loss='cross_entropy', for numeric targets write 'y' as float32 "
-            "(numpy.savez(f, x=x, y=y.astype(numpy.float32)))",
-        )
-
-
-def resolve_callable(path: str, field: str) -> Callable[..., Any]:
-    """The callable named by the import path 'module:attr.attr'; errors name `field` and the path."""
-    module_name, sep, qualname = path.partition(":")
-    if not sep or not module_name or not qualname:
-        raise JobConfigError(field, path, "must be an import path 'module:callable'")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise JobConfigError(
-                field,
-                path,
-                f"module {module_name!r} was not found; install it or put it on PYTHONPATH, on this machine "
-                "and on every Dask worker",
-            ) from exc
-        raise JobConfigError(
-            field, path, f"importing {module_name!r} failed: it imports {exc.name!r}, which is not installed"
-        ) from exc
-    except Exception as exc:
-        raise JobConfigError(
-            field, path, f"importing {module_name!r} raised {type(exc).__name__}: {exc}"
-        ) from exc
-    parts = qualname.split(".")
-    for depth, part in enumerate(parts):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            owner = module_name if depth == 0 else f"{module_name}:{'.'.join(parts[:depth])}"
-            raise JobConfigError(
-                field, path, f"{owner!r} has no attribute {part!r}; check the name after the ':'"
-            ) from None
-    if not callable(target):
-        raise JobConfigError(
-            field, path, f"names a {type(target).__name__}, which is not callable; name a function or class"
-        )
-    return cast(Callable[..., Any], target)
+        storage = self.storage_for(self.dataset)
+        return check_dataset(self.dataset, storage, self.loss, self.data_servers, self.batch_size)
 
 
 def _is_number(value: Any) -> bool:
@@ -604,37 +413,3 @@ def _is_number(value: Any) -> bool:
 
 def _is_non_negative(value: Any) -> bool:
     return _is_number(value) and value >= 0
-
-
-def _config_error(exc: pydantic.ValidationError) -> JobConfigError:
-    """Our error for pydantic's: the first problem in full, the others in short."""
-    errors = exc.errors(include_url=False)
-    first, rest = errors[0], errors[1:]
-    field, value, problem = _describe(first)
-    if rest:
-        others = "; ".join("{}={!r:.60}: {}".format(*_describe(e)) for e in rest)
-        problem += f" (also: {others})"
-    return JobConfigError(field=field, value=value, problem=problem)
-
-
-def _describe(error: Any) -> tuple[str, Any, str]:
-    loc = error.get("loc", ())
-    field = ".".join(str(part) for part in loc) if loc else "job"
-    kind = error.get("type", "")
-    message = str(error.get("msg", ""))
-    if kind == "value_error":
-        # Our own validators' text, without pydantic's "Value error, " prefix.
-        ctx_error = error.get("ctx", {}).get("error")
-        if isinstance(ctx_error, JobConfigError):
-            # A check across fields names the field to change itself.
-            return ctx_error.field, ctx_error.value, ctx_error.problem
-        message = str(ctx_error) if ctx_error is not None else message.removeprefix("Value error, ")
-        return field, error.get("input"), message
-    if kind == "missing":
-        return field, None, "is required; give it in the job"
-    if kind == "extra_forbidden":
-        known = ", ".join(ElasticJob.model_fields)
-        return field, error.get("input"), f"is not a setting of the job; the settings are: {known}"
-    if kind == "literal_error":
-        return field, error.get("input"), message
-    return field, error.get("input"), f"{message}; give a value of the declared type"
