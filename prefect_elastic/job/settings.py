@@ -102,14 +102,14 @@ class ElasticJob(BaseModel):
     # environment of those processes (docs/storage.md): the job is logged and shown as flow parameters.
     storage_options: dict[str, dict[str, Any]] = Field(default_factory=dict)
     # Copy every data server's snapshots to the next data server's memory, so a standby static worker can
-    # take a lost data server's role (seed 001). Off: less memory on static workers, and a lost data
-    # server ends the job (unless nothing was trained since the start).
+    # take a lost data server's role (docs/design/standby.md). Off: less memory on static workers, and a
+    # lost data server ends the job (unless nothing was trained since the start).
     peer_replicas: bool = True
     # "sync": a step sums M micro-batches and every shard applies it at one step boundary (bitwise
-    # reproducible). "async" (seed 002): every shard applies each micro-batch's gradient as it arrives, a
-    # worker never waits for the others, and a gradient computed on parameters more than `max_staleness`
-    # versions old is refused and trained again (see docs/design/async.md). With `checkpoint`, every shard
-    # pauses for a snapshot every `checkpoint_every` survival checks, each written.
+    # reproducible). "async": every shard applies each micro-batch's gradient as it arrives, a worker never
+    # waits for the others, and a gradient computed on parameters more than `max_staleness` versions old is
+    # refused and trained again (see docs/design/async.md). With `checkpoint`, every shard pauses for a
+    # snapshot every `checkpoint_every` survival checks, each written.
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 8
     # Parameters are spread over as many data servers as can each hold at least this many bytes of the
