@@ -25,9 +25,10 @@ def load_engine(modules: tuple[str, ...] = ENGINE_MODULES) -> None:
 
     A task's arguments are unpickled on the worker's event loop, so the first compute loop or data server
     sent to a worker that has not imported torch yet imports it there, and the worker sends no heartbeat
-    for as long (3 to 4 s on this machine): a plain `dask worker` (no preload) was taken for lost at the
-    start of every run. Here the import runs in a thread, while the loop keeps answering; this function and
-    its argument are plain names, so unpickling them imports nothing heavy (this module is torch-free)."""
+    for as long (3 to 4 s on a small machine): a plain `dask worker` (no preload) would be taken for lost
+    at the start of every run. Here the import runs in a thread, while the loop keeps answering; this
+    function and its argument are plain names, so unpickling them imports nothing heavy (this module is
+    torch-free)."""
     for name in modules:
         importlib.import_module(name)
 
@@ -42,7 +43,7 @@ async def answering(addresses: Iterable[str], timeout: float, **connection_args:
     host lost power or is cut off, does not answer either: the caller then waits as if it were dying.
     One try each (Dask's `connect` retries a refused connection until its timeout), its connection closed
     whatever happens; nothing is sent after the handshake, and a live worker logs nothing for it. A live
-    worker on the same machine answered in 0.7 to 2 ms (2026-11-28)."""
+    worker on the same machine answers in 0.7 to 2 ms (docs/benchmarks.md)."""
 
     async def one(address: str) -> str | None:
         comm = None
