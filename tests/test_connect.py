@@ -21,6 +21,7 @@ from prefect_elastic.cluster import (
     answering,
     connect,
     is_static_worker,
+    local_cluster_class,
     resolve_cluster_class,
 )
 from prefect_elastic.errors import JobConfigError
@@ -161,6 +162,10 @@ def test_no_engine_module_imports_the_harness() -> None:
         for module, path in engine_files().items()
     }
     assert not {module: names for module, names in offending.items() if names}
+
+
+def test_with_no_cluster_given_the_harness_is_started_by_its_import_path() -> None:
+    assert local_cluster_class() is LocalElasticCluster
 
 
 def test_importing_the_engine_loads_nothing_of_the_harness() -> None:

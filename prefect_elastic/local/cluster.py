@@ -12,22 +12,17 @@ whose link the test can cut. ``supervise=True`` starts a worker again when its p
 or SLURM would (a Dask worker cut off from its scheduler exits, and does not come back by itself).
 
 The live membership always comes from the scheduler, never from this object's bookkeeping: what the tests
-check is what the rest of the system sees.
+check is what the rest of the system sees. How each process is started is `launch.ClusterProcesses`'.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,7 +32,8 @@ import distributed
 from distributed.security import Security
 
 from ..cluster.static import is_static_worker
-from .processes import Service, log_tail, signal_group, start_group, stop_groups
+from .launch import POLL_S, ClusterProcesses
+from .processes import Service, signal_group, stop_groups
 
 if TYPE_CHECKING:
     from .netns import NetworkNamespace
@@ -46,34 +42,8 @@ __all__ = ["LocalElasticCluster"]
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.05
 _RPC_TIMEOUT_S = 30.0
 _TERM_GRACE_S = 5.0
-_PARENT_ENV = "PREFECT_ELASTIC_CLUSTER_PARENT"
-
-# Loaded by every scheduler and nanny (or nanny-less worker) as a preload file. atexit does not run when the
-# process that owns the cluster is SIGKILLed (a CI timeout, a killed flow run); without this the scheduler
-# and workers would live on and hold the CPUs. A reparented process means its parent is gone.
-_WATCHDOG_SOURCE = f'''"""Ends this process group once the process that started it is gone."""
-import os
-import signal
-import threading
-import time
-
-
-def dask_setup(server):
-    parent = int(os.environ.get("{_PARENT_ENV}", "0") or 0)
-    if not parent:
-        return
-
-    def watch():
-        while True:
-            if os.getppid() != parent:
-                os.killpg(os.getpgrp(), signal.SIGKILL)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, name="prefect-elastic-parent-watchdog", daemon=True).start()
-'''
 
 
 def _status_name(dask_worker: Any) -> str:
@@ -116,55 +86,45 @@ class LocalElasticCluster(Service):
                 f"worker counts must be >= 0, got static_workers={static_workers}, "
                 f"elastic_workers={elastic_workers}"
             )
-        if threads_per_worker < 1:
-            raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
-        if startup_timeout <= 0:
-            raise ValueError(f"startup_timeout must be > 0, got {startup_timeout}")
-        if max_restarts < 0 or restart_delay < 0:
-            raise ValueError(
-                f"max_restarts and restart_delay must be >= 0, got {max_restarts}, {restart_delay}"
-            )
         self.static_workers = static_workers
         self.elastic_workers = elastic_workers
-        self.threads_per_worker = threads_per_worker
         self.nanny = nanny
         self.static_resource = static_resource
-        self.memory_limit = memory_limit
-        self.env = dict(env or {})
         self.startup_timeout = startup_timeout
-        self.worker_ttl = worker_ttl
-        # Where the scheduler and every worker outside a network namespace listen (a `HostNetwork`'s
-        # address makes them reachable from its namespaces; 127.0.0.1 is not).
-        self.host = host
-        # A supervised worker (`add_worker(supervise=True)`) that exits is started again, under the same
-        # name, `restart_delay` seconds later, at most `max_restarts` times.
-        self.max_restarts = max_restarts
-        self.restart_delay = restart_delay
-        # Imported by each worker process before it registers, so that a worker that joins is ready to
-        # train at once instead of spending its first seconds importing torch.
-        self.preload = tuple(preload)
-        self._given_log_dir = Path(log_dir) if log_dir is not None else None
-        self.log_dir: Path | None = None
-        # TLS between every process of the cluster and its clients: `True` makes a self-signed authority
-        # and one certificate for every role (Dask's `Security.temporary`); a `Security` is used as given.
-        self._security_wanted = security
-        self.security: Security | None = None
-        self._tls_args: list[str] = []
-
-        self._lock = threading.RLock()
-        self._scheduler_proc: subprocess.Popen[bytes] | None = None
-        self._scheduler_address: str | None = None
-        self._workers: dict[str, subprocess.Popen[bytes]] = {}
-        self._counters = {"static": 0, "elastic": 0}
+        # How every process is started (`launch.py` says what each setting does there).
+        self._processes = ClusterProcesses(
+            threads_per_worker=threads_per_worker,
+            nanny=nanny,
+            static_resource=static_resource,
+            memory_limit=memory_limit,
+            env=dict(env or {}),
+            startup_timeout=startup_timeout,
+            worker_ttl=worker_ttl,
+            log_dir=Path(log_dir) if log_dir is not None else None,
+            preload=tuple(preload),
+            security=security,
+            host=host,
+            max_restarts=max_restarts,
+            restart_delay=restart_delay,
+        )
+        self._lock = self._processes.lock
         self._worker_pids: dict[str, int] = {}
-        self._specs: dict[str, tuple[bool, NetworkNamespace | None]] = {}  # name -> (static, netns)
-        self._supervised: set[str] = set()
-        self._restarts: dict[str, list[float]] = {}  # name -> when its supervisor started it again
-        self._supervisor: threading.Thread | None = None
-        self._stopping = threading.Event()
         self._client: distributed.Client | None = None
         self._started = False
-        self._closed = False
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The folder of every process's log (and of their scratch files while the cluster runs)."""
+        return self._processes.log_dir
+
+    @property
+    def security(self) -> Security | None:
+        """The clients' `Security` of a cluster started with `security`; None without TLS."""
+        return self._processes.security
+
+    @property
+    def _closed(self) -> bool:
+        return self._processes.closed
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -178,11 +138,11 @@ class LocalElasticCluster(Service):
             self._started = True
         atexit.register(self.close)
         try:
-            self._prepare_dirs()
-            self._prepare_tls()
-            self._start_scheduler()
-            names = [self._spawn_worker(static=True) for _ in range(self.static_workers)]
-            names += [self._spawn_worker(static=False) for _ in range(self.elastic_workers)]
+            self._processes.prepare()
+            self._processes.start_scheduler()
+            spawn = self._processes.spawn_worker
+            names = [spawn(static=True) for _ in range(self.static_workers)]
+            names += [spawn(static=False) for _ in range(self.elastic_workers)]
             # Spawned together and waited for together: startup is paid once, not once per worker.
             self.wait_for_workers(names, timeout=self.startup_timeout)
         except BaseException:
@@ -195,27 +155,14 @@ class LocalElasticCluster(Service):
         with self._lock:
             if self._closed:
                 return
-            self._closed = True
-            self._stopping.set()
+            self._processes.close()
             client, self._client = self._client, None
-            workers = list(self._workers.values())
-            scheduler = self._scheduler_proc
         with contextlib.suppress(ValueError):
             atexit.unregister(self.close)
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close(timeout=5)
-        # Workers first so that they do not spend the grace period reconnecting to a dead scheduler.
-        stop_groups(workers, _TERM_GRACE_S)
-        if scheduler is not None:
-            stop_groups([scheduler], _TERM_GRACE_S)
-        supervisor = self._supervisor
-        if supervisor is not None:
-            # It starts nothing once `_closed` is set (checked under the lock it spawns under).
-            supervisor.join(timeout=_TERM_GRACE_S)
-        if self.log_dir is not None:
-            # Spilled data and scratch files can be large; the logs stay for post-mortems.
-            shutil.rmtree(self.log_dir / "scratch", ignore_errors=True)
+        self._processes.stop(_TERM_GRACE_S)
 
     def cleanup(self) -> None:
         """`close`, as every local service ends (``with`` calls it)."""
@@ -223,21 +170,23 @@ class LocalElasticCluster(Service):
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._started else "not started")
-        return f"<LocalElasticCluster {self._scheduler_address or '-'} {state}, {len(self._workers)} spawned>"
+        address, spawned = self._processes.scheduler_address, len(self._processes.workers)
+        return f"<LocalElasticCluster {address or '-'} {state}, {spawned} spawned>"
 
     # ------------------------------------------------------------------ public queries
 
     @property
     def scheduler_address(self) -> str:
         """The scheduler's address, ``tcp://HOST:PORT`` (``tls://`` with `security`)."""
-        if self._scheduler_address is None:
+        address = self._processes.scheduler_address
+        if address is None:
             raise RuntimeError("the cluster is not started; call start() or use it as a context manager")
-        return self._scheduler_address
+        return address
 
     @property
     def scheduler_pid(self) -> int | None:
         """The scheduler process's pid (for tests that kill it); None before `start`."""
-        proc = self._scheduler_proc
+        proc = self._processes.scheduler
         return None if proc is None else proc.pid
 
     def client(self, **kwargs: Any) -> distributed.Client:
@@ -312,14 +261,13 @@ class LocalElasticCluster(Service):
                 return
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"the nanny of {name_or_address} did not finish starting: {status}")
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     @property
     def requested(self) -> set[str]:
         """Names of the worker processes this cluster started that still run (as `SpecCluster.requested`:
         a name missing from the scheduler is a worker on its way)."""
-        with self._lock:
-            return {name for name, proc in self._workers.items() if proc.poll() is None}
+        return self._processes.running()
 
     def wait_for_pending(self, timeout: float | None = None) -> None:
         """Wait until every worker process this cluster started and that still runs has registered (a
@@ -328,18 +276,15 @@ class LocalElasticCluster(Service):
         deadline = time.monotonic() + timeout
         while True:
             known = {str(info["name"]) for info in self.workers_info().values()}
-            with self._lock:
-                # A process that exits meanwhile is not on its way (a worker retired or killed a moment
-                # ago: its nanny lingers a few seconds after it left the scheduler).
-                pending = sorted(n for n, p in self._workers.items() if p.poll() is None and n not in known)
+            pending = self._processes.pending(known)
             if not pending:
                 return
             if time.monotonic() >= deadline:
                 raise RuntimeError(
                     f"workers {pending} did not register with {self.scheduler_address} in {timeout:.0f} s\n"
-                    + "\n".join(self._log_tail_of(name) for name in pending)
+                    + self._processes.logs_of(pending)
                 )
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def netns_of(self, name_or_address: str) -> NetworkNamespace | None:
         """The network namespace the worker was started in (`add_worker(netns=...)`); None if it was not,
@@ -348,14 +293,12 @@ class LocalElasticCluster(Service):
             name = self._resolve_name(name_or_address)
         except ValueError:
             return None
-        with self._lock:
-            spec = self._specs.get(name)
+        spec = self._processes.specs.get(name)
         return None if spec is None else spec[1]
 
     def pid_of(self, name: str) -> int | None:
         """The pid of the spawned process of that worker: the nanny's, or the worker's without a nanny."""
-        with self._lock:
-            proc = self._workers.get(name)
+        proc = self._processes.worker(name)
         return None if proc is None else proc.pid
 
     # ------------------------------------------------------------------ membership changes
@@ -385,9 +328,9 @@ class LocalElasticCluster(Service):
         (not retired, the cluster not closing) start it again under the same name, after `restart_delay`
         seconds, at most `max_restarts` times (`restarts`)."""
         self._require_running()
-        name = self._spawn_worker(static=static, netns=netns)
+        name = self._processes.spawn_worker(static=static, netns=netns)
         if supervise:
-            self._supervise(name)
+            self._processes.supervise(name)
         if wait:
             self.wait_for_workers([name], timeout=timeout)
         return name
@@ -409,8 +352,7 @@ class LocalElasticCluster(Service):
             os.kill(self.worker_pid(name_or_address), sig)
             return
         name = self._resolve_name(name_or_address)
-        with self._lock:
-            proc = self._workers.get(name)
+        proc = self._processes.worker(name)
         if proc is None:
             raise ValueError(f"worker {name!r} was not started by this cluster; cannot kill its processes")
         signal_group(proc, sig)
@@ -434,8 +376,7 @@ class LocalElasticCluster(Service):
         timeout = self.startup_timeout if timeout is None else timeout
         addr, info = self._resolve_live(name_or_address)
         name = str(info["name"])
-        with self._lock:
-            self._supervised.discard(name)  # a retired worker is meant to stay gone
+        self._processes.unsupervise(name)  # a retired worker is meant to stay gone
         client = self._get_client()
         retired = client.sync(
             self._scheduler_rpc(client).retire_workers,
@@ -449,8 +390,7 @@ class LocalElasticCluster(Service):
                 "of data that no other worker can take"
             )
         self.wait_until_gone([name], timeout=timeout)
-        with self._lock:
-            proc = self._workers.get(name)
+        proc = self._processes.worker(name)
         if proc is not None:
             try:
                 proc.wait(timeout=exit_timeout)
@@ -470,13 +410,13 @@ class LocalElasticCluster(Service):
                 return {name: current[name] for name in wanted}
             missing = sorted(wanted - current.keys())
             for name in missing:
-                self._raise_if_exited(name)
+                self._processes.raise_if_exited(name)
             if time.monotonic() >= deadline:
                 raise RuntimeError(
                     f"workers {missing} did not register with {self.scheduler_address} "
-                    f"within {timeout:.0f} s\n" + "\n".join(self._log_tail_of(name) for name in missing)
+                    f"within {timeout:.0f} s\n" + self._processes.logs_of(missing)
                 )
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def wait_until_gone(self, names_or_addresses: Iterable[str], timeout: float | None = None) -> None:
         """Wait until none of the given workers (by name or address) is known to the scheduler."""
@@ -497,7 +437,7 @@ class LocalElasticCluster(Service):
                     f"workers {sorted(present)} are still registered with {self.scheduler_address} "
                     f"after {timeout:.0f} s"
                 )
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def wait_for_restart(self, name: str, old_address: str, timeout: float | None = None) -> str:
         """Wait until the worker ``name`` is registered under an address other than ``old_address``."""
@@ -507,20 +447,20 @@ class LocalElasticCluster(Service):
             addr = self.address_of(name)
             if addr is not None and addr != old_address:
                 return addr
-            self._raise_if_exited(name)
+            self._processes.raise_if_exited(name)
             if time.monotonic() >= deadline:
                 raise RuntimeError(
                     f"worker {name!r} did not come back under a new address within {timeout:.0f} s\n"
-                    + self._log_tail_of(name)
+                    + self._processes.log_tail_of(name)
                 )
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     # ------------------------------------------------------------------ internals
 
     def _require_running(self) -> None:
         if self._closed:
             raise RuntimeError("this LocalElasticCluster is closed")
-        if self._scheduler_address is None:
+        if self._processes.scheduler_address is None:
             raise RuntimeError("the cluster is not started; call start() or use it as a context manager")
 
     def _get_client(self) -> distributed.Client:
@@ -541,224 +481,9 @@ class LocalElasticCluster(Service):
             raise RuntimeError("the cluster's client lost its scheduler connection")
         return client.scheduler
 
-    def _prepare_dirs(self) -> None:
-        if self._given_log_dir is not None:
-            self._given_log_dir.mkdir(parents=True, exist_ok=True)
-            self.log_dir = self._given_log_dir
-        else:
-            self.log_dir = Path(tempfile.mkdtemp(prefix="prefect-elastic-cluster-"))
-        (self.log_dir / "scratch").mkdir(exist_ok=True)
-        (self.log_dir / "parent_watchdog.py").write_text(_WATCHDOG_SOURCE)
-
-    def _prepare_tls(self) -> None:
-        """Write the certificates the processes are started with (`--tls-*` take files)."""
-        wanted = self._security_wanted
-        if wanted is False:
-            return
-        assert self.log_dir is not None
-        given: Any = Security.temporary() if wanted is True else wanted  # (its tls_* are set at run time)
-        folder = self.log_dir / "tls"
-        folder.mkdir(mode=0o700, exist_ok=True)
-
-        def as_file(value: str | None, name: str, what: str) -> str:
-            if not value:
-                raise ValueError(f"security: the Security given has no {what}; a local cluster needs one")
-            if "-----BEGIN" not in value:
-                return value  # a path already
-            path = folder / name
-            path.write_text(value)
-            path.chmod(0o600)
-            return str(path)
-
-        ca = as_file(given.tls_ca_file, "ca.pem", "tls_ca_file")
-        cert = as_file(given.tls_worker_cert or given.tls_client_cert, "cert.pem", "certificate")
-        key = as_file(given.tls_worker_key or given.tls_client_key, "key.pem", "key")
-        client_cert = as_file(given.tls_client_cert or given.tls_worker_cert, "client.pem", "client cert")
-        client_key = as_file(given.tls_client_key or given.tls_worker_key, "client.key", "client key")
-        self._tls_args = ["--tls-ca-file", ca, "--tls-cert", cert, "--tls-key", key]
-        self.security = Security(
-            tls_ca_file=ca, tls_client_cert=client_cert, tls_client_key=client_key, require_encryption=True
-        )
-
-    def _child_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.env)
-        # The workers unpickle the user's functions and models by module name; give them the same import
-        # path as this process (the test rootdir, the script's directory) so those modules import there too,
-        # after the entries of a PYTHONPATH given in `env`, which come first.
-        given = [entry for entry in self.env.get("PYTHONPATH", "").split(os.pathsep) if entry]
-        entries: list[str] = list(given)
-        seen = {os.path.abspath(entry) for entry in given}
-        for entry in sys.path:
-            path = os.path.abspath(entry or os.getcwd())
-            if os.path.isdir(path) and path not in seen:
-                entries.append(path)
-                seen.add(path)
-        env["PYTHONPATH"] = os.pathsep.join(entries)
-        if self.worker_ttl is not None:
-            env["DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL"] = self.worker_ttl
-        env[_PARENT_ENV] = str(os.getpid())
-        return env
-
-    def _popen(
-        self,
-        args: list[str],
-        log_name: str,
-        netns: NetworkNamespace | None = None,
-        env: dict[str, str] | None = None,
-    ) -> subprocess.Popen[bytes]:
-        assert self.log_dir is not None
-        # `ip netns exec` execs the command in place: the group leader is still the Python process.
-        prefix = netns.exec_prefix() if netns is not None else []
-        return start_group(
-            [*prefix, sys.executable, "-m", *args],
-            log=self.log_dir / f"{log_name}.log",
-            env={**self._child_env(), **(env or {})},
-            cwd=os.getcwd(),
-        )
-
-    def _start_scheduler(self) -> None:
-        assert self.log_dir is not None
-        scheduler_file = self.log_dir / "scheduler.json"
-        proc = self._popen(
-            [
-                "distributed.cli.dask_scheduler",
-                "--host",
-                f"tls://{self.host}" if self._tls_args else self.host,
-                *self._tls_args,
-                "--port",
-                "0",
-                "--no-dashboard",
-                "--scheduler-file",
-                str(scheduler_file),
-                "--preload",
-                str(self.log_dir / "parent_watchdog.py"),
-            ],
-            "scheduler",
-        )
-        with self._lock:
-            self._scheduler_proc = proc
-        deadline = time.monotonic() + self.startup_timeout
-        while True:
-            address = self._read_scheduler_file(scheduler_file)
-            if address is not None:
-                with self._lock:
-                    self._scheduler_address = address
-                return
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"the scheduler exited with code {proc.returncode} during startup\n"
-                    + log_tail(self.log_dir / "scheduler.log")
-                )
-            if time.monotonic() >= deadline:
-                raise RuntimeError(
-                    f"the scheduler did not start within {self.startup_timeout:.0f} s\n"
-                    + log_tail(self.log_dir / "scheduler.log")
-                )
-            time.sleep(_POLL_S)
-
-    @staticmethod
-    def _read_scheduler_file(path: Path) -> str | None:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            # Not written yet, or caught half-written.
-            return None
-        address = data.get("address") if isinstance(data, dict) else None
-        return str(address) if address else None
-
-    def _spawn_worker(
-        self, static: bool, netns: NetworkNamespace | None = None, name: str | None = None
-    ) -> str:
-        assert self.log_dir is not None
-        kind = "static" if static else "elastic"
-        if name is None:
-            with self._lock:
-                name = f"{kind}-{self._counters[kind]}"
-                self._counters[kind] += 1
-        host = netns.address if netns is not None else self.host
-        watchdog = str(self.log_dir / "parent_watchdog.py")
-        args = [
-            "distributed.cli.dask_worker",
-            self.scheduler_address,
-            "--host",
-            host,
-            "--name",
-            name,
-            "--nthreads",
-            str(self.threads_per_worker),
-            "--memory-limit",
-            self.memory_limit,
-            "--no-dashboard",
-            "--local-directory",
-            str(self.log_dir / "scratch"),
-            *self._tls_args,
-        ]
-        # The worker's preloads go through Dask's config, not `--preload`: the CLI imports every `--preload`
-        # module in the process it starts in, only to look for click options, so each nanny imported
-        # torch for nothing (2 s of CPU per worker; a cluster of 4 workers started 4 s sooner without it).
-        preloads = list(self.preload) if self.nanny else [watchdog, *self.preload]
-        args += ["--nanny", "--preload-nanny", watchdog] if self.nanny else ["--no-nanny"]
-        if static:
-            args += ["--resources", f"{self.static_resource}=1"]
-        env = {"DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps(preloads)}
-        proc = self._popen(args, name, netns, env)
-        with self._lock:
-            self._workers[name] = proc
-            self._specs[name] = (static, netns)
-        return name
-
-    # ------------------------------------------------------------------ supervision
-
     def restarts(self, name: str) -> list[float]:
         """When (`time.time()`) the supervisor of worker `name` started it again, oldest first."""
-        with self._lock:
-            return list(self._restarts.get(name, []))
-
-    def _supervise(self, name: str) -> None:
-        with self._lock:
-            self._supervised.add(name)
-            self._restarts.setdefault(name, [])
-            if self._supervisor is None:
-                self._supervisor = threading.Thread(
-                    target=self._supervise_loop, name="local-cluster-supervisor", daemon=True
-                )
-                self._supervisor.start()
-
-    def _supervise_loop(self) -> None:
-        exited: dict[str, float] = {}  # name -> when its exit was seen
-        while not self._stopping.wait(_POLL_S * 2):
-            with self._lock:
-                watched = [(n, self._workers[n]) for n in sorted(self._supervised)]
-            for name, proc in watched:
-                if proc.poll() is None:
-                    exited.pop(name, None)
-                    continue
-                now = time.monotonic()
-                seen = exited.setdefault(name, now)
-                if now - seen < self.restart_delay:
-                    continue
-                exited.pop(name, None)
-                with self._lock:
-                    if self._closed or name not in self._supervised:
-                        continue
-                    if len(self._restarts[name]) >= self.max_restarts:
-                        self._supervised.discard(name)
-                        log.warning(
-                            "worker %s exited with code %s; not started again (max_restarts=%d reached)",
-                            name, proc.returncode, self.max_restarts,
-                        )  # fmt: skip
-                        continue
-                    static, netns = self._specs[name]
-                    self._restarts[name].append(time.time())
-                    # Whatever its group left behind (a worker process that outlived its nanny) goes first.
-                    signal_group(proc, signal.SIGKILL)
-                    log.warning("worker %s exited with code %s; its supervisor starts it again",
-                                name, proc.returncode)  # fmt: skip
-                    try:
-                        self._spawn_worker(static=static, netns=netns, name=name)
-                    except Exception:
-                        log.exception("the supervisor could not start worker %s again", name)
+        return self._processes.restarts(name)
 
     def _resolve_live(self, name_or_address: str) -> tuple[str, dict[str, Any]]:
         for addr, info in self.workers_info().items():
@@ -768,19 +493,6 @@ class LocalElasticCluster(Service):
 
     def _resolve_name(self, name_or_address: str) -> str:
         with self._lock:
-            if name_or_address in self._workers:
+            if name_or_address in self._processes.workers:
                 return name_or_address
         return str(self._resolve_live(name_or_address)[1]["name"])
-
-    def _raise_if_exited(self, name: str) -> None:
-        with self._lock:
-            proc = self._workers.get(name)
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(
-                f"worker {name!r} exited with code {proc.returncode} before registering\n"
-                + self._log_tail_of(name)
-            )
-
-    def _log_tail_of(self, name: str) -> str:
-        assert self.log_dir is not None
-        return log_tail(self.log_dir / f"{name}.log")
