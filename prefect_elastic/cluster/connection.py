@@ -120,7 +120,7 @@ def connect(
 ) -> Iterator[Connection]:
     """Yield a `Connection`; a cluster made here is closed on exit (a `cluster` object given is not).
 
-    `static_workers`: static workers to add to the `cluster_class` made here (see the module's docstring),
+    `static_workers`: static workers to add to the `cluster_class` made here (`jobqueue.StaticWorkers`),
     or the number of static worker processes of the local cluster started when nothing is given. Added
     ones must register within `static_start_timeout` seconds (their jobs may queue), or `FatalError`.
     `security`: Dask's `Security` for a cluster with TLS reached by `address` (a cluster object with TLS
