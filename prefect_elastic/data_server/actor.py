@@ -44,7 +44,7 @@ from ..errors import FatalError, RecoverableError, StaleGenerationError
 from ..job import ElasticJob
 from ..messages import ShardStatus, SnapshotInfo, Tensors
 from ..schedule import Schedule
-from ..shard_optimizer import Gradient
+from ..shard_optimizer import Gradient, ShardOptimizer
 from .apply import ApplyMode, for_mode
 from .frames import ShardFrames
 from .hooks import hooks_of_this_worker
@@ -111,10 +111,14 @@ class DataServer:
     def stateless(self) -> bool:
         return self.shard.stateless
 
+    # (Read by tests that drive a data server in their own process.)
     @property
     def _params(self) -> Tensors:
-        # (Read by tests that drive a data server in their own process.)
         return self.shard.params
+
+    @property
+    def _optimizer(self) -> ShardOptimizer | None:
+        return self.shard.optimizer
 
     # -- compute workers -------------------------------------------------------------------------
 
