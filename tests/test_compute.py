@@ -1,24 +1,41 @@
-"""The compute worker's gradient of one micro-batch, without a cluster."""
+"""The compute worker without a cluster: the gradient of one micro-batch, the loop of each mode, a sync
+step's two push paths against real data servers, and the registry of the loops' connections."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from prefect_elastic import ElasticJob
+from prefect_elastic.channel import ChannelAddress, Frame, ShardLink
 from prefect_elastic.compute import (
+    AsyncLoop,
+    LoopStats,
     MicroBatchTrainer,
+    Pipelined,
+    ShardByShard,
+    SyncLoop,
     dask_profiler_paused,
+    for_mode,
+    leave_links,
     micro_batch_seed,
     moved_as_one,
     push_order,
+    pushes_for,
     training_device,
 )
+from prefect_elastic.compute.links import registered
+from prefect_elastic.messages import Role, Tensors
+from prefect_elastic.training import prepare
 
+from .conftest import in_process_servers, make_job
 from .models import TOKENS
+from .test_channel import Served
 
 
 def test_gradient_equals_an_ordinary_model_with_tied_weights_and_dropout(digits_url: str) -> None:
@@ -215,3 +232,106 @@ def test_the_profiler_is_not_started_again_on_a_worker_that_is_closing() -> None
     for run in worker.queued:
         run()
     assert worker.profiling() == [False, False]
+
+
+def test_each_mode_has_its_loop_and_an_unknown_mode_is_refused_naming_it() -> None:
+    assert for_mode("sync") == SyncLoop() and for_mode("async") == AsyncLoop()
+    with pytest.raises(ValueError, match="'lockstep'"):
+        for_mode("lockstep")
+
+
+class _ObservesPushes:
+    """A `PushObserver` that waits, after each push, until that shard has applied the step, and notes
+    the shard's version then."""
+
+    def __init__(self, versions: Callable[[int], int]) -> None:
+        self.versions = versions
+        self.seen: list[tuple[int, int, int]] = []
+
+    def after_push(self, shard: int, step: int, wait_applied: Callable[[], None]) -> None:
+        wait_applied()
+        self.seen.append((shard, step, self.versions(shard)))
+
+
+def _one_step(digits_url: str, observer: _ObservesPushes | None) -> tuple[Tensors, list[int], object]:
+    """Step 0 of a one-member generation on two real data servers, pushed as a loop with `observer` on
+    its worker would; returns the parameters of step 1, the servers' versions, and what the step gave."""
+    servers, plan = in_process_servers(digits_url, min_shard_bytes=0)
+    assert all(plan), "both data servers hold parameters"
+    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", min_shard_bytes=0))
+    schedule = prepared.schedule
+    trainer = MicroBatchTrainer(prepared.job, plan, prepared.persistence.layout, torch.device("cpu"))
+    served = [Served(server.on_frame) for server in servers]
+    links = [ShardLink(s.address, timeout=5) for s in served]
+    role = Role(0, 0, ("w",), 0, channels=tuple(s.address for s in served))
+    pushes = Pipelined() if observer is None else ShardByShard(observer)
+    if observer is not None:
+        observer.versions = lambda i: servers[i].version
+    try:
+        share = schedule.share(0, role.rank, role.size)
+        ahead = trainer.step(role, 0, share, links, schedule, LoopStats("w"), None, pushes)
+        state, _ = trainer.fetch(role, 1, links, schedule).unpack(trainer.shapes)
+        return {n: t.clone() for n, t in state.items()}, [server.version for server in servers], ahead
+    finally:
+        for link in links:
+            link.close()
+        for s in served:
+            s.close()
+
+
+def test_a_step_pushed_shard_by_shard_to_an_observer_applies_as_the_pipelined_step(digits_url: str) -> None:
+    """A worker with a push observer (`KillBetweenPushes`) pushes to one shard at a time and tells the
+    observer after each, whose wait returns once that shard has applied the step; the shards end as a
+    pipelined step leaves them, bit for bit. Only the pipelined push asks for the next step's answers."""
+    assert isinstance(pushes_for(None), Pipelined)
+    observer = _ObservesPushes(lambda i: -1)
+    assert pushes_for(observer) == ShardByShard(observer)
+    observed, versions, ahead = _one_step(digits_url, observer)
+    assert observer.seen == [(0, 0, 1), (1, 0, 1)], "shard 0 had applied step 0 before shard 1's push"
+    assert versions == [1, 1] and ahead is None
+    pipelined, versions, ahead = _one_step(digits_url, None)
+    assert versions == [1, 1] and ahead is not None
+    assert set(observed) == set(pipelined)
+    assert all(torch.equal(observed[n], pipelined[n]) for n in pipelined)
+
+
+def test_leave_links_wakes_a_loop_blocked_on_a_moved_shard_and_no_other_connection() -> None:
+    """A frozen static worker's kernel keeps its connections open: `leave_links` breaks the connections
+    of the job's loops to the shards that moved, so a loop blocked on one asks for its role again."""
+    heard = threading.Event()
+
+    async def never_answers(frame: Frame) -> Frame:
+        heard.set()
+        await asyncio.sleep(60)
+        return frame
+
+    frozen = Served(never_answers)
+    moved = frozen.address
+    elsewhere = ChannelAddress("127.0.0.1", 1)
+    shards = [ShardLink(moved, timeout=60), ShardLink(elsewhere, 60)]
+    data: list[ShardLink] = []  # (a sync loop's: empty)
+    other_job = [ShardLink(moved, 60)]
+    failed: list[BaseException] = []
+
+    def blocked_loop() -> None:
+        try:
+            shards[0].request(Frame({"op": "pull"}))
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=blocked_loop)
+    try:
+        with registered("a", shards, data), registered("b", other_job):
+            thread.start()
+            assert heard.wait(30), "the loop's frame reached the shard"
+            assert leave_links("a", [("127.0.0.1", 9)]) == 0
+            assert leave_links("a", [tuple(moved)]) == 1, "not the other job's connection to it"
+            thread.join(30)
+            assert not thread.is_alive() and isinstance(failed[0], OSError), "the loop woke"
+        assert leave_links("a", [tuple(moved)]) == 0, "a loop that ended is forgotten"
+    finally:
+        for link in (*shards, *other_job):
+            link.interrupt()
+            link.close()
+        thread.join(30)
+        frozen.close()

@@ -1,10 +1,11 @@
 """A fault no signal from outside can place: a compute worker killed after its push to one shard and
 before its push to the next, so that one shard applies a step that the other never will.
 
-`KillBetweenPushes` is a Dask worker plugin registered under `compute.PUSH_HOOK`; every compute loop that
-finds it pushes to the shards one by one and tells it after each push. On the target worker, at the first
-step from `at_step` on, it waits until shard 0 has applied the step (the other members' pushes reach it),
-then SIGKILLs its own worker process (a nanny, where there is one, starts it again under a new address).
+`KillBetweenPushes` is a `compute.PushObserver`, a Dask worker plugin registered under `compute.PUSH_HOOK`:
+every compute loop that finds it pushes to the shards one by one and tells it after each push
+(`compute.ShardByShard`). On the target worker, at the first step from `at_step` on, it waits until shard
+0 has applied the step (the other members' pushes reach it), then SIGKILLs its own worker process (a
+nanny, where there is one, starts it again under a new address).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ..compute import PUSH_HOOK
+from ..compute.pushes import PUSH_HOOK
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,52 @@
+"""Where a compute worker's micro-batches run, and how fast: its device (`training_device`, with the
+settings that keep a micro-batch's gradient the same bits on every worker), the seed of a micro-batch's
+random ops (`micro_batch_seed`), and the straggler's slowdown that tests and benchmarks plug in
+(`SLOWDOWN`, `straggle`)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+# The name of a Dask worker plugin with a `factor` attribute that, where present, makes this worker's
+# compute that many times slower (a straggler for tests and benchmarks: `prefect_elastic.local.slow`).
+SLOWDOWN = "prefect-elastic-slowdown"
+
+
+def straggle(plugin: object | None, took: float) -> None:
+    """Where this worker is made a straggler (a `SLOWDOWN` plugin with a `factor`), take `factor` times as
+    long as the compute that just took `took` seconds."""
+    factor = float(getattr(plugin, "factor", 1.0)) if plugin is not None else 1.0
+    if factor > 1.0:
+        time.sleep((factor - 1.0) * took)
+
+
+def training_device() -> torch.device:
+    """The device a compute worker trains on: its GPU where it has one, with deterministic kernels.
+
+    A micro-batch must give the same gradient bits on every worker (invariant 2: the result is bitwise
+    equal to the one-worker, no-fault run). On CPU it does; on CUDA, cuDNN may pick a different algorithm
+    from one call to the next (`benchmark`), some backward kernels sum with atomics in whatever order
+    threads finish, and cuBLAS does so across streams unless its workspace is fixed. These settings are
+    the process's, so every job's loop in this worker shares them; an op with no deterministic CUDA
+    kernel warns (rather than failing the user's model) and then bitwise equality is not promised.
+    Bits are the same across workers of one GPU model and software stack, not across models.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # Read when cuBLAS makes its first handle: before this process's first CUDA matrix product.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    # (That setting also fills every new tensor with NaN, host buffers included: a pass over the receive
+    # buffers of each step for nothing, since the step overwrites them.)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
+    return torch.device("cuda")
+
+
+def micro_batch_seed(seed: int, batch_id: int) -> int:
+    """The seed of the random ops of one micro-batch: a function of the job's seed and the batch id only."""
+    return (seed * 1_000_003 + batch_id) % (2**63)

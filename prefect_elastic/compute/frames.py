@@ -1,0 +1,152 @@
+"""What goes on the wire in one step of a compute loop, as frames (`channel.py`): the answers asked for
+ahead of a step (`Ahead`: parameters as flat runs, batches), a micro-batch's gradients for one shard
+(`gradient_entries`, packed where that pays: `packs`), the order a step's frames go to the shards in
+(`push_order`), and sending and reading a frame per shard (`send_all`, `receive_all`, `exchange`).
+
+Pure of the loop's state: the trainer (`trainer.py`) builds the frames and the loops send them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..channel import Entry, Frame, ShardLink, contiguous_strides, raise_error
+from ..errors import FatalError
+from ..messages import Tensors
+
+# A micro-batch's gradients for one shard up to this size go as one flat run (`gradient_entries`).
+PACK_BYTES = 1 << 20
+
+
+@dataclass
+class Ahead:
+    """The answers for one step, asked for before it starts: from every shard, its parameters of that
+    step (sent the moment the shard applied the step before) and the batches of the share it holds, or
+    the error that came instead (not applied within the wait, a fence)."""
+
+    generation: int
+    step: int
+    frames: list[Frame]
+
+    def unpack(
+        self, shapes: dict[str, torch.Size]
+    ) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """The parameters and buffers (views of the frames' tensors), and the batches by batch id.
+        `shapes`: every parameter's and buffer's shape, for the shards that send theirs as flat runs."""
+        state: Tensors = {}
+        xs: dict[int, torch.Tensor] = {}
+        ys: dict[int, torch.Tensor] = {}
+        for frame in self.frames:
+            error = frame.header.get("next_error")
+            if error is not None:
+                raise_error(error)
+            for entry, tensor in frame.tensors:
+                if entry.kind == "state":
+                    state[entry.name] = tensor
+                elif entry.kind == "params":
+                    state.update(unflatten(frame.header["params"], tensor, shapes))
+                elif entry.kind == "buffers":  # (one flat run of the shard's buffers of one dtype)
+                    state.update(unflatten(frame.header["buffers"][entry.batch_id], tensor, shapes))
+                elif entry.kind == "x":
+                    xs[entry.batch_id] = tensor
+                elif entry.kind == "y":
+                    ys[entry.batch_id] = tensor
+        return state, {b: (x, ys[b]) for b, x in xs.items()}
+
+
+def moved_as_one(
+    names: Sequence[str], tensors: Sequence[torch.Tensor], shapes: dict[str, torch.Size], device: torch.device
+) -> Tensors:
+    """`tensors` (named `names`, of one dtype) on `device`, as views of one flat tensor: one transfer
+    between host and GPU where there would be one per tensor."""
+    return unflatten(names, torch.cat([t.detach().reshape(-1) for t in tensors]).to(device), shapes)
+
+
+def unflatten(names: Sequence[str], flat: torch.Tensor, shapes: dict[str, torch.Size]) -> Tensors:
+    """Views of a shard's flat parameters (`names` in their order), one per parameter."""
+    views: Tensors = {}
+    at = flat.storage_offset()
+    try:
+        for name in names:
+            shape = shapes[name]
+            views[name] = flat.as_strided(shape, contiguous_strides(shape), at)
+            at += shape.numel()
+    except (KeyError, RuntimeError) as exc:  # not a parameter of the model; past the tensor's end
+        raise FatalError(f"a shard sent parameters that do not fit the model: {exc}") from None
+    expected = at - flat.storage_offset()
+    if flat.dim() != 1 or not flat.is_contiguous() or expected != flat.numel():
+        raise FatalError(
+            f"a shard sent {flat.numel()} parameter elements for {len(names)} tensors of {expected}"
+        )
+    return views
+
+
+def packs(params: Sequence[torch.Tensor]) -> bool:
+    """Whether a shard with these parameters gets each micro-batch's gradients packed into one flat run
+    (`gradient_entries`): more than one tensor, of one dtype, `PACK_BYTES` at most in all.
+
+    Why: a frame costs a few microseconds per tensor to encode and decode, on both sides, and a step
+    moves two of them each way; a model of many small tensors (a transformer's 16 of 40 KB in all) paid
+    more for that than for its bytes. Packing copies the bytes once, which beyond `PACK_BYTES` costs
+    more than it saves."""
+    return (
+        len(params) > 1
+        and len({t.dtype for t in params}) == 1
+        and sum(t.numel() * t.element_size() for t in params) <= PACK_BYTES
+    )
+
+
+def gradient_entries(
+    batch_id: int, grads: list[tuple[str, torch.Tensor]], packed: bool
+) -> list[tuple[Entry, torch.Tensor]]:
+    """One micro-batch's gradients for one shard, in the plan's order: one flat run (kind `grads`, which
+    the frame's `order` names) where `packed` (`packs`), else one entry each."""
+    if packed:
+        return [(Entry("grads", batch_id, ""), torch.cat([t.reshape(-1) for _, t in grads]))]
+    return [(Entry("grad", batch_id, n), t) for n, t in grads]
+
+
+def send_all(links: list[ShardLink], frames: Sequence[Frame | None], order: Sequence[int] = ()) -> None:
+    """Frame `i` to shard `i`, in `order` where given (every index once), else in index order."""
+    for i in order or range(len(links)):
+        frame = frames[i]
+        if frame is not None:
+            links[i].send(frame)
+
+
+def push_order(held_bytes: Sequence[int]) -> list[int]:
+    """The order a step's frames go to the shards in: the shards holding the most parameter bytes first,
+    ties in index order.
+
+    Why: a push wakes the shard it reaches, and on a busy machine the woken process may take the sender's
+    core before the next frame is written; the shard with the most to receive, apply and answer is the
+    one the step waits for, so it should start first, while a shard without parameters (it only counts
+    the step's batch ids) takes its turn beside it. Measured on the transformer, whose parameters all lie
+    on data server 1 (4 alternating pairs): the push phase 1.97 ms a step against 2.33 ms."""
+    return sorted(range(len(held_bytes)), key=lambda i: (-held_bytes[i], i))
+
+
+def receive_all(links: list[ShardLink], count: list[int], timeout: float) -> list[Frame]:
+    """Read `count[i]` answers from shard `i`, every one of them even after an error (no connection is
+    left with an answer unread); raises the first error."""
+    answers: list[Frame] = []
+    first: BaseException | None = None
+    for link, n in zip(links, count, strict=True):
+        for _ in range(n):
+            try:
+                answers.append(link.receive(timeout))
+            except Exception as exc:
+                first = first or exc
+                break  # the link closed itself: nothing more to read there
+    if first is not None:
+        raise first
+    return answers
+
+
+def exchange(links: list[ShardLink], frames: list[Frame], timeout: float) -> list[Frame]:
+    """One frame to every shard, then every answer."""
+    send_all(links, frames)
+    return receive_all(links, [1] * len(links), timeout)

@@ -1,0 +1,298 @@
+"""The trainer of one compute loop (`MicroBatchTrainer`): the model on torch's `meta` device, a
+micro-batch's gradient against the parameters just pulled, and a sync step's frames (what to ask each
+shard for, the gradients and buffers each one gets). It keeps nothing between steps.
+
+Both loops (`sync_loop.py`, `async_session.py`) compute through it; how a sync step's frames reach the
+shards is the `StepPush` it is handed (`pushes.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.func import functional_call
+
+from ..channel import Entry, Frame, ShardLink
+from ..errors import ModelFailure, RecoverableError
+from ..job import GLOBAL_RNG_LOCK, ElasticJob, StateLayout
+from ..messages import Role, Tensors
+from ..schedule import Schedule
+from .device import micro_batch_seed, straggle
+from .frames import (
+    PACK_BYTES,
+    Ahead,
+    exchange,
+    gradient_entries,
+    moved_as_one,
+    packs,
+    push_order,
+    receive_all,
+    send_all,
+)
+from .pushes import Pipelined, StepPush
+from .stats import LoopStats
+
+# How long a pull waits on a shard for the step before it to be applied; a step that takes longer (a
+# straggler, a frozen member not yet removed) costs one more pull, never a hung call.
+PULL_WAIT_SECONDS = 5.0
+# The engine's push path (`pushes.py`).
+PIPELINED = Pipelined()
+
+
+class MicroBatchTrainer:
+    """Computes and pushes the gradients of one share of a step; keeps nothing between steps."""
+
+    def __init__(
+        self,
+        job: ElasticJob,
+        plan: list[list[str]],
+        layout: StateLayout,
+        device: torch.device,
+        slowdown: Callable[[], Any] = lambda: None,
+    ) -> None:
+        self.job = job
+        self._slowdown = slowdown
+        self.plan = plan
+        self.device = device
+        # Shapes only: no parameter values live here. (Built under the lock, as every model is: another
+        # job's loop in this process may be drawing from torch's global generator.)
+        self.model = job.initial_model().to("meta")
+        self.param_names = list(layout.params)
+        # Moving to meta unties tied weights (each module gets its own meta tensor), so every alias is
+        # handed the tensor it shares explicitly; autograd then sums both uses into one gradient.
+        self.aliases = dict(layout.aliases)
+        self.loss_fn = job.loss_fn()
+        self.shard_of = {name: i for i, names in enumerate(plan) for name in names}
+        # Each shard's parameters (its plan has its buffers too), in the plan's order: the gradients a
+        # frame carries to it, and the order of a packed run of them (the frame's `order`).
+        params = set(self.param_names)
+        self.shard_params = [[n for n in names if n in params] for names in plan]
+        meta = dict(self.model.named_parameters(remove_duplicate=False))
+        buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        self.shapes = {n: t.shape for n, t in {**buffers, **meta}.items()}
+        # Each shard's buffers in the order a push carries them: grouped by dtype (in the plan's order
+        # within a group), so that a micro-batch's buffers of one dtype lie back to back in the frame and
+        # the shard updates them as one run (`ShardBuffers.update`).
+        dtypes = list(dict.fromkeys(b.dtype for b in buffers.values()))
+        self.buffer_order = [
+            sorted((n for n in names if n in buffers), key=lambda n: dtypes.index(buffers[n].dtype))
+            for names in plan
+        ]
+        # (Decided once: a gradient has its parameter's dtype and shape.)
+        self.packed = [packs([meta[n] for n in names]) for names in self.shard_params]
+        # On a GPU, the gradients come back as one flat run where they share a dtype (`to_host`), and so do
+        # the parameters go to it where they are small besides (`on_device`).
+        self.one_run = len({meta[n].dtype for n in self.param_names}) == 1
+        self.small = sum(meta[n].numel() * meta[n].element_size() for n in self.param_names) <= PACK_BYTES
+        self.push_order = push_order(
+            [sum(meta[n].numel() * meta[n].element_size() for n in names) for names in self.shard_params]
+        )
+        # Data servers that hold no state (`plan_shards` gave a small model's to as few as it needs): a
+        # push there only counts the step's batch ids, and the loop reads its answer just before its next
+        # push instead of waiting for it (see `step`).
+        self.stateless = [not names for names in plan]
+        self.pull_wait = min(PULL_WAIT_SECONDS, job.call_timeout / 2)
+
+    def then(
+        self, role: Role, step: int, schedule: Schedule, params: bool = True, batches: bool = True
+    ) -> list[dict[str, Any] | None]:
+        """What to ask every shard for `step`: its parameters (the shard waits until it has applied the
+        step before) and the batches of this worker's share that it holds. None where there is nothing
+        to ask (past the last step, no batch of the share there)."""
+        if step >= schedule.total_steps:
+            return [None] * len(self.plan)
+        share = schedule.share(step, role.rank, role.size) if batches else ()
+        asks: list[dict[str, Any] | None] = []
+        for i in range(len(self.plan)):
+            held = [b for b in share if schedule.server_of(b) == i]
+            if params or held:
+                asks.append({"step": step if params else None, "wait": self.pull_wait, "batches": held})
+            else:
+                asks.append(None)
+        return asks
+
+    def fetch(self, role: Role, step: int, shards: list[ShardLink], schedule: Schedule) -> Ahead:
+        """Ask every shard for `step` alone (a loop's first step in a generation, or after a failure)."""
+        if any(link.pending for link in shards):
+            # A stateless data server's answer to the last push of a step or generation that ended: what
+            # became of that push no longer matters (a fence voided it, or the run ended).
+            with contextlib.suppress(RecoverableError):  # (a stale generation's too)
+                receive_all(shards, [link.pending for link in shards], self.job.call_timeout)
+        # The parameters as a copy, never read in place (`published.py`): a loop fetches a step it may
+        # have pushed in part already (its frame to one shard went in, another's failed), and a shard that
+        # holds its batch ids from that push may apply the step, writing its parameters, while this loop
+        # computes the step again for the shards that lack them.
+        frames = [
+            Frame({"op": "pull", "generation": role.generation, "then": then and {**then, "copy": True}})
+            for then in self.then(role, step, schedule)
+        ]
+        return Ahead(role.generation, step, exchange(shards, frames, self.job.call_timeout))
+
+    def step(
+        self,
+        role: Role,
+        step: int,
+        share: tuple[int, ...],
+        shards: list[ShardLink],
+        schedule: Schedule,
+        stats: LoopStats,
+        ahead: Ahead | None,
+        pushes: StepPush = PIPELINED,
+    ) -> Ahead | None:
+        """Train this worker's share of `step` and push it (`pushes`); returns the answers for its next
+        step, where the push asked for them."""
+        timeout = self.job.call_timeout
+        clock = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            stats.add(phase, now - clock)
+            clock = now
+
+        gen = role.generation
+        if ahead is None or (ahead.generation, ahead.step) != (gen, step):
+            ahead = self.fetch(role, step, shards, schedule)
+        state, batches = ahead.unpack(self.shapes)
+        del ahead
+        # The next step's batches do not depend on this step: ask for them now, so that the shards send
+        # them while this step computes (their answers wait in the socket until read).
+        early_asks = [
+            None if then is None else Frame({"op": "pull", "generation": gen, "then": then})
+            for then in pushes.ahead(self.then(role, step + 1, schedule, params=False))
+        ]
+        send_all(shards, early_asks)
+        lap("pull")
+        params = self.on_device(state)
+        buffers = {n: t for n, t in state.items() if n not in params}
+
+        following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
+        frames = [
+            Frame(
+                {
+                    "op": "push",
+                    "generation": gen,
+                    "step": step,
+                    "worker": role.members[role.rank],
+                    "losses": {},
+                    "then": None if stateless else then,
+                    "order": names,  # the parameters a packed gradient covers (`gradient_entries`)
+                }
+            )
+            for then, names, stateless in zip(following, self.shard_params, self.stateless, strict=True)
+        ]
+        for b in share:
+            x, y = batches[b]
+            began = time.perf_counter()
+            loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
+            self.slow_down(time.perf_counter() - began)
+            # Every shard hears of every batch id (the losses name them), also a shard that holds no
+            # parameters or no buffers: each applies the step when it holds all of its batch ids.
+            for frame in frames:
+                frame.header["losses"][str(b)] = loss
+            # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
+            # takes them as one flat gradient without a copy (`shard_optimizer.py`).
+            for i in range(len(self.plan)):
+                frames[i].tensors += gradient_entries(
+                    b, [(n, g[n]) for n in self.shard_params[i]], self.packed[i]
+                )
+                frames[i].tensors += [(Entry("buffer", b, n), bufs[n]) for n in self.buffer_order[i]]
+            lap("compute")
+        del state, params, buffers, batches
+        answers = pushes.deliver(
+            shards, frames, gen, step, self.push_order, self.stateless, self.pull_wait, timeout
+        )
+        lap("push")
+        return Ahead(gen, step + 1, answers) if following[0] is not None else None
+
+    def slow_down(self, took: float) -> None:
+        """Where this worker is made a straggler (a `SLOWDOWN` plugin with a `factor`), take `factor`
+        times as long as the compute that just took `took` seconds."""
+        straggle(self._slowdown(), took)
+
+    def on_device(self, state: Tensors) -> Tensors:
+        """The parameters in `state` on this worker's device, as the leaves that `gradient` differentiates
+        against (the loop's own tensors stay as they are). Small parameters go to a GPU as one transfer,
+        not one per tensor: each is a synchronous copy of its own, and a model of many small tensors paid
+        more for the copies' count than for their bytes. Large ones go one by one: joining them into one
+        run is a copy of their bytes in host memory, which cost more than it saved (docs/benchmarks.md,
+        "On a GPU": cnn-gpu's 3.6 MB)."""
+        names = self.param_names
+        if self.device.type == "cuda" and self.one_run and self.small:
+            state = moved_as_one(names, [state[n] for n in names], self.shapes, self.device)
+        return {n: state[n].to(self.device).detach().requires_grad_(True) for n in names}
+
+    def to_host(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients (in `param_names`' order) in host memory, for the push: from a GPU as one transfer
+        (joined into one run on the GPU, where that copy costs next to nothing)."""
+        if self.device.type == "cuda" and self.one_run:
+            host = torch.device("cpu")
+            return list(moved_as_one(self.param_names, grads, self.shapes, host).values())
+        return [g.detach().cpu() for g in grads]
+
+    def gradient(
+        self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int
+    ) -> tuple[float, Tensors, Tensors]:
+        """Loss, gradient and updated buffers of one micro-batch, all on the CPU."""
+        # Every micro-batch starts from the pulled buffers, so none depends on which ran first.
+        bufs = {n: t.to(self.device).clone() for n, t in buffers.items()}
+        tensors = {**params, **bufs}
+        tensors.update({alias: tensors[name] for alias, name in self.aliases.items()})
+        try:
+            # Random ops (dropout) draw from a generator seeded by the batch id, not from whatever this
+            # process drew before, so a micro-batch gives the same gradient on any worker. The generator
+            # is the process's one global generator: the lock keeps another thread (another job's loop in
+            # this worker, a model being built) from seeding or drawing from it in between. Backward is
+            # inside too, for ops that draw there; the lock costs nothing to a worker with one loop.
+            cuda = [self.device] if self.device.type == "cuda" else []
+            with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=cuda):
+                seed = micro_batch_seed(self.job.seed, batch_id)
+                # Only the generators this micro-batch draws from: `torch.manual_seed` also queues a
+                # seed for every CUDA device not started yet, recording a Python traceback each time
+                # (75 us a micro-batch on a CPU worker, 4% of an mlp step).
+                torch.random.default_generator.manual_seed(seed)
+                if self.device.type == "cuda":
+                    torch.cuda.manual_seed(seed)
+                versions = [p._version for p in params.values()]
+                out = functional_call(self.model, tensors, (x.to(self.device),))
+                loss = self.loss_fn(out, y.to(self.device))
+                grads = torch.autograd.grad(
+                    loss, list(params.values()), allow_unused=True, materialize_grads=True
+                )
+                changed = [n for (n, p), v in zip(params.items(), versions, strict=True) if p._version != v]
+                if changed:
+                    # A compute worker holds no parameters between steps: the change would be lost, and
+                    # on a CPU worker it would write into the shard's memory, which the loop reads in
+                    # place (`published.py`).
+                    raise ModelFailure(
+                        step,
+                        batch_id,
+                        f"the model changed its parameters {changed} in place at step {step}, batch "
+                        f"{batch_id}: parameters change only through the job's optimizer (work on a copy "
+                        "in forward, e.g. `w = self.weight.clamp(-1, 1)`; nn.Embedding's `max_norm` "
+                        "renormalizes its weight in place)",
+                    )
+                # Read after backward, not before: on a GPU, reading it waits for the device, which then
+                # idles while backward's kernels are queued. A loss that is not finite fails the job; its
+                # gradient is never pushed.
+                value = float(loss.detach())
+                if not math.isfinite(value):
+                    raise ModelFailure(step, batch_id, f"loss is {value} at step {step}, batch {batch_id}")
+        except ModelFailure:
+            raise
+        except Exception as exc:
+            raise ModelFailure(
+                step,
+                batch_id,
+                f"the model raised at step {step}, batch {batch_id}: {type(exc).__name__}: {exc}",
+            ) from exc
+        return (
+            value,
+            dict(zip(params, self.to_host(grads), strict=True)),
+            {n: t.detach().cpu() for n, t in bufs.items()},
+        )
