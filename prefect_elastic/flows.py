@@ -33,7 +33,7 @@ from prefect.runtime import flow_run
 from prefect.settings import Settings
 from prefect.states import Cancelled, Completed, Failed, State
 
-from .connect import Connection, connect, tls_security
+from .cluster import Connection, connect, tls_security
 from .errors import TrainingStopped
 from .flow_reports import CancelWatch, PrefectReporter
 from .job import ElasticJob

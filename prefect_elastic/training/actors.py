@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from distributed import Future
 
 from ..checkpoint import ShardStart
-from ..connect import (
+from ..cluster import (
     AnnounceRunning,
     CloseOnSigterm,
     GracefulLeaves,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.actor import Actor
 
-from ..connect import (
+from ..cluster import (
     answering,
 )
 from ..dask_failures import actor_lost, settled_result

@@ -19,11 +19,10 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from distributed import Client, Future
 
 from ..channel import ChannelAddress
-from ..compute import LoopStats
-from ..compute_async import MIN_LEASE
-from ..connect import (
+from ..cluster import (
     WORKER_EVENTS_TOPIC,
 )
+from ..compute import MIN_LEASE, LoopStats
 from ..errors import (
     ElasticError,
     FatalError,

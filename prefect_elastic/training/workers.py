@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..connect import (
+from ..cluster import (
     is_static_worker,
     scheduler_view_of_workers,
 )
