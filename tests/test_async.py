@@ -539,8 +539,7 @@ class FakeCoordinator:
 def run_session(
     digits_url: str, in_time: bool, refuse: set[int] = frozenset(), min_shard_bytes: int = 0
 ) -> tuple[Any, ...]:
-    from prefect_elastic.compute import LoopStats, MicroBatchTrainer
-    from prefect_elastic.compute_async import AsyncSession
+    from prefect_elastic.compute import AsyncSession, LoopStats, MicroBatchTrainer
 
     prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", mode="async"))
     plan = plan_shards(prepared.persistence.initial, 2, min_shard_bytes)
