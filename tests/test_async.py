@@ -24,7 +24,7 @@ from prefect_elastic import (
 )
 from prefect_elastic.channel import Entry, Frame
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
-from prefect_elastic.coordinator_state import CoordinatorState, rebuild_applied_from
+from prefect_elastic.coordinator import AsyncLeases, CoordinatorState, rebuild_applied_from
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.errors import DataServerLostError, FatalError, StaleGenerationError
 from prefect_elastic.local import slow
@@ -46,7 +46,7 @@ SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=1, epochs=1, seed=0)
 
 
 def new_state(policy: str = "rollback") -> CoordinatorState:
-    return CoordinatorState("job", SCHEDULE, 2, policy, 1, 10.0, mode="async")  # type: ignore[arg-type]
+    return CoordinatorState("job", SCHEDULE, 2, policy, 1, 10.0, commits=AsyncLeases)  # type: ignore[arg-type]
 
 
 def applied(index: int, generation: int, *applies: tuple[int, str, int]) -> ShardStatus:
@@ -366,7 +366,7 @@ def test_a_loop_that_started_over_gives_its_lease_back_and_committed_ids_are_not
     # a's loop failed (a shard timed out) and starts over in the same generation: its first lease renews.
     assert state.lease("a", gen, 2, renew=True) == [0, 2], "its uncommitted ids come back, lowest first"
     assert state.lease("b", gen, 4) == [3, 4, 5, 6]
-    assert 1 not in state._queue and dict(state.holding()) == {"a": 2, "b": 4}
+    assert 1 not in state.commits.queue and dict(state.holding()) == {"a": 2, "b": 4}
 
 
 def test_no_lease_once_the_job_is_over() -> None:
