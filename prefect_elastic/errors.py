@@ -25,8 +25,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # (types only: checkpoint.py imports this module, and errors cross torch-less processes)
     import torch
 
-    from .checkpoint import Checkpoint
-
 
 class ElasticError(Exception):
     """Base of every error prefect-elastic raises on purpose."""
@@ -129,7 +127,7 @@ class CheckpointWriteError(FatalError):
         self,
         message: str,
         checkpoint: str | None,
-        final: Checkpoint,
+        final: Any,  # a `checkpoint.Checkpoint` (not imported: the checkpoint package imports this module)
         state_dict: dict[str, torch.Tensor],
         step: int,
     ) -> None:

@@ -19,6 +19,7 @@ from prefect.events import Event
 
 from .job import ElasticJob
 from .messages import MembershipEvent, Progress
+from .modes import mode_of
 from .reporting import (
     REQUEST_TIMEOUT_SECONDS,
     ArtifactReport,
@@ -194,7 +195,7 @@ class PrefectReporter:
             f"| model written to | {output or '-'} |",
             f"| mode | {self.job.mode} |",
         ]
-        if self.job.mode == "async":
+        if mode_of(self.job.mode).stale_gradients:
             lines += [
                 f"| candidate steps | {result.candidate_steps} of {result.total_batches} batch ids |",
                 f"| refused as stale | {result.counters.get('stale_refusals', 0)} gradients "

@@ -246,7 +246,17 @@ def in_process_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServ
     for i, names in enumerate(plan):
         start = prepared.persistence.shard_start(i, names)
         made.append(
-            DataServer(i, job, prepared.dataset, prepared.schedule, start.params, start.buffers, None, 0)
+            DataServer(
+                i,
+                job,
+                prepared.dataset,
+                prepared.schedule,
+                start.params,
+                start.buffers,
+                None,
+                0,
+                mode=prepared.mode.applies,
+            )
         )
     return made, plan
 

@@ -6,9 +6,9 @@ mode commits every batch id once and reaches the loss of a sync run. No process 
 
 The soak is `heavy`: .ci/run runs one in every CI run, after the main suite, its mode and policy picked by
 the run's seed (`ELASTIC_CI_SEED`: successive runs go round the three, and the seed shuffles the faults);
-the plan and the figures are checked here without a cluster. The figures of each run are printed at the end of the test
-output (`pytest_terminal_summary` in conftest.py); `python -m benchmarks.soak` runs a longer soak and writes
-its figures into docs/faults.md.
+the plan and the figures are checked here without a cluster. The figures of each run are printed at the
+end of the test output (`pytest_terminal_summary` in conftest.py); `python -m benchmarks.soak` runs a
+longer soak and writes its figures into docs/faults.md.
 """
 
 from __future__ import annotations

@@ -8,20 +8,16 @@ import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from prefect_elastic import ElasticJob
 from prefect_elastic.channel import ChannelAddress, Frame, ShardLink
 from prefect_elastic.compute import (
-    AsyncLoop,
     LoopStats,
     MicroBatchTrainer,
     Pipelined,
     ShardByShard,
-    SyncLoop,
     dask_profiler_paused,
-    for_mode,
     leave_links,
     micro_batch_seed,
     moved_as_one,
@@ -232,12 +228,6 @@ def test_the_profiler_is_not_started_again_on_a_worker_that_is_closing() -> None
     for run in worker.queued:
         run()
     assert worker.profiling() == [False, False]
-
-
-def test_each_mode_has_its_loop_and_an_unknown_mode_is_refused_naming_it() -> None:
-    assert for_mode("sync") == SyncLoop() and for_mode("async") == AsyncLoop()
-    with pytest.raises(ValueError, match="'lockstep'"):
-        for_mode("lockstep")
 
 
 class _ObservesPushes:

@@ -4,9 +4,7 @@ shards brought back to one version when a worker died between its pushes."""
 
 from __future__ import annotations
 
-import ast
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
@@ -21,7 +19,6 @@ from prefect_elastic.coordinator import (
     SnapshotCommitted,
     SnapshotWhereFenced,
     SyncCommits,
-    for_mode,
     read_interval,
 )
 from prefect_elastic.errors import FatalError
@@ -422,26 +419,11 @@ def test_every_member_excluded_fails_the_job() -> None:
 # -- the two commit bookkeepings, chosen once ------------------------------------------------------------
 
 
-def test_the_mode_string_becomes_a_commit_book_in_one_place_and_is_compared_nowhere_else() -> None:
-    assert (for_mode("sync"), for_mode("async")) == (SyncCommits, AsyncLeases)
-    package = Path(__file__).parents[1] / "prefect_elastic" / "coordinator"
-    compared: list[str] = []
-    for path in sorted(package.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Compare) and any(
-                isinstance(side, ast.Constant) and side.value in ("sync", "async")
-                for side in (node.left, *node.comparators)
-            ):
-                compared.append(f"{path.name}:{node.lineno}")
-    assert [where.split(":")[0] for where in compared] == ["__init__.py"], compared
-
-
-def test_the_actor_takes_its_commit_book_as_the_implementation_or_as_the_jobs_mode() -> None:
-    for given, book in (("async", AsyncLeases), (AsyncLeases, AsyncLeases), ("sync", SyncCommits)):
+def test_the_actor_keeps_the_commit_book_it_is_given() -> None:
+    for given, book in ((AsyncLeases, AsyncLeases), (SyncCommits, SyncCommits)):
         actor = Coordinator("job", SCHEDULE, 2, "reassign", 1, 10.0, 5.0, None, given)
         assert type(actor._state.commits) is book
         assert actor._state.progress().mode == book.mode
-    assert type(Coordinator("job", SCHEDULE, 2, "reassign", 1, 10.0, 5.0)._state.commits) is SyncCommits
 
 
 def test_sync_commits_snapshot_one_version_at_a_check_and_the_committed_step_when_stopped() -> None:

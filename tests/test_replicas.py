@@ -59,7 +59,7 @@ def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(d
             for p in first._params.values():
                 p.add_(1.0)
         prepared = prepare(job)
-        empty = DataServer(0, job, prepared.dataset, schedule, {}, {}, None, 0)
+        empty = DataServer(0, job, prepared.dataset, schedule, {}, {}, None, 0, mode=prepared.mode.applies)
         assert not empty._params
         assert await empty.adopt(second, 0) == 0
         snapshot = first.shard.snapshots[0]

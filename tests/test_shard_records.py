@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import torch
 
-from prefect_elastic.data_server import AsyncApplies, NoHooks, ServerHooks, SyncCommits, for_mode
+from prefect_elastic.data_server import NoHooks, ServerHooks
 from prefect_elastic.data_server.hooks import PluginHooks, hooks_of_this_worker
 from prefect_elastic.data_server.records import (
     OpenStep,
@@ -80,12 +79,6 @@ def test_an_async_peer_keeps_the_two_newest_copies_whatever_keep_says() -> None:
     # (Every async shard snapshots at its own version: the peer's versions and its `keep` are unrelated.)
     assert replicas_kept_async([7, 1, 9, 3], keep=1) == {7, 9}
     assert replicas_kept_async([2], keep=0) == {2}
-
-
-def test_the_mode_is_read_once_into_its_apply() -> None:
-    assert for_mode("sync") is SyncCommits and for_mode("async") is AsyncApplies
-    with pytest.raises(ValueError, match="mode='lazy'"):
-        for_mode("lazy")
 
 
 class Calls(NoHooks):

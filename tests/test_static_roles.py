@@ -814,7 +814,9 @@ def test_a_loss_reported_after_the_standby_took_the_role_is_ignored(digits_url: 
     servers, _ = in_process_servers(digits_url)
     job = make_job(digits_url, "rollback")
     prepared = prepare(job)
-    coordinator = Coordinator(job.job_id, prepared.schedule, 2, "rollback", 1, 60.0, 5.0)
+    coordinator = Coordinator(
+        job.job_id, prepared.schedule, 2, "rollback", 1, 60.0, 5.0, None, prepared.mode.commits
+    )
     for server, key in zip(servers, ("data-server-0-a", "data-server-1-b"), strict=True):
         server.key = key  # type: ignore[attr-defined]  (what a Dask actor handle carries)
     coordinator._shards = list(servers)

@@ -6,12 +6,12 @@
 - `persistence`: `Persistence`, the controller's use of them in one run, and `WriteFailures`, the decision
   whether failed writes end the job.
 
-`for_mode` turns a job's mode into its `CheckpointCadence`, the one place this package reads the mode.
+Which `CheckpointCadence` a job gets is decided with its mode (`prefect_elastic.modes`).
 """
 
 from __future__ import annotations
 
-from .cadence import AsyncCheckpoints, CheckpointCadence, SyncCheckpoints, for_mode
+from .cadence import AsyncCheckpoints, CheckpointCadence, SyncCheckpoints
 from .persistence import Persistence, ShardStart, WriteFailures
 from .record import FORMAT, Checkpoint, check_compatible, fingerprint
 from .store import CheckpointStore
@@ -28,5 +28,4 @@ __all__ = [
     "WriteFailures",
     "check_compatible",
     "fingerprint",
-    "for_mode",
 ]

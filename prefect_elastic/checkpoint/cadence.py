@@ -52,9 +52,3 @@ class AsyncCheckpoints:
 
     def check_resumable(self, checkpoint: Checkpoint, where: str) -> None:
         return None
-
-
-def for_mode(mode: str) -> CheckpointCadence:
-    """The cadence of a job's mode: the one place this package turns the mode's name into behaviour
-    (exported by the package, where the modes are chosen)."""
-    return AsyncCheckpoints() if mode == "async" else SyncCheckpoints()

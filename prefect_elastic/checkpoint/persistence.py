@@ -25,7 +25,7 @@ from ..dataset import explain_storage_error, is_object_store
 from ..errors import CheckpointWriteError, FatalError
 from ..job import ElasticJob, StateLayout
 from ..messages import EventKind, MembershipEvent, Resume
-from .cadence import CheckpointCadence, for_mode
+from .cadence import CheckpointCadence
 from .record import Checkpoint, check_compatible, fingerprint
 from .store import CheckpointStore
 
@@ -73,12 +73,11 @@ class Persistence:
         job: ElasticJob,
         layout: StateLayout,
         initial: dict[str, torch.Tensor],
-        cadence: CheckpointCadence | None = None,
+        cadence: CheckpointCadence,
     ) -> None:
         self.job = job
-        # `cadence`: how the job's mode turns snapshots into checkpoints. (Left out by callers that do not
-        # pass it yet: the one of the job's mode, `for_mode`.)
-        self.cadence = cadence if cadence is not None else for_mode(job.mode)
+        # `cadence`: how the job's mode turns snapshots into checkpoints (`Mode.checkpoints`).
+        self.cadence = cadence
         self.layout = layout
         self.initial = initial
         self.expected = fingerprint(job, layout, initial)

@@ -1,7 +1,7 @@
 """The compute worker: a long-running loop, one per elastic worker per job (`run_loop`), in the mode's
 implementation of one interface (`Loop`): `SyncLoop` (every member trains its share of every step) or
-`AsyncLoop` (leases of batch ids, candidate models). `for_mode` is the one place that turns a job's mode
-into a loop.
+`AsyncLoop` (leases of batch ids, candidate models), chosen with the job's mode in `prefect_elastic.modes`
+(the one place that asks it).
 
 - `loop.py`: the Dask task (`run_loop`), the `Loop` interface and what a loop works with (`LoopContext`),
   the role asked for each generation, the connections to where the shards listen
@@ -16,9 +16,6 @@ into a loop.
 
 from __future__ import annotations
 
-from ..job import ElasticJob, StateLayout
-from ..messages import CoordinatorHandle
-from ..schedule import Schedule
 from .async_loop import AsyncLoop
 from .async_session import IDLE_SECONDS, MIN_LEASE, AsyncSession
 from .device import SLOWDOWN, micro_batch_seed, straggle, training_device
@@ -65,10 +62,8 @@ __all__ = [
     "StepPush",
     "SyncLoop",
     "ask_role",
-    "compute_loop",
     "dask_profiler_paused",
     "exchange",
-    "for_mode",
     "gradient_entries",
     "leave_links",
     "micro_batch_seed",
@@ -84,25 +79,3 @@ __all__ = [
     "training_device",
     "unflatten",
 ]
-
-_LOOPS: dict[str, Loop] = {"sync": SyncLoop(), "async": AsyncLoop()}
-
-
-def for_mode(mode: str) -> Loop:
-    """The compute loop of a job's mode ("sync" or "async"): the one place that reads the mode."""
-    try:
-        return _LOOPS[mode]
-    except KeyError:
-        raise ValueError(f"mode must be one of {sorted(_LOOPS)}, not {mode!r}") from None
-
-
-def compute_loop(
-    job: ElasticJob,
-    coordinator: CoordinatorHandle,
-    plan: list[list[str]],
-    layout: StateLayout,
-    schedule: Schedule,
-    loop: Loop | None = None,
-) -> LoopStats:
-    """`run_loop` as the controller submits it until it hands in the loop it chose (`for_mode`) itself."""
-    return run_loop(for_mode(job.mode) if loop is None else loop, job, coordinator, plan, layout, schedule)

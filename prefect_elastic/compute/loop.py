@@ -14,7 +14,7 @@ talks to another compute worker. Every remote call is bounded by `job.call_timeo
 This module is the part both modes share: the `Loop` interface that the sync loop (`sync_loop.py`) and
 the async loop (`async_loop.py`) implement, what a loop works with on its worker (`LoopContext`), asking
 for the role (`ask_role`) and connecting to where the shards listen (`reconnect`). Which loop runs is
-handed in by the caller (`prefect_elastic.compute.for_mode`); nothing here asks which mode it is in.
+handed in by the caller (`prefect_elastic.modes`); nothing here asks which mode it is in.
 """
 
 from __future__ import annotations

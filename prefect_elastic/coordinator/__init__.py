@@ -10,16 +10,12 @@ bookkeeping of one job, kept by an async Dask actor on a static worker (`actor.C
 - `rebuild.py`: a coordinator rebuilt from the controller's copy of the record; `pacing.py`: how often the
   shards are read.
 
-`for_mode` below is the one place the job's mode string becomes its commit bookkeeping.
+Which `CommitBook` a job gets is decided once, with the job's mode (`prefect_elastic.modes`).
 """
 
 from __future__ import annotations
 
-from ..messages import Resume
-from ..schedule import Schedule
-from ..survival import Policy
-from .actor import ROLE_POLL_SECONDS
-from .actor import Coordinator as _Coordinator
+from .actor import ROLE_POLL_SECONDS, Coordinator
 from .async_leases import AsyncLeases
 from .commit_book import (
     CommitBook,
@@ -59,37 +55,6 @@ __all__ = [
     "SnapshotWhereFenced",
     "SyncCommits",
     "actor_key",
-    "for_mode",
     "read_interval",
     "rebuild_applied_from",
 ]
-
-
-def for_mode(mode: str) -> type[CommitBook]:
-    """The commit bookkeeping of a job of `mode` (`ElasticJob.mode`, validated there)."""
-    return AsyncLeases if mode == "async" else SyncCommits
-
-
-class Coordinator(_Coordinator):
-    """The actor (`actor.Coordinator`), its commit bookkeeping given either as the implementation or as the
-    job's mode string (the controller passes `ElasticJob.mode` today), turned into one by `for_mode`."""
-
-    def __init__(
-        self,
-        job_id: str,
-        schedule: Schedule,
-        shards: int,
-        policy: Policy,
-        min_workers: int,
-        min_workers_timeout: float,
-        call_timeout: float,
-        resume: Resume | None = None,
-        commits: str | type[CommitBook] = SyncCommits,
-        snapshot_every: int = 0,
-        steady_sync: float = STEADY_SYNC_SECONDS,
-    ) -> None:
-        book = for_mode(commits) if isinstance(commits, str) else commits
-        super().__init__(
-            job_id, schedule, shards, policy, min_workers, min_workers_timeout, call_timeout, resume, book,
-            snapshot_every, steady_sync,
-        )  # fmt: skip

@@ -6,7 +6,7 @@ shard stands at its own version, and nothing is rolled back).
 
 A `CommitBook` keeps the shared record (`record.CoordinatorRecord`) as it commits, and says what the
 actor does where the two differ, as plans (`SnapshotAt`, `SnapshotWhereFenced`, `SnapshotCommitted`,
-`Promotion`) that the actor carries out. Nothing outside `for_mode` (the package's `__init__`) asks which
+`Promotion`) that the actor carries out. Nothing outside `prefect_elastic.modes` asks which
 one a job has.
 """
 

@@ -3,7 +3,8 @@
 - `actor.py`: `DataServer`, the actor: receives the calls of the coordinator, the controller and the
   peers, and hands them on;
 - `frames.py`: the step path's frames of compute loops, decoded and answered;
-- `apply.py`: the step's apply, `StepApplies`, as `SyncCommits` or `AsyncApplies` (`for_mode`);
+- `apply.py`: the step's apply, `StepApplies`, as `SyncCommits` or `AsyncApplies` (chosen in
+  `prefect_elastic.modes`);
 - `records.py`: the open step, the records of applied steps, and the apply's decisions (pure);
 - `state.py`: the shard's tensors, version, generation and snapshots;
 - `replicas.py`: copies of snapshots on the peer, and a standby's adoption of one;
@@ -14,7 +15,7 @@
 from __future__ import annotations
 
 from .actor import DataServer
-from .apply import ApplyMode, AsyncApplies, StepApplies, SyncCommits, for_mode
+from .apply import ApplyMode, AsyncApplies, StepApplies, SyncCommits
 from .hooks import NoHooks, ServerHooks
 from .plan import plan_shards
 from .replicas import join_tensors, split_tensors, warm_standby
@@ -29,7 +30,6 @@ __all__ = [
     "ServerHooks",
     "StepApplies",
     "SyncCommits",
-    "for_mode",
     "join_tensors",
     "plan_shards",
     "split_tensors",

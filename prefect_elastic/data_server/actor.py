@@ -45,7 +45,7 @@ from ..job import ElasticJob
 from ..messages import ShardStatus, SnapshotInfo, Tensors
 from ..schedule import Schedule
 from ..shard_optimizer import Gradient, ShardOptimizer
-from .apply import ApplyMode, for_mode
+from .apply import ApplyMode
 from .frames import ShardFrames
 from .hooks import hooks_of_this_worker
 from .partition import Partition
@@ -69,7 +69,7 @@ class DataServer:
         applied: Sequence[int] = (),
         mode: ApplyMode | None = None,
     ) -> None:
-        """`mode`: how the shard applies (`for_mode`); the job's when not given."""
+        """`mode`: how the shard applies (`SyncCommits` or `AsyncApplies`, the job's mode's: `modes.py`)."""
         tune_allocator()  # pulls, pushes and snapshots allocate megabytes every step; see allocator.py
         self._hooks = hooks_of_this_worker()
         self._hooks.on_start()  # (this runs in a task's thread)
@@ -79,8 +79,9 @@ class DataServer:
         self._schedule = schedule
         self.shard = ShardState(index, job, params, buffers, optimizer_state, version, applied)
         self.partition = Partition(index, dataset, schedule, self.shard)
-        make = mode if mode is not None else for_mode(job.mode)
-        self.applies = make(self.shard, schedule, self._hooks, job.max_staleness)
+        if mode is None:
+            raise TypeError("DataServer needs the apply of the job's mode (mode=, see prefect_elastic.modes)")
+        self.applies = mode(self.shard, schedule, self._hooks, job.max_staleness)
         self.replicas = Replicas(self.shard, self.applies, schedule.data_servers, job.peer_replicas)
         # (None of these holds the actor: released, it is freed at once, and stops listening.)
         self._frames = ShardFrames(self.shard, self.applies, self.replicas, self.partition.get_batch)

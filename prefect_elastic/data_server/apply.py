@@ -6,8 +6,9 @@
 - `AsyncApplies` (async mode): each micro-batch's gradient is applied as it arrives, once per batch id,
   refused above `max_staleness`; a loop reads the parameters as they are now (`current`).
 
-The data server is handed one of them (`for_mode`, chosen when the job is prepared) and never asks which
-it has. Both act on the shard's `ShardState` and keep its records; the decisions are pure (`records.py`).
+The data server is handed one of them (`prefect_elastic.modes`, chosen when the job is prepared) and never
+asks which it has. Both act on the shard's `ShardState` and keep its records; the decisions are pure
+(`records.py`).
 """
 
 from __future__ import annotations
@@ -85,20 +86,11 @@ class StepApplies(Protocol):
 
 
 class ApplyMode(Protocol):
-    """What `for_mode` gives: makes the apply of one shard."""
+    """What a mode gives a data server (`Mode.applies`): makes the apply of one shard."""
 
     def __call__(
         self, state: ShardState, schedule: Schedule, hooks: ServerHooks, max_staleness: int
     ) -> StepApplies: ...
-
-
-def for_mode(mode: str) -> ApplyMode:
-    """The apply of a job's mode (`ElasticJob.mode`): the one place its name is read."""
-    if mode == "sync":
-        return SyncCommits
-    if mode == "async":
-        return AsyncApplies
-    raise ValueError(f"mode={mode!r}: a data server applies in 'sync' or 'async' mode")
 
 
 class SyncCommits:

@@ -40,7 +40,6 @@ from ..registry import claim_job
 from ..signals import StaticWorkerLeft
 from .calls import LEAVING_GRACE_SECONDS, WATCH_WHILE_CALLING_SECONDS, controller_handle
 from .pacing import PROGRESS_POLL_IDLE_SECONDS
-from .prepare import _async_snapshot_every
 from .workers import SILENT_HEARTBEATS
 
 if TYPE_CHECKING:
@@ -225,8 +224,11 @@ class Actors:
         self.placed_on(where)
         return self.client.submit(
             Coordinator, job.job_id, self.run.schedule, job.data_servers, job.on_membership_change,
-            job.min_workers, job.min_workers_timeout, job.call_timeout, resume, job.mode,
-            _async_snapshot_every(job), self.steady_sync(),
+            job.min_workers, job.min_workers_timeout, job.call_timeout, resume, self.run.mode.commits,
+            self.run.mode.snapshot_every_checks(
+                job.checkpoint_every, bool(job.checkpoint), job.peer_replicas and job.data_servers > 1
+            ),
+            self.steady_sync(),
             actor=True, workers=[where], allow_other_workers=False, pure=False,
             key=f"prefect-elastic-{job.job_id}-{self.run.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
@@ -265,6 +267,7 @@ class Actors:
         self.placed_on(where)
         return self.client.submit(
             DataServer, index, self.job, self.run.dataset, self.run.schedule, *tensors, version, applied,
+            self.run.mode.applies,
             actor=True, workers=[where], allow_other_workers=False,
             key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",
             pure=False,

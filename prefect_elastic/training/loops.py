@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from distributed import Future
 
-from ..compute import compute_loop
+from ..compute import run_loop
 from ..dask_failures import settled_result
 from ..errors import (
     FatalError,
@@ -59,7 +59,8 @@ class ComputeLoops:
                 self.run.loop_restarts[addr] = self.run.loop_restarts.get(addr, 0) + 1
                 self.run._loop_serial += 1
                 self.run.loops[addr] = self.client.submit(
-                    compute_loop, self.job, coordinator, plan, self.run.layout, self.run.schedule,
+                    run_loop, self.run.mode.loop, self.job, coordinator, plan, self.run.layout,
+                    self.run.schedule,
                     key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-compute-{addr}-{self.run._loop_serial}",
                     workers=[addr], allow_other_workers=False, pure=False,
                 )  # fmt: skip

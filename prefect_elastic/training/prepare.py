@@ -13,12 +13,13 @@ from ..errors import (
     JobConfigError,
 )
 from ..job import ElasticJob
+from ..modes import Mode, mode_of
 from ..schedule import Schedule
 
 log = logging.getLogger(__name__)
 
 
-def build_schedule(job: ElasticJob, dataset: DatasetInfo) -> Schedule:
+def build_schedule(job: ElasticJob, dataset: DatasetInfo, mode: Mode) -> Schedule:
     sizes = tuple(
         stop - start
         for start, stop in (
@@ -26,8 +27,7 @@ def build_schedule(job: ElasticJob, dataset: DatasetInfo) -> Schedule:
         )
     )
     try:
-        # Async mode applies every micro-batch on its own: a step is one batch id.
-        per_step = 1 if job.mode == "async" else job.micro_batches
+        per_step = mode.batch_ids_per_step(job.micro_batches)
         return Schedule(sizes, job.batch_size, per_step, job.epochs, job.seed)
     except ValueError as exc:
         raise JobConfigError("batch_size", job.batch_size, str(exc)) from exc
@@ -41,6 +41,7 @@ class Prepared:
     dataset: DatasetInfo
     schedule: Schedule
     persistence: Persistence
+    mode: Mode  # the parts of sync or async mode each role is handed (`modes.py`)
 
 
 def prepare(job: ElasticJob | str | os.PathLike[str]) -> Prepared:
@@ -48,17 +49,7 @@ def prepare(job: ElasticJob | str | os.PathLike[str]) -> Prepared:
     if not isinstance(job, ElasticJob):
         job = ElasticJob.from_yaml(Path(job))
     dataset = job.check_inputs()
-    schedule = build_schedule(job, dataset)
+    mode = mode_of(job.mode)
+    schedule = build_schedule(job, dataset, mode)
     layout, initial = job.initial_tensors()
-    return Prepared(job, dataset, schedule, Persistence(job, layout, initial))
-
-
-def _async_snapshot_every(job: ElasticJob) -> int:
-    """Survival checks between two snapshots in async mode (0: none), each a brief pause of every shard: a
-    checkpoint's (`checkpoint_every`), or, with peer replicas, what a standby goes back to when a data
-    server's worker dies (else it would go back to the start)."""
-    if job.mode != "async":
-        return 0
-    if job.checkpoint or (job.peer_replicas and job.data_servers > 1):
-        return job.checkpoint_every
-    return 0
+    return Prepared(job, dataset, schedule, Persistence(job, layout, initial, mode.checkpoints), mode)

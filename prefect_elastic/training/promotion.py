@@ -55,8 +55,8 @@ class Promotions:
         left = ", ".join(sorted({self.run.placement[i] for i in lost}))
         told = coordinator.shards_lost(lost, f"static worker {left} left", [shards[i].key for i in lost])
         targets = dict.fromkeys(lost, self.run.calls.call(told))
-        if job.mode == "async":
-            # Each shard snapshots at its own version in async mode: each standby starts from its own.
+        if self.run.mode.shards_apart:
+            # Each shard snapshots at its own version (async mode): each standby starts from its own.
             targets = {i: self.run.calls.call(coordinator.snapshot_version(i)) for i in lost}
         suspended = time.monotonic() - clock
 

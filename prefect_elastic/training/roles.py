@@ -106,7 +106,7 @@ class StaticRoles:
         started afresh from it), and the coordinator to the record of that step (`Coordinator.rebuild`
         from the controller's copy). Without `checkpoint` on the job, fails naming the lost data servers."""
         job = self.job
-        if job.mode == "async":
+        if self.run.mode.shards_apart:
             # (The coordinator's loss too, with data server 0 and no replica of its shard: the shards stand
             # at different versions, which the rebuild from a checkpoint does not handle yet.)
             raise DataServerLostError(

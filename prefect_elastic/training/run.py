@@ -106,6 +106,7 @@ class TrainingRun:
         self.job = prepared.job
         self.dataset = prepared.dataset
         self.schedule = prepared.schedule
+        self.mode = prepared.mode  # what differs between sync and async mode (`modes.py`)
         self.persistence = prepared.persistence
         self.layout = prepared.persistence.layout
         self.stop = stop
@@ -188,20 +189,7 @@ class TrainingRun:
             with contextlib.suppress(Exception):  # (gone, or failed: the membership tells, as for any)
                 self.actors.await_engine(where, self.job.call_timeout, elastic=True)
         self._copy_journal()
-        job = self.job
-        if job.mode == "async":
-            log.info(
-                "job %s: async mode, %d batch ids of %d applied one by one (max staleness %d), %d data "
-                "servers, leases of %d",
-                job.job_id, self.schedule.total_batches, job.batch_size, job.max_staleness,
-                job.data_servers, max(MIN_LEASE, job.micro_batches),
-            )  # fmt: skip
-            return
-        log.info(
-            "job %s: %d steps of %d micro-batches of %d, %d data servers, policy %s",
-            job.job_id, self.schedule.total_steps, job.micro_batches, job.batch_size, job.data_servers,
-            job.on_membership_change,
-        )  # fmt: skip
+        log.info("%s", self.mode.describe(self.job, self.schedule, MIN_LEASE))
 
     @public_errors
     def supervise(self) -> Progress:

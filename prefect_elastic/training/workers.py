@@ -178,6 +178,6 @@ class Workers:
             now=time.monotonic(),
             answered_at=run._answered_at,
             loaded=loaded,
-            roles=Roles(list(run.placement), run.coordinator_at, self.job.mode == "async"),
+            roles=Roles(list(run.placement), run.coordinator_at, run.mode.coordinator_kept_while_silent),
             requested=getattr(run.cluster, "requested", None),
         )

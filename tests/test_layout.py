@@ -1,0 +1,91 @@
+"""The shape of the package, as the code reads: no module over 500 lines, no import circle (counting imports
+made inside functions, which only hide one), and the job's mode asked in one place."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "prefect_elastic"
+MOST_LINES = 500
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that `name` imports anywhere in its code but under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for n in ast.walk(node)}
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")
+                up = up[: len(up) - (node.level - 1)]
+                base = ".".join([*up, base] if base else up)
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def test_no_module_is_longer_than_500_lines() -> None:
+    long = {n: len(p.read_text().splitlines()) for n, p in modules().items()}
+    assert not {n: k for n, k in long.items() if k > MOST_LINES}, "split these by concern"
+
+
+def test_no_import_circle() -> None:
+    mods = modules()
+    graph = {n: imports_of(n, p, set(mods)) for n, p in mods.items()}
+    # (A package's __init__ re-exporting its own modules is not a circle: its modules import siblings, not
+    # the package.)
+    graph = {n: {t for t in ts if not (n.startswith(t + ".") and t in graph)} for n, ts in graph.items()}
+    circles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert not circles, "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_mode_is_asked_in_one_place() -> None:
+    # (A comparison with the mode's name, or of a `.mode`: not other modes, such as a partition's.)
+    asked = re.compile(r"""(==|!=)\s*["']a?sync["']|["']a?sync["']\s*(==|!=|in\b)|\.mode\s*(==|!=|in\b)""")
+    where = [
+        f"{path.relative_to(PACKAGE.parent)}:{i}"
+        for name, path in modules().items()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if asked.search(line.split("#")[0]) and name != "prefect_elastic.modes"
+    ]
+    assert not where, where
