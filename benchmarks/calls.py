@@ -1,6 +1,6 @@
 """What a round trip costs a compute worker: the floor under the framework's fixed cost per step.
 
-A step of one compute worker sends every shard one frame on the step path's connection (channel.py: its
+A step of one compute worker sends every shard one frame on the step path's connection (wire/channel.py: its
 share of the gradients) and reads one back (the next step's parameters). This measures that exchange
 alone (`channel`: a frame of one shard's share to both static workers at once, and one of that size back
 from each, on the Unix sockets a loop on the shards' machine uses; `channel_tcp`: the same over TCP, as
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from prefect_elastic.allocator import tune_allocator
-from prefect_elastic.channel import ChannelAddress, Entry, Frame, ShardLink, ShardServer
+from prefect_elastic.wire import ChannelAddress, Entry, Frame, ShardLink, ShardServer
 
 from .elastic import ClusterPool
 from .workloads import WORKLOADS

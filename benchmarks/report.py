@@ -478,8 +478,8 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
         if "channel" in first:
             rows.append(
                 (
-                    f"the step path's exchange (channel.py: a frame to both shards, one back from each), "
-                    f"median ms: {sizes}",
+                    "the step path's exchange (wire/channel.py: a frame to both shards, one back from "
+                    f"each), median ms: {sizes}",
                     " / ".join(f"{v['channel']:.2f}" for v in c["ms"].values())
                     + (
                         "; over TCP (as from another machine) "

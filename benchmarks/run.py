@@ -286,7 +286,7 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
                     }
                     for i in range(min(len(x.get("shard_ms", [])) for x in costs))
                 ],
-                # How each shard received its frames with tensors in the last repeat (`inbox.py`).
+                # How each shard received its frames with tensors in the last repeat (`wire/inbox.py`).
                 "shard_bodies": costs[-1].get("shard_bodies", []),
                 # The plain loop's step in the same repeats: what the framework adds over it, compute
                 # included (the workers' compute may differ from the plain loop's: allocator, threads).

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from benchmarks import elastic
 from benchmarks.workloads import WORKLOADS, write_dataset
-from prefect_elastic.inbox import ENV
 from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.wire.inbox import ENV
 
 
 def main(argv: list[str] | None = None) -> int:

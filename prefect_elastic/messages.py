@@ -8,7 +8,7 @@ time (every method returns a future whose `result(timeout)` gives the value).
 Who sends what (docs/architecture.md has the picture):
 - coordinator -> compute loop: `Role` (its rank in a generation's member list; the answer to `role`);
 - compute loop <-> data server: one frame each way per step on the step path's own connection
-  (`channel.py`: the gradients, buffers and losses of one share, then the next step's parameters and
+  (`wire/channel.py`: the gradients, buffers and losses of one share, then the next step's parameters and
   batches); JSON headers and raw tensor bytes, not these dataclasses;
 - data server -> coordinator: `ShardStatus` with `StepRecord`s (what each shard applied), read by the
   coordinator off the step path;
@@ -26,8 +26,8 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from .channel import ChannelAddress
 from .ledger import LedgerEntry
+from .wire import ChannelAddress
 
 Tensors = dict[str, torch.Tensor]
 T_co = TypeVar("T_co", covariant=True)
@@ -70,7 +70,7 @@ class Role:
     members: tuple[str, ...]
     start_step: int
     stop: bool = False  # the job is over: the loop ends
-    # Where each shard listens for compute loops (channel.py) in this generation: a data server promoted
+    # Where each shard listens for compute loops (wire/channel.py) in this generation: a data server promoted
     # onto a standby listens elsewhere, and the generation that follows its promotion says where.
     channels: tuple[ChannelAddress, ...] = ()
 

@@ -30,7 +30,7 @@ from torch.optim.sgd import sgd
 from .errors import FatalError
 from .job import ElasticJob
 from .messages import Tensors
-from .published import Published, flat_tensor
+from .wire.published import Published, flat_tensor
 
 # One micro-batch's gradient of a shard's parameters: by name, or one flat tensor in the shard's order.
 Gradient = Tensors | torch.Tensor
@@ -50,7 +50,7 @@ class ShardOptimizer:
         # One flat tensor, unless the shard's parameters are of several dtypes: then one tensor each.
         self._flat: torch.Tensor | None = None
         # A copied flat tensor lies in a published region (where memfds can be made): loops on this
-        # machine read the parameters there instead of a copy in every answer (`published.py`).
+        # machine read the parameters there instead of a copy in every answer (`wire/published.py`).
         self.region: Published | None = None
         flat = _flat_view([params[n] for n in self.names]) if owned else None
         if flat is None and not owned and len({params[n].dtype for n in self.names}) == 1:

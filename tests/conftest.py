@@ -30,7 +30,7 @@ import torch
 
 import prefect_elastic
 import prefect_elastic.training
-from prefect_elastic import ElasticJob, TrainResult, memfd, train
+from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.dataset import digits_dataset, write_npz
 from prefect_elastic.errors import ElasticError
@@ -39,6 +39,7 @@ from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import Progress
 from prefect_elastic.training import prepare
+from prefect_elastic.wire import memfd
 
 from .prefect_harness import prefect_server  # noqa: F401  (a session fixture: a real Prefect server)
 

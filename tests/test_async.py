@@ -22,7 +22,6 @@ from prefect_elastic import (
     TrainResult,
     train,
 )
-from prefect_elastic.channel import Entry, Frame
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
 from prefect_elastic.coordinator import AsyncLeases, CoordinatorState, rebuild_applied_from
 from prefect_elastic.data_server import DataServer, plan_shards
@@ -34,6 +33,7 @@ from prefect_elastic.messages import EventKind, Journal, Progress, Role, ShardSt
 from prefect_elastic.schedule import Schedule
 from prefect_elastic.survival import survival_check
 from prefect_elastic.training import prepare
+from prefect_elastic.wire import Entry, Frame
 
 from .conftest import HoldUntilJoined, References, in_process_servers, make_job, top_up
 from .models import GATE

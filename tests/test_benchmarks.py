@@ -100,7 +100,7 @@ def check_steady(r: dict[str, Any]) -> None:
         assert math.isfinite(cost["fixed_ms"]) and cost["step_ms"] > 0 and cost["compute_ms"] > 0, cost
         assert len(cost["shard_ms"]) == 2 and all(s["handle"] > 0 for s in cost["shard_ms"]), cost
         assert cost["phase_ms"]["compute"] == cost["compute_ms"]
-    # The mlp's 2.7 MB of gradients reach its shard through shared memory (`inbox.py`), after the first.
+    # The mlp's 2.7 MB of gradients reach its shard through shared memory (`wire/inbox.py`), after the first.
     assert sum(b["shared"] for b in r["fixed_cost"]["mlp"]["shard_bodies"]) > 0, r["fixed_cost"]["mlp"]
 
 

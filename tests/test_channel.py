@@ -1,4 +1,4 @@
-"""The step path's wire (`channel.py`) on real sockets, without a cluster: frames keep every tensor
+"""The step path's wire (`wire/channel.py`) on real sockets, without a cluster: frames keep every tensor
 bitwise, answers come back in order when a loop sends two frames before reading, a shard's errors come
 back as the same error types, and a connection that failed is never read again."""
 
@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from prefect_elastic.channel import Entry, Frame, ShardLink, ShardServer, decode, encode
 from prefect_elastic.errors import FatalError, RecoverableError, StaleGenerationError
+from prefect_elastic.wire import Entry, Frame, ShardLink, ShardServer, decode, encode
 
 
 class Served:

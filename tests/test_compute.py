@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import torch
 
 from prefect_elastic import ElasticJob
-from prefect_elastic.channel import ChannelAddress, Frame, ShardLink
 from prefect_elastic.compute import (
     LoopStats,
     MicroBatchTrainer,
@@ -28,6 +27,7 @@ from prefect_elastic.compute import (
 from prefect_elastic.compute.links import registered
 from prefect_elastic.messages import Role, Tensors
 from prefect_elastic.training import prepare
+from prefect_elastic.wire import ChannelAddress, Frame, ShardLink
 
 from .conftest import in_process_servers, make_job
 from .models import TOKENS

@@ -135,7 +135,7 @@ def test_a_small_model_on_one_data_server_trains_bit_for_bit_as_when_spread_over
     assert [bool(names) for names in result.shard_plan] == [False, True]
     assert [bool(names) for names in spread.shard_plan] == [True, True]
     check_run(result, spread, "reassign")
-    # The loops read the parameters in the shard's memory (`published.py`); the reference, whose cluster
+    # The loops read the parameters in the shard's memory (`wire/published.py`); the reference, whose cluster
     # has shared memory off, had them copied: same bits.
     assert result.shard_phases[1]["params_in_place"] > 0
     assert all(shard["params_in_place"] == 0 for shard in spread.shard_phases)

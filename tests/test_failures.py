@@ -125,7 +125,7 @@ def test_compute_worker_holds_no_parameters(digits_url: str) -> None:
 
 def test_a_model_that_changes_its_parameters_in_place_is_refused_naming_them(digits_url: str) -> None:
     """A compute worker holds no parameters between steps, and on a CPU worker the pulled parameters are
-    the shard's own memory (`published.py`): a change in place is lost or corrupts the shard. It fails
+    the shard's own memory (`wire/published.py`): a change in place is lost or corrupts the shard. It fails
     the micro-batch with a message that names the parameter and what to do instead."""
     j = make_job(digits_url, model="tests.models:clamps_in_place")
     layout, tensors = j.initial_tensors()

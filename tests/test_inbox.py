@@ -1,4 +1,4 @@
-"""Frame bodies through shared memory (`inbox.py`) between a loop and a shard on one machine, on real
+"""Frame bodies through shared memory (`wire/inbox.py`) between a loop and a shard on one machine, on real
 sockets and real memfds: bitwise the same tensors as through the socket; a slot reused only once nothing
 of it is referenced, and the socket when no slot is free; an inbox replaced by a larger one still read for
 what was written into the old; an inbox out of reach never used."""
@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefect_elastic import inbox
-from prefect_elastic.channel import Entry, Frame, ShardLink, decode
-from prefect_elastic.inbox import Inbox, Outbox, SharedBodies
+from prefect_elastic.wire import Entry, Frame, ShardLink, decode, inbox
+from prefect_elastic.wire.inbox import Inbox, Outbox, SharedBodies
 
 from .test_channel import Served
 

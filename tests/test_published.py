@@ -1,4 +1,4 @@
-"""A shard's parameters read in place by a loop on its machine (`published.py`), on real sockets and real
+"""A shard's parameters read in place by a loop on its machine (`wire/published.py`), on real sockets and real
 memfds: after one answer that teaches the loop the region, the parameters come as views of the shard's own
 memory, bitwise what it holds, with no bytes on the wire; only entries of kind `params` go so (async mode's
 `state` is a copy); a loop that cannot map the region keeps getting the bytes; and only the peer's own
@@ -12,14 +12,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from prefect_elastic import ElasticJob, memfd, published
-from prefect_elastic.channel import Entry, Frame, ShardLink, decode, encode
+from prefect_elastic import ElasticJob
 from prefect_elastic.compute import MicroBatchTrainer
-from prefect_elastic.inbox import Inbox, SharedBodies
 from prefect_elastic.messages import Role
-from prefect_elastic.published import Published, flat_tensor, map_peers
 from prefect_elastic.shard_optimizer import ShardOptimizer
 from prefect_elastic.training import prepare
+from prefect_elastic.wire import Entry, Frame, ShardLink, decode, encode, memfd, published
+from prefect_elastic.wire.inbox import Inbox, SharedBodies
+from prefect_elastic.wire.published import Published, flat_tensor, map_peers
 
 from .conftest import in_process_servers, make_job
 from .test_channel import Served

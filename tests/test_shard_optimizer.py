@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefect_elastic.channel import Entry, Frame, decode, encode
 from prefect_elastic.compute import PACK_BYTES, gradient_entries, packs, unflatten
 from prefect_elastic.errors import FatalError
 from prefect_elastic.job import ElasticJob
 from prefect_elastic.shard_optimizer import ShardBuffers, ShardOptimizer, _flat_view
+from prefect_elastic.wire import Entry, Frame, decode, encode
 
 # Odd lengths: the vectorized kernels handle the tail of a tensor apart from its body, and a parameter's
 # tail lies in the body of the flat tensor.

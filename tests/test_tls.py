@@ -16,10 +16,10 @@ import torch
 from distributed.security import Security
 
 from prefect_elastic import train
-from prefect_elastic.channel import Entry, Frame, ShardLink, ShardServer
 from prefect_elastic.cluster import tls_security
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.wire import Entry, Frame, ShardLink, ShardServer
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job
 from .prefect_harness import PrefectServer
@@ -51,7 +51,7 @@ def test_a_job_trains_over_tls_bitwise_equal_to_the_plain_run(
 
 
 def _channel_tls_in_use() -> bool:
-    from prefect_elastic.channel import worker_tls
+    from prefect_elastic.wire import worker_tls
 
     return worker_tls("connect") is not None and worker_tls("listen") is not None
 

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from ..allocator import freeze_startup_objects
-from ..channel import Entry, Frame, ShardLink, raise_error
 from ..errors import StaleGenerationError
 from ..messages import CoordinatorHandle, Role, Tensors
 from ..schedule import Schedule
+from ..wire import Entry, Frame, ShardLink, raise_error
 from .stats import LoopStats
 from .trainer import MicroBatchTrainer
 

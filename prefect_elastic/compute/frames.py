@@ -1,4 +1,4 @@
-"""What goes on the wire in one step of a compute loop, as frames (`channel.py`): the answers asked for
+"""What goes on the wire in one step of a compute loop, as frames (`wire/channel.py`): the answers asked for
 ahead of a step (`Ahead`: parameters as flat runs, batches), a micro-batch's gradients for one shard
 (`gradient_entries`, packed where that pays: `packs`), the order a step's frames go to the shards in
 (`push_order`), and sending and reading a frame per shard (`send_all`, `receive_all`, `exchange`).
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..channel import Entry, Frame, ShardLink, contiguous_strides, raise_error
 from ..errors import FatalError
 from ..messages import Tensors
+from ..wire import Entry, Frame, ShardLink, contiguous_strides, raise_error
 
 # A micro-batch's gradients for one shard up to this size go as one flat run (`gradient_entries`).
 PACK_BYTES = 1 << 20

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..channel import ChannelAddress, ShardLink
+from ..wire import ChannelAddress, ShardLink
 
 _LINKS_LOCK = threading.Lock()
 # Each loop's lists of connections, which it changes in place as shards move.

@@ -2,7 +2,7 @@
 
 Once per generation it asks the coordinator for its `Role` (its rank in the generation's member list);
 from then on it trains its share of the work with no call to the coordinator but the mode's own (async
-leases). On its own connection to every shard (`channel.py`) it pulls parameters and batches, computes
+leases). On its own connection to every shard (`wire/channel.py`) it pulls parameters and batches, computes
 one gradient per micro-batch with torch (`trainer.py`), and pushes the gradients with the losses, tagged
 with the generation.
 
@@ -28,10 +28,10 @@ from typing import Protocol
 import torch
 
 from ..allocator import tune_allocator
-from ..channel import ChannelAddress, ShardLink, worker_tls
 from ..job import ElasticJob, StateLayout
 from ..messages import CoordinatorHandle, Role, direct
 from ..schedule import Schedule
+from ..wire import ChannelAddress, ShardLink, worker_tls
 from .device import SLOWDOWN, training_device
 from .links import registered
 from .profiler import dask_profiler_paused

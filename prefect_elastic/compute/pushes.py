@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..channel import Frame, ShardLink, raise_error
+from ..wire import Frame, ShardLink, raise_error
 from .frames import receive_all, send_all
 
 # The name of a Dask worker plugin that, where present, is told of every push (a `PushObserver`).

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 
 from ..allocator import freeze_startup_objects
-from ..channel import unread_answers_dropped
 from ..errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
 from ..messages import Role
+from ..wire import unread_answers_dropped
 from .frames import Ahead
 from .loop import MAX_CONSECUTIVE_CALL_ERRORS, LoopContext, ask_role, reconnect
 from .stats import LoopStats

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from ..channel import Entry, Frame, ShardLink
 from ..errors import ModelFailure, RecoverableError
 from ..job import GLOBAL_RNG_LOCK, ElasticJob, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
+from ..wire import Entry, Frame, ShardLink
 from .device import micro_batch_seed, straggle
 from .frames import (
     PACK_BYTES,
@@ -123,7 +123,7 @@ class MicroBatchTrainer:
             # became of that push no longer matters (a fence voided it, or the run ended).
             with contextlib.suppress(RecoverableError):  # (a stale generation's too)
                 receive_all(shards, [link.pending for link in shards], self.job.call_timeout)
-        # The parameters as a copy, never read in place (`published.py`): a loop fetches a step it may
+        # The parameters as a copy, never read in place (`wire/published.py`): a loop fetches a step it may
         # have pushed in part already (its frame to one shard went in, another's failed), and a shard that
         # holds its batch ids from that push may apply the step, writing its parameters, while this loop
         # computes the step again for the shards that lack them.
@@ -268,7 +268,7 @@ class MicroBatchTrainer:
                 if changed:
                     # A compute worker holds no parameters between steps: the change would be lost, and
                     # on a CPU worker it would write into the shard's memory, which the loop reads in
-                    # place (`published.py`).
+                    # place (`wire/published.py`).
                     raise ModelFailure(
                         step,
                         batch_id,

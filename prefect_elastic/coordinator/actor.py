@@ -28,7 +28,6 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from ..channel import ChannelAddress
 from ..messages import (
     EventKind,
     Journal,
@@ -42,6 +41,7 @@ from ..messages import (
 )
 from ..schedule import Schedule
 from ..survival import Action, Policy, spare_graceful_leaves, survival_check
+from ..wire import ChannelAddress
 from .commit_book import CommitBook, SnapshotAt, SnapshotWhereFenced
 from .pacing import STEADY_SYNC_SECONDS, SYNC_SECONDS
 from .shard_calls import ShardUnreachable, fence

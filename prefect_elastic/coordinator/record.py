@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..channel import ChannelAddress
 from ..ledger import Ledger
 from ..messages import EventKind, Journal, MembershipEvent, Resume, Role, ShardStatus
 from ..schedule import Schedule
 from ..survival import Decision, Policy, SurvivalState
+from ..wire import ChannelAddress
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..channel import ChannelAddress
 from ..errors import FatalError
 from ..messages import EventKind, Journal, MembershipEvent, Progress, Resume, ShardStatus
 from ..schedule import Schedule
 from ..survival import Action, Decision, Policy
+from ..wire import ChannelAddress
 from .commit_book import (
     CommitBook,
     Promotion,

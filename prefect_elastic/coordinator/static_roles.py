@@ -17,10 +17,10 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from ..channel import ChannelAddress
 from ..errors import FatalError
 from ..messages import MembershipEvent, ShardStatus, direct
 from ..survival import Action, survival_check
+from ..wire import ChannelAddress
 from .commit_book import SnapshotWhereFenced
 from .shard_calls import ShardCalls, ShardUnreachable, actor_key
 

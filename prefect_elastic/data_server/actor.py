@@ -13,7 +13,7 @@ Owns, for one job:
 
 Does not own: the generation (the coordinator raises it with `fence`), which snapshot is the committed
 one, or what happens when shards disagree (the coordinator decides; see docs/design/commit-point.md).
-Called by compute workers over its own connection (`channel.py`: one frame each way per step, carrying
+Called by compute workers over its own connection (`wire/channel.py`: one frame each way per step, carrying
 `push`, then `pull` and `get_batch` of the step the worker trains next), and by the coordinator as a Dask
 actor (`fence`, `restore`, `snapshot_at`, `status`). Every call carries the generation and a call from
 another generation raises `StaleGenerationError` (and is counted), so a message of a worker that was
@@ -38,13 +38,13 @@ from typing import Any
 import torch
 
 from ..allocator import freeze_startup_objects, tune_allocator
-from ..channel import ChannelAddress, Frame, ShardServer, worker_tls
 from ..dataset import DatasetInfo
 from ..errors import FatalError, RecoverableError, StaleGenerationError
 from ..job import ElasticJob
 from ..messages import ShardStatus, SnapshotInfo, Tensors
 from ..schedule import Schedule
 from ..shard_optimizer import Gradient, ShardOptimizer
+from ..wire import ChannelAddress, Frame, ShardServer, worker_tls
 from .apply import ApplyMode
 from .frames import ShardFrames
 from .hooks import hooks_of_this_worker
@@ -124,7 +124,7 @@ class DataServer:
     # -- compute workers -------------------------------------------------------------------------
 
     async def open_channel(self) -> ChannelAddress:
-        """Start listening for compute loops (`channel.py`) on this worker's host; returns the address."""
+        """Start listening for compute loops (`wire/channel.py`) on this worker's host; returns the address."""
         if self._server is None or self._server.address is None:
             server = ShardServer(_weak_handler(self))
             await server.start(self._host, tls=worker_tls("listen"))
@@ -143,9 +143,9 @@ class DataServer:
     async def phases(self) -> dict[str, float]:
         """Seconds spent on the step path by phase, summed over the run: the channel's `handle` and
         `send`, and `apply` (the optimizer step within `handle`); `frames` counts the frames answered,
-        `bodies_shared` and `bodies_socket` the frames with tensors by the way they came (`inbox.py`),
+        `bodies_shared` and `bodies_socket` the frames with tensors by the way they came (`wire/inbox.py`),
         `params_in_place` the answers whose parameters a loop read in this shard's memory
-        (`published.py`)."""
+        (`wire/published.py`)."""
         server = self._server
         return {
             **(server.phases if server is not None else {}),

@@ -147,7 +147,7 @@ class SyncCommits:
                 f"pull for step {step}, but shard {state.index} is at step {state.version}"
             )
         # No copy: the tensors are serialized as this reply is sent, or read in place by a loop on this
-        # machine while it computes (`published.py`). The shard changes them only when it applies this
+        # machine while it computes (`wire/published.py`). The shard changes them only when it applies this
         # step, which needs the gradient of every worker that computes with them (a worker computes a
         # step only when its share of it is not empty, and is done with them before its push). A reply
         # still on the wire to a worker declared dead, or a loop of that worker reading in place, may see

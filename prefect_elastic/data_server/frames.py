@@ -1,4 +1,4 @@
-"""A data server's side of the step path: the frames of compute loops (`channel.py`), decoded into calls
+"""A data server's side of the step path: the frames of compute loops (`wire/channel.py`), decoded into calls
 of the shard's apply and answered with parameters and batches.
 
 One frame each way per step: a push (gradients, buffers and losses of a share of a step) or an async
@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..channel import Entry, Frame, error_header
 from ..errors import FatalError
 from ..messages import Tensors
 from ..shard_optimizer import Gradient
+from ..wire import Entry, Frame, error_header
 from .apply import StepApplies
 from .replicas import Replicas, split_tensors
 from .state import ShardState

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from ..allocator import freeze_startup_objects, tune_allocator
-from ..channel import ChannelAddress, Frame, ShardLink, worker_tls
 from ..errors import FatalError
 from ..job import ElasticJob
 from ..messages import direct
+from ..wire import ChannelAddress, Frame, ShardLink, worker_tls
 from .apply import StepApplies
 from .state import ShardState, Snapshot
 

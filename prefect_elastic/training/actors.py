@@ -157,7 +157,7 @@ class Actors:
                 self.run.coordinator_future, self.run.coordinator_at, slow, heard=False
             )
         )
-        # The step path's own connections (channel.py): compute loops reach each shard there.
+        # The step path's own connections (wire/channel.py): compute loops reach each shard there.
         self.run.channels = [
             self.run.calls.wait_unless_left(
                 s.open_channel(), self.run.placement[i], job.call_timeout, heard=False

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from distributed import Future
 
-from ..channel import ChannelAddress
 from ..checkpoint import ShardStart
 from ..compute import leave_links
 from ..coordinator import actor_key
@@ -25,6 +24,7 @@ from ..messages import (
     ShardHandle,
 )
 from ..signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
+from ..wire import ChannelAddress
 from .actors import START_TRIES
 from .calls import LEAVING_GRACE_SECONDS
 from .pacing import MEMBERSHIP_POLL_SECONDS

@@ -18,7 +18,6 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from distributed import Client, Future
 
-from ..channel import ChannelAddress
 from ..cluster import (
     WORKER_EVENTS_TOPIC,
 )
@@ -37,6 +36,7 @@ from ..messages import (
 from ..registry import publish_progress, release_job
 from ..signals import CoordinatorLost, EngineSignal, SchedulerGone
 from ..survival import wait_for_group, wait_for_losses, wait_for_start
+from ..wire import ChannelAddress
 from . import ending
 from .actors import Actors
 from .calls import Calls
