@@ -124,7 +124,7 @@ class DataServer:
     # -- compute workers -------------------------------------------------------------------------
 
     async def open_channel(self) -> ChannelAddress:
-        """Start listening for compute loops (`wire/channel.py`) on this worker's host; returns the address."""
+        """Start listening for compute loops (`wire/channel.py`) on this host; returns the address."""
         if self._server is None or self._server.address is None:
             server = ShardServer(_weak_handler(self))
             await server.start(self._host, tls=worker_tls("listen"))
