@@ -15,7 +15,7 @@ from prefect_elastic.dataset import write_npz
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.job import ElasticJob, resolve_callable
 
-from .conftest import make_job
+from ..conftest import make_job
 
 MLP = "tests.models:mlp"
 UNREAD = "file:///data/train.npz"  # a dataset URL that only the checks of check_inputs would open
@@ -288,7 +288,7 @@ def test_make_model() -> None:
         ("tests.no_such_module:mlp", ["'tests.no_such_module'", "not found", "PYTHONPATH"]),
         ("tests.models:no_such_factory", ["no attribute 'no_such_factory'"]),
         ("tests.models:mlp.deeper", ["'tests.models:mlp'", "no attribute 'deeper'"]),
-        ("tests.test_job:MLP", ["str", "not callable"]),
+        ("tests.unit.test_job:MLP", ["str", "not callable"]),
         ("tests.models:not_a_module", ["returned int", "42", "torch.nn.Module"]),
         ("prefect_elastic.errors:JobConfigError", ["raised TypeError"]),
     ],
@@ -472,7 +472,7 @@ def test_a_model_checked_in_one_thread_leaves_another_threads_initial_parameters
     initial parameters are being drawn. Every model is built under one lock, so the second job's draws
     cannot land in the middle of the first's. (Before, the check built its model outside the lock, the
     first job's parameters depended on timing, and its run and its reference run differed.)"""
-    from .models import PAUSE_IN_CONSTRUCTOR, PAUSED
+    from ..models import PAUSE_IN_CONSTRUCTOR, PAUSED
 
     paused = make_job(digits_url, model="tests.models:pausing_mlp", seed=5)
     other = make_job(digits_url, model="tests.models:mlp", seed=6)

@@ -29,8 +29,8 @@ from prefect_elastic.messages import Role, Tensors
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import ChannelAddress, Frame, ShardLink
 
-from .conftest import in_process_servers, make_job
-from .models import TOKENS
+from ..conftest import in_process_servers, make_job
+from ..models import TOKENS
 from .test_channel import Served
 
 
@@ -88,7 +88,7 @@ def test_a_micro_batch_draws_its_dropout_mask_alone_while_another_thread_builds_
     hold, so a build started while it runs waits, and both get what they get alone. (Without it, the
     forward's dropout drew from the other job's freshly seeded stream, and the other job's second layer
     from what the forward left.)"""
-    from .models import FORWARD_PAUSED, PAUSE_IN_CONSTRUCTOR, PAUSE_IN_FORWARD, PAUSED
+    from ..models import FORWARD_PAUSED, PAUSE_IN_CONSTRUCTOR, PAUSE_IN_FORWARD, PAUSED
 
     job = ElasticJob(model="tests.models:pausing_dropout", dataset=digits_url, seed=3)
     other = ElasticJob(model="tests.models:pausing_mlp", dataset=digits_url, seed=6)

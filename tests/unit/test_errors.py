@@ -20,7 +20,7 @@ from prefect_elastic.signals import (
 from prefect_elastic.training import TrainingRun
 from prefect_elastic.training.scheduler import SchedulerWatch
 
-from .conftest import make_job
+from ..conftest import make_job
 
 SIGNALS = [CoordinatorLost("its static worker left"), StaticWorkerLeft("tcp://w:1"), StartCancelled("k"),
            SchedulerGone(3.0)]  # fmt: skip

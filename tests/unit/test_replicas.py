@@ -16,7 +16,7 @@ from prefect_elastic.data_server import DataServer, join_tensors, split_tensors
 from prefect_elastic.errors import FatalError, StaleGenerationError
 from prefect_elastic.training import prepare, standbys
 
-from .conftest import in_process_servers
+from ..conftest import in_process_servers
 
 
 def servers(digits_url: str, **overrides: Any) -> tuple[DataServer, DataServer, list[list[str]]]:

@@ -21,7 +21,7 @@ from prefect_elastic.wire import Entry, Frame, ShardLink, decode, encode, memfd,
 from prefect_elastic.wire.inbox import Inbox, SharedBodies
 from prefect_elastic.wire.published import Published, flat_tensor, map_peers
 
-from .conftest import in_process_servers, make_job
+from ..conftest import in_process_servers, make_job
 from .test_channel import Served
 from .test_shard_optimizer import OPTIMIZERS, job
 

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "prefect_elastic"
+PACKAGE = Path(__file__).resolve().parents[2] / "prefect_elastic"
 MOST_LINES = 500
 
 
