@@ -1,7 +1,7 @@
 """prefect-elastic: elastic PyTorch training on Dask clusters whose workers come and go.
 
 The names below are imported on first use (PEP 562), not with the package: the scheduler and every nanny
-unpickle this package's plugins and scheduler-side functions (`connect.py`, `registry.py`), and importing
+unpickle this package's plugins and scheduler-side functions (`cluster/`, `registry.py`), and importing
 torch there for nothing cost each process 2 s of CPU and about 300 MB."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # (types only: checkpoint.py imports this module, and errors cross torch-less processes)
+if TYPE_CHECKING:  # (types only: checkpoint/ imports this module, and errors cross torch-less processes)
     import torch
 
 

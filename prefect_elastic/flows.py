@@ -7,7 +7,7 @@ reassign, suspend and resume, with the flow run as a related resource, so automa
 with a markdown summary. Cancelling the flow run stops training, writes a final checkpoint (when the job
 has a checkpoint folder) and releases the actors; the run ends Cancelled.
 
-Owns nothing of the training itself: it drives a `TrainingRun` (training.py) and reports. Reporting never
+Owns nothing of the training itself: it drives a `TrainingRun` (training/run.py) and reports. Reporting never
 holds it up: artifacts and events go out from a thread of their own (`reporting.ReportSender`), which keeps
 them while the Prefect API does not answer and sends them when it does. A job whose API stays away still
 ends, its model written to `output`: the flow waits `END_REPORT_SECONDS` at most for the reports left, and
@@ -250,8 +250,8 @@ def elastic_training(
     end (lifetime, walltime, scancel) are replaced. Without a cluster: the local cluster's static workers.
     See docs/slurm.md.
     `tls`: for a cluster with TLS reached by `address`, the files of this client's side:
-    `{"ca_file": ..., "cert": ..., "key": ...}` (`connect.tls_security`); a `cluster` object with TLS
-    carries its own, and without either Dask's `distributed.comm.tls` config applies.
+    `{"ca_file": ..., "cert": ..., "key": ...}` (`cluster.connection.tls_security`); a `cluster` object
+    with TLS carries its own, and without either Dask's `distributed.comm.tls` config applies.
     """
     prepared = validate_job(job)
     security = tls_security(tls)

@@ -59,7 +59,7 @@ MEMBERSHIP_KINDS = (EventKind.START, EventKind.ROLLBACK, EventKind.REASSIGN)
 
 @dataclass(frozen=True)
 class Role:
-    """A compute worker's place in one generation: rank `rank` of `members` (seed 003's roles by rank).
+    """A compute worker's place in one generation: rank `rank` of `members` (roles by rank).
 
     Fixed until the next generation: the worker trains its share of every step from `start_step` on
     (`Schedule.share(step, rank, len(members))`) without asking the coordinator again.

@@ -1,4 +1,4 @@
-"""The job registry (seed 003): roles of a job register under its job id in the scheduler's metadata.
+"""The job registry: roles of a job register under its job id in the scheduler's metadata.
 
 `["prefect-elastic", "jobs", <job_id>]` holds the controller that runs the job (its client id, its run id,
 when it claimed the job and when it last renewed its lease, both by the scheduler's clock) and, under
@@ -13,7 +13,7 @@ on the scheduler whether the controller still holds the job (`controller_gone`, 
 - its client is no longer connected to the scheduler: gone at once (a killed process's connection
   closes with it, and the scheduler drops the client within milliseconds);
 - its lease ran out: the controller renews it with every progress it publishes (every
-  `PUBLISH_SECONDS`, 0.2 s, in training.py) and, while it publishes nothing (starting, waiting for a
+  `PUBLISH_SECONDS`, 0.2 s, in training/pacing.py) and, while it publishes nothing (starting, waiting for a
   standby, rebuilding the coordinator: seconds to minutes), from a thread of its own every
   `RENEW_SECONDS`; `LEASE_SECONDS` (5 s) without a renewal marks it gone. That catches a controller whose
   connection stays open while its process does nothing: frozen (SIGSTOP), or behind a cut network. 5 s

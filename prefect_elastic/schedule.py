@@ -70,9 +70,9 @@ class Schedule:
         return range(start, min(start + self.micro_batches, self.total_batches))
 
     def share(self, step: int, rank: int, size: int) -> tuple[int, ...]:
-        """The batch ids of `step` that the worker of rank `rank` of `size` trains (seed 003's roles by
-        rank): micro-batch `j` of the step goes to rank `j % size`, so shares differ by at most one and
-        a rank beyond the step's micro-batches has none."""
+        """The batch ids of `step` that the worker of rank `rank` of `size` trains (roles by rank):
+        micro-batch `j` of the step goes to rank `j % size`, so shares differ by at most one and a rank
+        beyond the step's micro-batches has none."""
         if not 0 <= rank < size:
             raise IndexError(f"rank {rank} is outside a membership of {size}")
         return tuple(self.step_batches(step)[rank::size])

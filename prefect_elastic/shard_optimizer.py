@@ -5,7 +5,7 @@ idle, when this machine runs the first operations several times slower (docs/ben
 `torch.optim` loops over the parameters in Python with a few kernels each: SGD with momentum over the
 transformer's 16 tensors is 48 kernels and as many trips through the dispatcher; over one flat tensor it is
 3. The job's optimizers work elementwise (`ElasticJob.optimizer`: sgd, adam, adamw), so one flat tensor
-gives the very numbers that one tensor per parameter gives (`tests/test_shard_optimizer.py` checks it
+gives the very numbers that one tensor per parameter gives (`tests/unit/test_shard_optimizer.py` checks it
 bit for bit, tails of odd lengths included).
 
 A shard that takes a replica on a promotion keeps its tensors as they came (no copy on the promotion's

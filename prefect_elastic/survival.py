@@ -1,4 +1,4 @@
-"""Survival detection (seed 000, claim 1) as a pure function: state and live workers in, a decision out.
+"""Survival detection as a pure function: state and live workers in, a decision out.
 
 The coordinator calls `survival_check` every `liveness_interval` and at once on a scheduler worker event,
 with training suspended, and then carries the decision out; nothing here touches a cluster, so every
@@ -132,7 +132,7 @@ def wait_for_start(known: Collection[str], live: Collection[str], starting: bool
     worker registers while "init", so the check its add-worker event triggers would find the membership
     unchanged (and at most take a snapshot) while the worker turns "running" a few milliseconds later.
     Only when nothing else changed: no member lost or joined, no member's compute loop to start over. The
-    worker's turn to "running" (`connect.AnnounceRunning`) triggers the check that admits it."""
+    worker's turn to "running" (`cluster.plugins.AnnounceRunning`) triggers the check that admits it."""
     return starting and set(live) == set(known) and not restarts
 
 
@@ -150,7 +150,7 @@ def wait_for_losses(
     generation of its own (and under `rollback`, a rollback each).
 
     `answering`: the members whose worker answered a connection's handshake just now
-    (`connect.answering`). A process killed with the lost ones answers nothing (its kernel may still
+    (`cluster.workers.answering`). A process killed with the lost ones answers nothing (its kernel may still
     accept the connection until its memory is torn down, which is also when the scheduler notices); when
     every member still listed answers, none is on its way out and the check goes on at once. The wait is
     on every recovery's path (the survivors' new roles go out after it), so it is paid only when a member

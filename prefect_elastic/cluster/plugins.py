@@ -136,7 +136,7 @@ class CloseOnSigterm(WorkerPlugin):
     A compute worker closes gracefully at once. A static worker that holds actors (a job's data server or
     coordinator) asks the scheduler to retire it instead; the scheduler refuses while it holds them, and
     the job's controller, seeing the refusal, hands its roles to a standby from where they stand and then
-    retires it (`TrainingRun._hand_over`): no committed step is lost."""
+    retires it (`StaticRoles.hand_over` in training/roles.py): no committed step is lost."""
 
     name = "prefect-elastic-close-on-sigterm"
 

@@ -1,6 +1,6 @@
 """The coordinator's bookkeeping as a pure state machine: what the shards report goes in, the ledger, the
 roles, the snapshot requests and the events come out. No actor, no clock of its own (times are passed in),
-no cluster: `tests/test_coordinator_state.py` drives it through event sequences.
+no cluster: `tests/unit/test_coordinator_state.py` drives it through event sequences.
 
 What it keeps, for one job: the shared record (`record.CoordinatorRecord`: membership and the generation,
 the roles, the ledger, the snapshot bookkeeping, the events), the commit bookkeeping of the job's kind (a

@@ -142,7 +142,7 @@ class StaticRoles(ShardCalls):
         snapshot) takes the role of lost shard `index`: every shard is fenced into a new generation (and,
         as the commit bookkeeping says, brought to that snapshot), peers are named again, and roles go out
         with the new channel. Given the lost data server's own handle (it was only silent, and answered:
-        `TrainingRun._keep`), the same happens with it in place: event `kept`."""
+        `Promotions.keep` in training/promotion.py), the same happens with it in place: event `kept`."""
         began = time.time()
         lock, _ = self._primitives()
         state = self._state

@@ -186,7 +186,7 @@ class Actors:
         self.run.coordinator_at = ""
 
     def load_engine(self, where: str) -> Future | None:
-        """The task that imports the engine on the worker `where` (`connect.load_engine`), started once;
+        """The task that imports the engine on `where` (`cluster.workers.load_engine`), started once;
         None once it has ended. (Its future is then dropped: a worker holding its result would have to hand
         it to another before it could retire, and would stay "closing_gracefully" meanwhile, a graceful
         leave taken for a loss.)"""
@@ -213,7 +213,7 @@ class Actors:
         return {w for w in workers if self.load_engine(w) is None}
 
     def await_engine(self, where: str, timeout: float, **watch: bool) -> None:
-        """Wait for the engine to be loaded on `where` (`_wait_unless_left`, `watch` its options)."""
+        """Wait for the engine to be loaded on `where` (`Calls.wait_unless_left`, `watch` its options)."""
         future = self.load_engine(where)
         if future is not None:
             self.run.calls.wait_unless_left(future, where, timeout, **watch)

@@ -39,7 +39,7 @@ CALL_SLICE_SECONDS = 0.05
 # scheduler has removed the worker.
 LEAVING_GRACE_SECONDS = 2.0
 
-# How many times a data server taken for lost may keep its role because it answered (`_answering`): a
+# How many times a data server taken for lost may keep its role because it answered (`answering`): a
 # worker that stays silent to the scheduler while it answers would otherwise be fenced over and over.
 KEEP_TRIES = 3
 
@@ -52,8 +52,8 @@ class ControllerCoordinatorHandle(Actor):
     future is in error: outside `Calls.call`, which turns the same error from an answer into
     `CoordinatorLost`. A coordinator killed between two calls therefore ended the job instead of being
     rebuilt (the async chaos soak in CI), and a handler that tells `CoordinatorLost` from other errors
-    (`_keep`) took it for a data server's failure. It pickles as a plain `Actor` (`Actor.__reduce__`), so
-    the compute loops and the data servers get Dask's own handle."""
+    (`Promotions.keep`) took it for a data server's failure. It pickles as a plain `Actor`
+    (`Actor.__reduce__`), so the compute loops and the data servers get Dask's own handle."""
 
     def __getattr__(self, key: str) -> Any:
         try:
@@ -227,7 +227,7 @@ class Calls:
 
     def members_answering(self, workers: set[str], timeout: float) -> frozenset[str]:
         """The workers among `workers` whose process answers a connection within `timeout` seconds
-        (`connect.answering`); none if asking fails."""
+        (`cluster.workers.answering`); none if asking fails."""
         if not workers:
             return frozenset()
         try:

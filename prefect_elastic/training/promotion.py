@@ -48,7 +48,7 @@ class Promotions:
         """Suspend training, then for each lost data server: start one on a standby static worker, from
         its peer's in-memory replica of the last snapshot every shard holds, and let the coordinator bring
         every shard to that snapshot in a new generation (`Coordinator.promote`). Where that would lose a
-        shard, lost data servers are asked first if `ask` (`_answering`; once: not again when this calls
+        shard, lost data servers are asked first if `ask` (`Calls.answering`; once: not again when this calls
         itself after asking)."""
         job, coordinator, shards = self.job, self.run.coordinator, self.run.shards
         seen, clock = time.time(), time.monotonic()
@@ -85,7 +85,7 @@ class Promotions:
             for i in lost
             if replicas[i] is None and targets[i] != self.run.persistence.shard_start(i, []).version
         ]
-        # Only silent for a moment (`_answering`): each keeps its role, and the rest are promoted.
+        # Only silent for a moment (`Calls.answering`): each keeps its role, and the rest are promoted.
         asked = ask and bool(unrestorable)
         kept = [i for i in sorted(self.run.calls.answering(lost) if asked else ()) if self.keep(i)]
         if kept:
@@ -175,7 +175,7 @@ class Promotions:
             self.client.loop.add_callback(tell)
 
     def keep(self, index: int) -> bool:
-        """Data server `index`, taken for lost, answered (`_answering`): it keeps its role, every shard
+        """Data server `index`, taken for lost, answered (`Calls.answering`): it keeps its role, every shard
         brought to the snapshot as in a promotion (`Coordinator.promote` with its own handle: event `kept`).
         False if that failed (it died or stalled meanwhile): it is lost after all."""
         where = self.run.placement[index]
@@ -197,7 +197,7 @@ class Promotions:
         self, index: int, standby: str, future: Future, shard: ShardHandle, channel: ChannelAddress
     ) -> MembershipEvent:
         """`Coordinator.promote`: the data server just started on `standby` takes the role of lost shard
-        `index`. If the standby dies meanwhile, the coordinator is told at once (`_tell_lost_shards`: a
+        `index`. If the standby dies meanwhile, the coordinator is told at once (`Calls.tell_lost_shards`: a
         call to a dead worker waits for Dask's connect timeout), the data server is released and
         `StaticWorkerLeft` raised, for the next standby; so is it when the coordinator is lost (its
         rebuild promotes a standby again)."""
@@ -273,8 +273,8 @@ class Promotions:
                 gone = isinstance(exc, StaticWorkerLeft) and exc.worker == standby
                 if isinstance(exc, StaticWorkerLeft) and not gone:
                     raise  # the peer
-                # A broken call to the standby had its grace in `_wait_unless_left`; the copy from the peer
-                # may have broken because the standby, which receives it, died.
+                # A broken call to the standby had its grace (`Calls.wait_unless_left`); the copy from the
+                # peer may have broken because the standby, which receives it, died.
                 if not gone and (
                     watched == standby or not self.run.calls.leaves_soon(standby, LEAVING_GRACE_SECONDS)
                 ):

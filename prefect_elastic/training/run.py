@@ -144,12 +144,12 @@ class TrainingRun:
         self.committed_seen = 0  # the committed steps of the last progress read
         self.warmed: dict[str, Future] = {}  # standbys made ready to take a role (`warm_standby`)
         self._told_lost: set[int] = set()  # data servers the coordinator was told of during a long call
-        # Static workers that answered a direct call while silent to the scheduler (`_answering`), and
+        # Static workers that answered a direct call while silent to the scheduler (`Calls.answering`), and
         # when: the answer counts as a heartbeat.
         self._answered_at: dict[str, float] = {}
         self._unanswered: set[str] = set()  # silent static workers that did not answer the handshake since
         self._promoting: tuple[int, str, str] | None = None  # the shard, standby and key being promoted
-        self._kept: Counter[tuple[int, str]] = Counter()  # data servers (index, worker) kept by `_answering`
+        self._kept: Counter[tuple[int, str]] = Counter()  # data servers (index, worker) kept: they answered
         # The controller's copy of the coordinator's record (ledger, history, events), taken after every
         # survival check: a coordinator whose worker dies is rebuilt from it and from the shards.
         self.journal = Journal()
@@ -251,7 +251,7 @@ class TrainingRun:
                 self.left.add(msg["worker"])
             if msg.get("action") == "retire-workers":
                 # The scheduler refuses to retire a worker that holds an actor: a static worker with a role
-                # of this job. The controller hands its roles over, then retires it (`_hand_over`).
+                # of this job. The controller hands its roles over, then retires it (`StaticRoles.hand_over`).
                 self.retiring.update(str(w) for w in msg.get("could-not-retire") or ())
             self.worker_event.set()
 

@@ -39,7 +39,7 @@ class WorkersView:
     pending: int = 0  # workers the cluster object started that the scheduler does not list yet
     graceful: frozenset[str] = frozenset()  # workers that left gracefully lately (retired, not lost)
     # Static workers the scheduler still lists but has not heard from lately: left out of `static`, but
-    # asked before their loss would cost a shard's last copy (`TrainingRun._answering`).
+    # asked before their loss would cost a shard's last copy (`Calls.answering`).
     silent_static: frozenset[str] = frozenset()
 
 
@@ -152,7 +152,7 @@ class Workers:
             del run.engine[gone]
         run.engine_loaded &= listed
         # A worker that has not imported the engine yet is still starting: the import would otherwise
-        # happen on its event loop, which would send no heartbeat meanwhile (`connect.load_engine`).
+        # happen on its event loop, which would send no heartbeat meanwhile (`cluster.workers.load_engine`).
         loaded = run.actors.engine_loaded_on(running_elastic(rows, self.job.static_resource, silent_after))
         # A role's worker silent to the scheduler is asked for Dask's handshake first: one starved of CPU
         # (the chaos soak's 2 cores) still answers, and taking it for lost cost a promotion or the

@@ -17,7 +17,7 @@ parameters read in place"): in sync mode a shard writes its parameters
   still reads them computes gradients the shard refuses (their generation is stale);
 - never else: a promotion or a restart builds a new optimizer, whose parameters lie elsewhere; the old
   memfd stays mapped, unchanged, for as long as a loop holds views of it.
-Only entries of kind `params` go this way (`channel.BY_REFERENCE`): the sync pull's answer. Async mode
+Only entries of kind `params` go this way (`codec.BY_REFERENCE`): the sync pull's answer. Async mode
 answers with entries of kind `state` (a copy, or the live tensors serialized before any apply can run),
 since there a shard applies while loops compute.
 
