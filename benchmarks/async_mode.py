@@ -1,4 +1,4 @@
-"""Async mode (issue 11, seed 002) against sync mode: a straggler, and steady throughput over plain PyTorch.
+"""Async mode against sync mode: a straggler, and steady throughput over plain PyTorch.
 
 - `straggler`: 4 compute workers, one of them `factor` times slower (`LocalElasticCluster.slow_worker`), and
   the same without a straggler; sync and async in turn on one cluster. The figure is the time from the

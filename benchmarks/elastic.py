@@ -553,7 +553,7 @@ def memory(workload: str, data: str, small: str, epochs: int) -> dict[str, Any]:
     Baseline: the worker's resident memory before the job (Python, torch, Dask). Peak: its high-water
     mark at the end. Must hold: data partition + parameter slice + optimizer state (momentum, one more
     copy) + snapshot (parameters and momentum again) + the replica of its peer's snapshot (the peer's
-    parameters and momentum; seed 001). The same job on the `small` dataset separates what grows with the
+    parameters and momentum). The same job on the `small` dataset separates what grows with the
     data (`marginal_ratio`: extra peak per extra byte held) from a fixed cost.
     """
     big_run, small_run = _memory_once(workload, data, epochs), _memory_once(workload, small, epochs)

@@ -225,7 +225,7 @@ ASYNC_ACCURACY_POINTS = 1.0  # issue 11: final accuracy, async against sync, wit
 
 
 def async_rows(r: Results) -> list[tuple[str, str, str, str]]:
-    """Async mode (seed 002) against sync mode, with and without a straggler; async over the plain loop."""
+    """Async mode against sync mode, with and without a straggler; async over the plain loop."""
     a = r.get("async") or {}
     rows: list[tuple[str, str, str, str]] = []
     st = a.get("straggler")
@@ -494,8 +494,8 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
         what = {"send_one": "to one shard", "send_all": "to both at once", "receive_all": "from both at once"}
         rows.append(
             (
-                f"a Dask actor call from the compute worker (the step path's transport before channel.py), "
-                f"median ms: {sizes}",
+                "a Dask actor call from the compute worker (the step path's transport before "
+                f"wire/channel.py), median ms: {sizes}",
                 "; ".join(
                     f"{text} " + " / ".join(f"{v[key]:.2f}" for v in c["ms"].values())
                     for key, text in what.items()
@@ -526,11 +526,10 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
 def markdown(r: Results, plots: dict[str, str]) -> str:
     m = r["machine"]
     lines = [
-        f"Made by `{r['command']}` (`bash scripts/bench.sh` sets up and runs it) on {r['started']}; "
-        f"raw results in [`{r['raw_rel']}`]({r['raw_rel']})."
+        f"Made by `{r['command']}` (`bash scripts/bench.sh` sets up and runs it); raw results, with when "
+        f"each group was measured, in [`{r['raw_rel']}`]({r['raw_rel']})."
         + "".join(
-            f" The {p['only']} rows were measured on {p['at']} "
-            f"(`python -m benchmarks.run --only {p['only']}`)."
+            f" The {p['only']} rows were measured alone (`python -m benchmarks.run --only {p['only']}`)."
             # The latest run of each group measured alone.
             for p in {p["only"]: p for p in r.get("partial_runs", [])}.values()
         ),

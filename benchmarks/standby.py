@@ -1,4 +1,4 @@
-"""A data server's static worker lost: a standby takes its role (seed 001), against what a user did before
+"""A data server's static worker lost: a standby takes its role, against what a user did before
 it existed (the job fails, and a new run resumes from the persistent checkpoint).
 
 Each scenario starts its own cluster of real processes: the shared pool has no standby, and these kill

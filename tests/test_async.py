@@ -1,4 +1,4 @@
-"""Async mode (seed 002): the bookkeeping without a cluster, the shard's apply in this process, and whole
+"""Async mode: the bookkeeping without a cluster, the shard's apply in this process, and whole
 jobs on real processes (a SIGKILL, a join, a random schedule, slowed shards)."""
 
 from __future__ import annotations

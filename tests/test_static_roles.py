@@ -1,4 +1,4 @@
-"""Static workers are machines too (seed 001): a data server's static worker SIGKILLed mid-run, and a
+"""Static workers are machines too: a data server's static worker SIGKILLed mid-run, and a
 standby static worker takes its role from the peer's in-memory replica of the last snapshot. The result is
 still bitwise equal to the one-worker, no-fault run, and every batch id is committed once. When nothing
 can take over, the job fails with a `DataServerLostError` that says what to do."""

@@ -1,4 +1,4 @@
-"""Peer replicas (seed 001) on data servers in this process, without a cluster: a snapshot counts only once
+"""Peer replicas on data servers in this process, without a cluster: a snapshot counts only once
 its copy is whole on the peer, the peer keeps the one a promotion goes back to, and a data server started
 empty takes its shard from the peer's copy, bit for bit."""
 
