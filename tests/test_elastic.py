@@ -171,7 +171,7 @@ def test_a_stateless_data_server_keeps_a_push_that_overtook_another_workers(digi
         await free.fence(1)
         await free.push(1, 2, "a", {}, {}, half(free._schedule.step_batches(2), True))
         await free.push(1, 2, "b", {}, {}, half(free._schedule.step_batches(2), False))
-        assert free.version == 3 and not free._later
+        assert free.version == 3 and not free.applies._later  # type: ignore[attr-defined]
         with pytest.raises(RecoverableError, match="push for step 1, but shard 1 is at step 0"):
             await holder.push(0, 1, "a", {}, {}, half(step1, True))
 
@@ -209,8 +209,8 @@ def test_a_fence_waits_for_a_step_being_applied_in_a_thread(digits_url: str) -> 
     server = in_process_servers(digits_url)[0][0]
     ids = server._schedule.step_batches(0)
     grads = {b: {n: torch.ones_like(p) for n, p in server._params.items()} for b in ids}
-    server._apply_inline = False  # (as for a big shard)
-    applying = server._apply
+    server.shard.apply_inline = False  # (as for a big shard)
+    applying = server.shard.apply
 
     started, release = threading.Event(), threading.Event()
 
@@ -219,17 +219,17 @@ def test_a_fence_waits_for_a_step_being_applied_in_a_thread(digits_url: str) -> 
         release.wait(10)
         applying(*args)
 
-    server._apply = slow  # type: ignore[method-assign]
+    server.shard.apply = slow  # type: ignore[method-assign]
 
     async def fenced_mid_apply() -> None:
         push = asyncio.ensure_future(server.push(0, 0, "a", grads, {}, {b: 1.0 for b in ids}))
         assert await asyncio.to_thread(started.wait, 10), "the step is being applied in its thread"
         fence = asyncio.ensure_future(server.fence(1))
         await asyncio.sleep(0)  # (the fence runs up to its wait)
-        assert not fence.done() and server._applying
+        assert not fence.done() and server.shard.applying
         release.set()
         status = await fence
-        assert (status.version, server.version, server._applying) == (1, 1, False)
+        assert (status.version, server.version, server.shard.applying) == (1, 1, False)
         await push
 
     asyncio.run(fenced_mid_apply())
