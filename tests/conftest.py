@@ -20,6 +20,7 @@ import random
 import shutil
 import tempfile
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,10 @@ def rotated(cases: list[Any], salt: int = 0) -> Any:
 
 
 def pytest_report_header() -> str:
-    return f"ELASTIC_CI_SEED={CI_SEED} (set it to repeat this run's soak and benchmark group)"
+    return (
+        f"ELASTIC_CI_SEED={CI_SEED} (set it to repeat this run's soak, benchmark group and rotated cases; "
+        "ELASTIC_ALL_CASES=1 runs every case)"
+    )
 
 
 # The figures of each chaos soak run of this session (tests/test_chaos.py), printed at the end of the output.
@@ -315,7 +319,61 @@ def tmp_dataset_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the tests that need the Prefect server last: the server's background services take most of a
-    core while it is up, and the engine's cluster tests are better off without that company."""
+# Cases of one test that differ only in a policy, a role or a mode: a run takes one of each test's, picked by
+# the seed (`rotated_case`), so that successive CI runs go round them all while each run keeps every test.
+# `ELASTIC_ALL_CASES=1` runs them all.
+# (The mode and policy together first: "sync-rollback" holds "rollback".)
+ROTATED_AXES: tuple[tuple[str, ...], ...] = (
+    ("sync-rollback", "sync-reassign", "async-reassign"),
+    ("rollback", "reassign"),
+    ("data-server", "coordinator"),
+    ("gpu-check", "user-model"),
+)
+
+
+def rotated_case(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
+    """`items` split into the ones this run keeps and the ones it leaves to other runs: of the cases of one
+    test that differ only along one of `ROTATED_AXES`, the seed keeps one (a test's own salt turns them
+    differently, so one run does not take the same policy everywhere)."""
+    groups: dict[tuple[str, str, int], list[tuple[str, pytest.Item]]] = {}
+    kept: list[pytest.Item] = []
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        # (Not the unit tests: they take milliseconds.)
+        case = f"-{spec.id}-" if spec is not None and not item.nodeid.startswith("tests/unit/") else ""
+        for a, axis in enumerate(ROTATED_AXES):
+            for value in axis:
+                if f"-{value}-" in case:
+                    rest = case.replace(f"-{value}-", "-", 1)
+                    groups.setdefault((item.nodeid.split("[")[0] + rest, ",".join(axis), a), []).append(
+                        (value, item)
+                    )
+                    break
+            else:
+                continue
+            break
+        else:
+            kept.append(item)
+    left: list[pytest.Item] = []
+    for (name, _, a), cases in groups.items():
+        present = [v for v in ROTATED_AXES[a] if any(v == c for c, _ in cases)]
+        if len(present) < 2:
+            kept += [i for _, i in cases]
+            continue
+        chosen = rotated(present, salt=zlib.crc32(name.encode()))
+        kept += [i for v, i in cases if v == chosen]
+        left += [i for v, i in cases if v != chosen]
+    return kept, left
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep one case of each rotated test (`rotated_case`), then run the tests that need the Prefect
+    server last: the server's background services take most of a core while it is up, and the engine's
+    cluster tests are better off without that company."""
+    if os.environ.get("ELASTIC_ALL_CASES") != "1":
+        kept, left = rotated_case(items)
+        if left:
+            config.hook.pytest_deselected(items=left)
+            order = {id(i): n for n, i in enumerate(items)}
+            items[:] = sorted(kept, key=lambda i: order[id(i)])
     items.sort(key=lambda item: "prefect_server" in getattr(item, "fixturenames", ()))

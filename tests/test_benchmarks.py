@@ -221,9 +221,15 @@ def test_smoke_run_of_one_group_writes_its_figures_into_the_stored_ones(tmp_path
         assert (tmp_path / "img" / f"{plot}.png").stat().st_size > 10_000
 
 
-@pytest.mark.heavy  # (about 2 minutes on 2 cores)
+@pytest.mark.cluster
+@pytest.mark.heavy  # (a minute or two on 2 cores; one of the two a CI run, in turn: conftest.ROTATED_AXES)
 @pytest.mark.timeout(600)
-def test_the_gpu_check_runs_and_finds_the_invariants(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tool", ["gpu-check", "user-model"])
+def test_a_benchmark_tool_runs(tmp_path: Path, tool: str) -> None:
+    {"gpu-check": check_the_gpu_check, "user-model": check_a_users_own_model}[tool](tmp_path)
+
+
+def check_the_gpu_check(tmp_path: Path) -> None:
     """`python -m benchmarks.gpu`, which a session lent a GPU runs there (CI has none): on this machine it
     trains on the CPU, and its check must still find what it looks for on CUDA."""
     from benchmarks.gpu import main
@@ -244,10 +250,7 @@ def test_the_gpu_check_runs_and_finds_the_invariants(tmp_path: Path) -> None:
     assert steady["async-mlp"]["ratio"] > 0
 
 
-@pytest.mark.cluster
-@pytest.mark.heavy  # (about a minute on 2 cores)
-@pytest.mark.timeout(600)
-def test_a_users_own_model_and_data_are_compared_with_their_plain_loop(tmp_path: Path) -> None:
+def check_a_users_own_model(tmp_path: Path) -> None:
     """`python -m benchmarks.user_model` on a model written outside the repository (a folder of the
     user's, put on the workers' `PYTHONPATH`) and the user's own `.npz`: both sides train it, and a
     misnamed dataset is refused naming it."""
