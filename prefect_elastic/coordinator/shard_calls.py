@@ -18,6 +18,7 @@ from dataclasses import replace
 from functools import partial
 from typing import Any
 
+from ..dask_failures import actor_unreachable
 from ..errors import FatalError, RecoverableError
 from ..messages import EventKind, MembershipEvent, ShardStatus
 from ..survival import Decision
@@ -140,7 +141,7 @@ class ShardCalls:
             except (RecoverableError, FatalError):
                 raise
             except OSError as exc:
-                if type(exc) is not OSError or "Unable to contact Actor's worker" not in str(exc):
+                if not actor_unreachable(exc):
                     raise ShardUnreachable(
                         i, f"data server {i} did not answer ({type(exc).__name__}: {exc})"
                     ) from exc

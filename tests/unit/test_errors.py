@@ -79,3 +79,14 @@ def test_every_phase_raises_public_errors_only() -> None:
     run.roles = SimpleNamespace()  # type: ignore[assignment]
     with pytest.raises(DataServerLostError, match="static worker tcp://w:1 left"):
         run.supervise()
+
+
+def test_dasks_failures_are_told_apart_by_dask_failures_alone() -> None:
+    from prefect_elastic.dask_failures import actor_lost, actor_unreachable
+
+    assert actor_lost(RuntimeError("Worker holding Actor was lost.  Status: error"))
+    assert not actor_lost(RuntimeError("the model raised")) and not actor_lost(OSError("Actor was lost"))
+    assert actor_unreachable(OSError("Unable to contact Actor's worker tcp://w:1"))
+    assert not actor_unreachable(ConnectionResetError("Unable to contact Actor's worker")), (
+        "a subclass is a call's"
+    )

@@ -89,3 +89,16 @@ def test_the_mode_is_asked_in_one_place() -> None:
         if asked.search(line.split("#")[0]) and name != "prefect_elastic.modes"
     ]
     assert not where, where
+
+
+def test_only_dask_failures_reads_an_errors_text() -> None:
+    """Dask's failures are recognised in one module (`dask_failures.py`): nowhere else is an exception's
+    text matched."""
+    reads = re.compile(r"""in str\((exc|error|e)\)|in repr\((exc|error|e)\)""")
+    where = [
+        f"{path.relative_to(PACKAGE.parent)}:{i}"
+        for name, path in modules().items()
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if reads.search(line.split("#")[0]) and name != "prefect_elastic.dask_failures"
+    ]
+    assert not where, where
