@@ -21,7 +21,8 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 from prefect.states import State
 
-from prefect_elastic.flows import _artifact_key, elastic_training
+from prefect_elastic.flow_reports import _artifact_key
+from prefect_elastic.flows import elastic_training
 from prefect_elastic.job import ElasticJob
 
 __all__ = ["compose_training"]

@@ -102,3 +102,30 @@ def test_only_dask_failures_reads_an_errors_text() -> None:
         if reads.search(line.split("#")[0]) and name != "prefect_elastic.dask_failures"
     ]
     assert not where, where
+
+
+def test_every_name_the_flows_examples_and_benchmarks_import_from_the_package_is_there() -> None:
+    """The deployable flows, the examples and the benchmarks import the package by name: a name that moved
+    fails here, not in a container at deploy time."""
+    import importlib
+
+    root = PACKAGE.parent
+    missing = []
+    for path in sorted(
+        [*root.glob("flows/**/*.py"), *root.glob("examples/**/*.py"), *root.glob("benchmarks/*.py")]
+    ):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("prefect_elastic"):
+                module = importlib.import_module(node.module or "")
+                missing += [
+                    f"{path.relative_to(root)}: {node.module}.{a.name}"
+                    for a in node.names
+                    if not hasattr(module, a.name) and not _is_module(f"{node.module}.{a.name}")
+                ]
+    assert not missing, missing
+
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
