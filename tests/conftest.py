@@ -328,6 +328,8 @@ ROTATED_AXES: tuple[tuple[str, ...], ...] = (
     ("rollback", "reassign"),
     ("data-server", "coordinator"),
     ("gpu-check", "user-model"),
+    ("no-nanny", "nanny"),  # ("-no-nanny-" holds "-nanny-": the longer first)
+    ("sqlite", "postgres"),
 )
 
 

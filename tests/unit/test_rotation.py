@@ -19,8 +19,9 @@ def test_one_case_of_each_rotated_test_is_kept_and_every_other_test_stays() -> N
         item("test_a", "rollback"), item("test_a", "reassign"),
         item("test_b", "data-server"), item("test_b", "coordinator"),
         item("test_c", "sync-rollback"), item("test_c", "sync-reassign"), item("test_c", "async-reassign"),
-        item("test_d", "sqlite"), item("test_d", "postgres"),
+        item("test_d", "sqlite-x"), item("test_d", "sqlite-y"), item("test_d", "postgres-x"),
         item("test_e"),
+        item("test_h", "no-nanny"), item("test_h", "nanny"),
         item("test_f", "rollback"),  # (its only case: kept)
         item("test_g", "adam-rollback"), item("test_g", "adam-reassign"), item("test_g", "sgd-rollback"),
     ]  # fmt: skip
@@ -37,4 +38,7 @@ def test_one_case_of_each_rotated_test_is_kept_and_every_other_test_stays() -> N
         assert sum(n.startswith(test) for n in names) == cases, (test, names)
     # The other parameters tell the groups apart: one policy for adam, sgd's only case kept.
     assert sum(n.startswith("test_g[adam") for n in names) == 1 and "test_g[sgd-rollback]" in names
+    # The database rotates per other parameter: x has both (one kept), y only sqlite (kept).
+    assert sum(n.startswith("test_d") and n.endswith("-x]") for n in names) == 1
+    assert "test_d[sqlite-y]" in names
     assert len(kept) + len(left) == len(items)
