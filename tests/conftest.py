@@ -333,35 +333,35 @@ ROTATED_AXES: tuple[tuple[str, ...], ...] = (
 )
 
 
+def rotated_value(case: str) -> tuple[int, str] | None:
+    """The axis of `ROTATED_AXES` and its value that the case id `case` ("-" around it) holds, if any."""
+    for a, axis in enumerate(ROTATED_AXES):
+        for value in axis:
+            if f"-{value}-" in case:
+                return a, value
+    return None
+
+
 def rotated_case(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[pytest.Item]]:
     """`items` split into the ones this run keeps and the ones it leaves to other runs: of the cases of one
     test that differ only along one of `ROTATED_AXES`, the seed keeps one (a test's own salt turns them
     differently, so one run does not take the same policy everywhere)."""
-    groups: dict[tuple[str, str, int], list[tuple[str, pytest.Item]]] = {}
+    groups: dict[tuple[str, int], list[tuple[str, pytest.Item]]] = {}
     kept: list[pytest.Item] = []
     for item in items:
         spec = getattr(item, "callspec", None)
         # (Not the unit tests: they take milliseconds.)
         case = f"-{spec.id}-" if spec is not None and not item.nodeid.startswith("tests/unit/") else ""
-        for a, axis in enumerate(ROTATED_AXES):
-            for value in axis:
-                if f"-{value}-" in case:
-                    rest = case.replace(f"-{value}-", "-", 1)
-                    groups.setdefault((item.nodeid.split("[")[0] + rest, ",".join(axis), a), []).append(
-                        (value, item)
-                    )
-                    break
-            else:
-                continue
-            break
-        else:
+        found = rotated_value(case)
+        if found is None:
             kept.append(item)
-    left: list[pytest.Item] = []
-    for (name, _, a), cases in groups.items():
-        present = [v for v in ROTATED_AXES[a] if any(v == c for c, _ in cases)]
-        if len(present) < 2:
-            kept += [i for _, i in cases]
             continue
+        a, value = found
+        rest = case.replace(f"-{value}-", "-", 1)
+        groups.setdefault((item.nodeid.split("[")[0] + rest, a), []).append((value, item))
+    left: list[pytest.Item] = []
+    for (name, a), cases in groups.items():
+        present = [v for v in ROTATED_AXES[a] if any(v == c for c, _ in cases)]
         chosen = rotated(present, salt=zlib.crc32(name.encode()))
         kept += [i for v, i in cases if v == chosen]
         left += [i for v, i in cases if v != chosen]
