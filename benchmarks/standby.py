@@ -305,7 +305,7 @@ def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wi
 
     def start(client: Client, where: str, i: int, tensors: list[Any], version: int) -> Any:
         return client.submit(
-            DataServer, i, job, prepared.dataset, prepared.schedule, *tensors, version,
+            DataServer, i, prepared.specs.shard, prepared.dataset, prepared.schedule, *tensors, version,
             mode=prepared.mode.applies, actor=True, workers=[where], allow_other_workers=False, pure=False,
         )  # fmt: skip
 
@@ -323,7 +323,7 @@ def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wi
             name = cluster.add_worker(static=True, wait=True)
             where = cluster.address_of(name)
             assert where is not None
-            client.submit(warm_standby, job, workers=[where], pure=False).result()
+            client.submit(warm_standby, prepared.specs.shard, workers=[where], pure=False).result()
             return name, where
 
         def retire(name: str, where: str) -> None:

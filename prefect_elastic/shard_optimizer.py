@@ -4,7 +4,7 @@ Why: a data server applies every step on the step's critical path, and it starts
 idle, when this machine runs the first operations several times slower (docs/benchmarks.md, "Issue 9").
 `torch.optim` loops over the parameters in Python with a few kernels each: SGD with momentum over the
 transformer's 16 tensors is 48 kernels and as many trips through the dispatcher; over one flat tensor it is
-3. The job's optimizers work elementwise (`ElasticJob.optimizer`: sgd, adam, adamw), so one flat tensor
+3. The job's optimizers work elementwise (`ModelSpec.optimizer`: sgd, adam, adamw), so one flat tensor
 gives the very numbers that one tensor per parameter gives (`tests/unit/test_shard_optimizer.py` checks it
 bit for bit, tails of odd lengths included).
 
@@ -28,7 +28,7 @@ import torch
 from torch.optim.sgd import sgd
 
 from .errors import FatalError
-from .job import ElasticJob
+from .job import ModelSpec
 from .messages import Tensors
 from .wire.published import Published, flat_tensor
 
@@ -39,11 +39,12 @@ Gradient = Tensors | torch.Tensor
 class ShardOptimizer:
     """The parameters of one shard (`params`, by name, in the plan's order) and their optimizer."""
 
-    def __init__(self, job: ElasticJob, params: Tensors, owned: bool = False) -> None:
-        """`params`: the shard's parameters, copied; `owned`: this shard's alone (a replica just received
-        on a promotion), taken as they are, never copied: one tensor each unless they already lie in one
-        flat run. (A promotion's copy of a 200 MB shard and its optimizer state cost 0.1 s of the
-        promotion; one tensor each costs a fraction of a millisecond a step.)"""
+    def __init__(self, model: ModelSpec, params: Tensors, owned: bool = False) -> None:
+        """`model`: builds the job's optimizer; `params`: the shard's parameters, copied; `owned`: this
+        shard's alone (a replica just received on a promotion), taken as they are, never copied: one tensor
+        each unless they already lie in one flat run. (A promotion's copy of a 200 MB shard and its
+        optimizer state cost 0.1 s of the promotion; one tensor each costs a fraction of a millisecond a
+        step.)"""
         self.names = list(params)
         self._shapes = [params[n].shape for n in self.names]
         self._sizes = [params[n].numel() for n in self.names]
@@ -58,10 +59,10 @@ class ShardOptimizer:
         if flat is not None:
             self._flat = flat.detach()
             self.params = dict(zip(self.names, self._views(self._flat), strict=True))
-            self._optimizer = job.build_optimizer([self._flat])
+            self._optimizer = model.build_optimizer([self._flat])
         else:
             self.params = {n: t.detach() if owned else t.detach().clone() for n, t in params.items()}
-            self._optimizer = job.build_optimizer(list(self.params.values()))
+            self._optimizer = model.build_optimizer(list(self.params.values()))
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [part.view(shape) for part, shape in zip(flat.split(self._sizes), self._shapes, strict=True)]

@@ -543,7 +543,7 @@ def run_session(
 
     prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", mode="async"))
     plan = plan_shards(prepared.persistence.initial, 2, min_shard_bytes)
-    trainer = MicroBatchTrainer(prepared.job, plan, prepared.persistence.layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(prepared.specs.loop, plan, prepared.persistence.layout, torch.device("cpu"))
     shards = [FakeShard(names, prepared.persistence.initial, set(refuse)) for names in plan]
     links = [FakeLink(shard, in_time) for shard in shards]
     data = [FakeLink(shard, True) for shard in shards]

@@ -67,7 +67,7 @@ def sample(j: ElasticJob, step: int) -> Checkpoint:
     layout, tensors = j.initial_tensors()
     return Checkpoint(
         job_id=j.job_id,
-        fingerprint=fingerprint(j, layout, tensors),
+        fingerprint=fingerprint(j.checkpoint_spec, layout, tensors),
         generation=3,
         committed_steps=step,
         ledger=[LedgerEntry(b, b // 4, 3, "w", staleness=b % 3) for b in range(4 * step)],
@@ -312,8 +312,8 @@ def test_only_an_async_run_goes_on_from_a_checkpoint_an_async_run_wrote_mid_run(
     CheckpointStore(str(j.checkpoint)).write(mid_run_async(j, 6))
     layout, tensors = j.initial_tensors()
     with pytest.raises(CheckpointMismatchError, match=r"mid-run by an async run .* versions \[6, 7\]"):
-        Persistence(j, layout, tensors, SyncCheckpoints())
-    resumed = Persistence(j, layout, tensors, AsyncCheckpoints())
+        Persistence(j.checkpoint_spec, layout, tensors, SyncCheckpoints())
+    resumed = Persistence(j.checkpoint_spec, layout, tensors, AsyncCheckpoints())
     assert resumed.resumed is not None and resumed.resumed.versions == (6, 7)
     assert resumed.shard_start(1, []).version == 7, "each shard resumes at its own version"
     SyncCheckpoints().check_resumable(sample(j, 6), "here")  # (a sync run's: every shard at step 6)

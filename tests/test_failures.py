@@ -104,7 +104,7 @@ def test_compute_worker_holds_no_parameters(digits_url: str) -> None:
     """Invariant 3: the compute worker's model has shapes only; values come from each pull."""
     j = make_job(digits_url, model="tests.models:cnn_bn")
     layout, tensors = j.initial_tensors()
-    trainer = MicroBatchTrainer(j, [list(tensors)], layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(j.loop_spec, [list(tensors)], layout, torch.device("cpu"))
     assert all(t.is_meta for t in trainer.model.state_dict().values())
     state = j.initial_state()
     params = {n: state[n].clone().requires_grad_(True) for n in trainer.param_names}
@@ -129,7 +129,7 @@ def test_a_model_that_changes_its_parameters_in_place_is_refused_naming_them(dig
     the micro-batch with a message that names the parameter and what to do instead."""
     j = make_job(digits_url, model="tests.models:clamps_in_place")
     layout, tensors = j.initial_tensors()
-    trainer = MicroBatchTrainer(j, [list(tensors)], layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(j.loop_spec, [list(tensors)], layout, torch.device("cpu"))
     state = j.initial_state()
     params = {n: state[n].clone().requires_grad_(True) for n in trainer.param_names}
     x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))

@@ -134,7 +134,7 @@ def sample(job: ElasticJob, step: int, padding: int = 0) -> Checkpoint:
     extra = {"padding": torch.full((padding,), float(step))} if padding else {}
     return Checkpoint(
         job_id=job.job_id,
-        fingerprint=fingerprint(job, layout, tensors),
+        fingerprint=fingerprint(job.checkpoint_spec, layout, tensors),
         generation=1,
         committed_steps=step,
         ledger=[LedgerEntry(b, b // 4, 1, "w") for b in range(4 * step)],

@@ -23,7 +23,7 @@ import torch
 
 from ..dataset import explain_storage_error, is_object_store
 from ..errors import CheckpointWriteError, FatalError
-from ..job import ElasticJob, StateLayout
+from ..job import CheckpointSpec, StateLayout
 from ..messages import EventKind, MembershipEvent, Resume
 from .cadence import CheckpointCadence
 from .record import Checkpoint, check_compatible, fingerprint
@@ -70,22 +70,18 @@ class Persistence:
 
     def __init__(
         self,
-        job: ElasticJob,
+        spec: CheckpointSpec,
         layout: StateLayout,
         initial: dict[str, torch.Tensor],
         cadence: CheckpointCadence,
     ) -> None:
-        self.job = job
+        self.spec = spec  # the job's settings the checkpoints are written by
         # `cadence`: how the job's mode turns snapshots into checkpoints (`Mode.checkpoints`).
         self.cadence = cadence
         self.layout = layout
         self.initial = initial
-        self.expected = fingerprint(job, layout, initial)
-        self.store = (
-            CheckpointStore(job.checkpoint, job.checkpoint_keep, job.storage_for(job.checkpoint))
-            if job.checkpoint
-            else None
-        )
+        self.expected = fingerprint(spec, layout, initial)
+        self.store = CheckpointStore(spec.url, spec.keep, spec.storage_options) if spec.url else None
         self.resumed: Checkpoint | None = None
         self.resumed_from: str | None = None
         self.last_written: str | None = None
@@ -103,7 +99,7 @@ class Persistence:
                 check_compatible(checkpoint, self.expected, where)
                 self.cadence.check_resumable(checkpoint, where)
                 self.resumed, self.resumed_from = checkpoint, where
-                log.info("job %s resumes from %s at step %d", job.job_id, where, checkpoint.committed_steps)
+                log.info("job %s resumes from %s at step %d", spec.job_id, where, checkpoint.committed_steps)
 
     def shard_start(self, index: int, names: list[str], checkpoint: Checkpoint | None = None) -> ShardStart:
         """What data server `index` (holding `names`) starts from: `checkpoint`, else the checkpoint this
@@ -153,7 +149,7 @@ class Persistence:
         `checkpoint-failed` event (also given to `on_event`); more in a row than the job allows stop
         training and raise `CheckpointWriteError`."""
         self._snapshots += 1
-        every = self.cadence.snapshots_per_checkpoint(self.job.checkpoint_every)
+        every = self.cadence.snapshots_per_checkpoint(self.spec.every)
         if self.store is None or self._snapshots % every:
             return None
         failed = len(self.events)
@@ -161,7 +157,7 @@ class Persistence:
         if on_event is not None:
             for event in self.events[failed:]:
                 on_event(event)
-        if self.failures.ends_job(self.job.checkpoint_failures_allowed):
+        if self.failures.ends_job(self.spec.failures_allowed):
             raise self._give_up(coordinator, shards, timeout)
         return written
 
@@ -201,7 +197,7 @@ class Persistence:
         for p in parts:
             tensors.update(p["tensors"])
         return Checkpoint(
-            job_id=self.job.job_id,
+            job_id=self.spec.job_id,
             fingerprint=self.expected,
             generation=record.generation,
             committed_steps=record.committed_steps,
@@ -228,7 +224,7 @@ class Persistence:
             else f"{type(exc).__name__}: {exc}"
         )
         self.failures = self.failures.after(what)
-        allowed = self.job.checkpoint_failures_allowed
+        allowed = self.spec.failures_allowed
         then = (
             "training stops"
             if self.failures.ends_job(allowed)
@@ -241,7 +237,7 @@ class Persistence:
             f"({what}); {then} ({self.failures.in_a_row} failed in a row, checkpoint_failures_allowed="
             f"{allowed}); the last checkpoint written is {last or 'none yet'}"
         )
-        log.warning("job %s: %s", self.job.job_id, reason)
+        log.warning("job %s: %s", self.spec.job_id, reason)
         self.events.append(
             MembershipEvent(
                 time=began,
@@ -258,13 +254,13 @@ class Persistence:
         """Stop training (every shard brought to one version and snapshotted, as a stop does) and return
         the error that ends the job, holding that snapshot: the parameters every shard held, not lost."""
         assert self.store is not None
-        failures, allowed, url = self.failures, self.job.checkpoint_failures_allowed, self.store.url
+        failures, allowed, url = self.failures, self.spec.failures_allowed, self.store.url
         coordinator.stop(f"{failures.in_a_row} checkpoint writes in a row failed").result(timeout=3 * timeout)
         final = self._gather(coordinator.snapshot_record().result(timeout=timeout), shards, timeout)
         step, last = final.committed_steps, self._last_good()
         written = f"the last checkpoint written is {last}" if last else f"{url} holds none of this job"
         return CheckpointWriteError(
-            f"job {self.job.job_id}: {failures.in_a_row} checkpoint writes in a row to {url} failed (more "
+            f"job {self.spec.job_id}: {failures.in_a_row} checkpoint writes in a row to {url} failed (more "
             f"than checkpoint_failures_allowed={allowed}), the last with {failures.last}; training stopped "
             f"at step {step}, and {written}. The final parameters (step {step}) are not lost: this error "
             "holds them, as `state_dict` and as a whole checkpoint, `final`. Free space in the folder or "

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointMismatchError, FatalError
-from ..job import ElasticJob, StateLayout
+from ..job import CheckpointSpec, StateLayout
 from ..ledger import LedgerEntry
 
 FORMAT = 2  # 2: the ledger has a 4th column, async mode's staleness; format 1 (3 columns) is still read
@@ -91,12 +91,14 @@ class Checkpoint:
             ) from exc
 
 
-def fingerprint(job: ElasticJob, layout: StateLayout, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """What a checkpoint must agree on to resume a job: the job fields that decide the result, and the
-    model's tensors (names, shapes, dtypes)."""
+def fingerprint(
+    spec: CheckpointSpec, layout: StateLayout, tensors: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """What a checkpoint must agree on to resume a job: the job fields that decide the result
+    (`spec.fingerprint_fields`), and the model's tensors (names, shapes, dtypes)."""
     model = {n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()}
     return {
-        "job": json.loads(json.dumps(job.fingerprint_fields(), sort_keys=True, default=str)),
+        "job": json.loads(json.dumps(spec.fingerprint_fields, sort_keys=True, default=str)),
         "model": model,
         "model_digest": hashlib.sha256(json.dumps(model, sort_keys=True).encode()).hexdigest()[:16],
         "aliases": dict(sorted(layout.aliases.items())),

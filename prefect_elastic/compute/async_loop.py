@@ -27,7 +27,7 @@ class AsyncLoop:
         address, coordinator, trainer = context.address, context.coordinator, context.trainer
         schedule, stats, timeout, wanted = context.schedule, context.stats, context.timeout, context.wanted
         shards, data = context.shards, context.data
-        job = trainer.job
+        spec = trainer.spec
         known = -1
         errors = 0
         unreachable: list[float] = []
@@ -35,9 +35,9 @@ class AsyncLoop:
         # not in the first candidate step.
         warm = torch.zeros(1, requires_grad=True)
         warm.grad = torch.zeros(1)
-        job.build_optimizer([warm]).step()
+        spec.model_spec.build_optimizer([warm]).step()
         while wanted():
-            role, errors = ask_role(coordinator, address, known, stats, job, errors)
+            role, errors = ask_role(coordinator, address, known, stats, spec, errors)
             if role is None:
                 continue
             if role.stop:

@@ -100,7 +100,7 @@ class AsyncSession:
         self.timeout = timeout
         # At least 4: a lease costs a Dask actor call (its answer is collected through the worker's event
         # loop, about half a millisecond); the next one is asked for with one batch id left.
-        self.lease_size = max(MIN_LEASE, trainer.job.micro_batches)
+        self.lease_size = max(MIN_LEASE, trainer.spec.micro_batches)
         self.hand: deque[int] = deque()  # leased, not yet sent (or refused as stale: sent again)
         # The batches of the batch ids in hand, fetched on the data connections by a thread of their own
         # ahead of need (reading a batch of the mlp's took 0.8 ms of the loop's thread a step).
@@ -283,7 +283,7 @@ class AsyncSession:
         # A fresh optimizer of the job's kind, one step from zero state: the step is scaled as the job's
         # optimizer scales a first step (SGD: lr * g; Adam: about lr * sign(g)), and the shards' optimizer
         # state (momentum, moments) is neither changed nor guessed.
-        optimizer = self.trainer.job.build_optimizer(tensors)
+        optimizer = self.trainer.spec.model_spec.build_optimizer(tensors)
         with torch.no_grad():
             optimizer.step()
         for t in tensors:

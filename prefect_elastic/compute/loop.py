@@ -9,7 +9,8 @@ with the generation.
 Stateless by construction: the model is built on torch's `meta` device, which holds shapes and no
 values, and each micro-batch runs through `torch.func.functional_call` with the tensors just pulled;
 those are dropped when the step ends. It holds handles to the coordinator and the shards only, so it never
-talks to another compute worker. Every remote call is bounded by `job.call_timeout`.
+talks to another compute worker. Every remote call is bounded by `LoopSpec.call_timeout`; the loop is
+handed the job's settings it reads as a `LoopSpec`, never the whole job.
 
 This module is the part both modes share: the `Loop` interface that the sync loop (`sync_loop.py`) and
 the async loop (`async_loop.py`) implement, what a loop works with on its worker (`LoopContext`), asking
@@ -28,7 +29,7 @@ from typing import Protocol
 import torch
 
 from ..allocator import tune_allocator
-from ..job import ElasticJob, StateLayout
+from ..job import LoopSpec, StateLayout
 from ..messages import CoordinatorHandle, Role, direct
 from ..schedule import Schedule
 from ..wire import ChannelAddress, ShardLink, worker_tls
@@ -55,7 +56,7 @@ class LoopContext:
     trainer: MicroBatchTrainer
     schedule: Schedule
     stats: LoopStats
-    timeout: float  # every remote call's bound (`job.call_timeout`)
+    timeout: float  # every remote call's bound (`LoopSpec.call_timeout`)
     # Whether the loop should go on: its task still runs on a worker that is not closing.
     wanted: Callable[[], bool]
     # One connection to every shard, opened on first use and again after any error; the lists are
@@ -74,7 +75,7 @@ class Loop(Protocol):
 
 def run_loop(
     loop: Loop,
-    job: ElasticJob,
+    spec: LoopSpec,
     coordinator: CoordinatorHandle,
     plan: list[list[str]],
     layout: StateLayout,
@@ -92,9 +93,9 @@ def run_loop(
     # Leave the worker's thread slot free: this task runs for the whole job, beside other jobs' loops.
     secede()
     tune_allocator()
-    torch.set_num_threads(job.threads_per_worker)
+    torch.set_num_threads(spec.threads_per_worker)
     device = training_device()
-    trainer = MicroBatchTrainer(job, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN))
+    trainer = MicroBatchTrainer(spec, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN))
     observer: PushObserver | None = worker.plugins.get(PUSH_HOOK)  # type: ignore[assignment]
 
     def wanted() -> bool:
@@ -110,7 +111,7 @@ def run_loop(
         trainer=trainer,
         schedule=schedule,
         stats=LoopStats(worker=address, device=str(device)),
-        timeout=job.call_timeout,
+        timeout=spec.call_timeout,
         wanted=wanted,
         # (Where the shards listen comes with each role: a data server promoted onto a standby listens
         # elsewhere.)
@@ -119,7 +120,7 @@ def run_loop(
         pushes=pushes_for(observer),
     )
     try:
-        with registered(job.job_id, context.shards, context.data), dask_profiler_paused(worker):
+        with registered(spec.job_id, context.shards, context.data), dask_profiler_paused(worker):
             return loop.run(context)
     finally:
         for link in (*context.shards, *context.data):
@@ -127,14 +128,14 @@ def run_loop(
 
 
 def ask_role(
-    coordinator: CoordinatorHandle, address: str, known: int, stats: LoopStats, job: ElasticJob, errors: int
+    coordinator: CoordinatorHandle, address: str, known: int, stats: LoopStats, spec: LoopSpec, errors: int
 ) -> tuple[Role | None, int]:
     """The loop's role in a generation newer than `known` (a long poll of the coordinator), or None, and
     how many asks in a row have failed (`errors` counts them: the loop ends after
     `MAX_CONSECUTIVE_CALL_ERRORS`, the controller then starts another if the worker is still a member)."""
     try:
         asked = time.perf_counter()
-        got = coordinator.role(address, known).result(timeout=job.call_timeout)
+        got = coordinator.role(address, known).result(timeout=spec.call_timeout)
         stats.add("role", time.perf_counter() - asked)
         return got, errors
     except Exception as exc:
@@ -142,7 +143,7 @@ def ask_role(
         log.warning("compute %s: role failed (%s: %s)", address, type(exc).__name__, exc)
         if errors + 1 >= MAX_CONSECUTIVE_CALL_ERRORS:
             raise
-        time.sleep(min(1.0, job.liveness_interval))
+        time.sleep(min(1.0, spec.liveness_interval))
         return None, errors + 1
 
 

@@ -37,7 +37,7 @@ class SyncLoop:
         address, coordinator, trainer = context.address, context.coordinator, context.trainer
         schedule, stats, timeout, wanted = context.schedule, context.stats, context.timeout, context.wanted
         shards, pushes = context.shards, context.pushes
-        job = trainer.job
+        spec = trainer.spec
         role: Role | None = None
         known = -1  # the generation whose role the loop has (or had)
         step = 0
@@ -49,7 +49,7 @@ class SyncLoop:
         while wanted():
             if role is None or step >= schedule.total_steps:
                 # No role yet, a new generation, or past the last step: ask (a long poll of the coordinator).
-                got, errors = ask_role(coordinator, address, known, stats, job, errors)
+                got, errors = ask_role(coordinator, address, known, stats, spec, errors)
                 if got is None:
                     continue
                 if got.stop:

@@ -18,7 +18,7 @@ import torch
 from torch.func import functional_call
 
 from ..errors import ModelFailure, RecoverableError
-from ..job import GLOBAL_RNG_LOCK, ElasticJob, StateLayout
+from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
 from ..wire import Entry, Frame, ShardLink
@@ -49,24 +49,24 @@ class MicroBatchTrainer:
 
     def __init__(
         self,
-        job: ElasticJob,
+        spec: LoopSpec,
         plan: list[list[str]],
         layout: StateLayout,
         device: torch.device,
         slowdown: Callable[[], Any] = lambda: None,
     ) -> None:
-        self.job = job
+        self.spec = spec
         self._slowdown = slowdown
         self.plan = plan
         self.device = device
         # Shapes only: no parameter values live here. (Built under the lock, as every model is: another
         # job's loop in this process may be drawing from torch's global generator.)
-        self.model = job.initial_model().to("meta")
+        self.model = spec.model_spec.initial_model().to("meta")
         self.param_names = list(layout.params)
         # Moving to meta unties tied weights (each module gets its own meta tensor), so every alias is
         # handed the tensor it shares explicitly; autograd then sums both uses into one gradient.
         self.aliases = dict(layout.aliases)
-        self.loss_fn = job.loss_fn()
+        self.loss_fn = spec.model_spec.loss_fn()
         self.shard_of = {name: i for i, names in enumerate(plan) for name in names}
         # Each shard's parameters (its plan has its buffers too), in the plan's order: the gradients a
         # frame carries to it, and the order of a packed run of them (the frame's `order`).
@@ -96,7 +96,7 @@ class MicroBatchTrainer:
         # push there only counts the step's batch ids, and the loop reads its answer just before its next
         # push instead of waiting for it (see `step`).
         self.stateless = [not names for names in plan]
-        self.pull_wait = min(PULL_WAIT_SECONDS, job.call_timeout / 2)
+        self.pull_wait = min(PULL_WAIT_SECONDS, spec.call_timeout / 2)
 
     def then(
         self, role: Role, step: int, schedule: Schedule, params: bool = True, batches: bool = True
@@ -122,7 +122,7 @@ class MicroBatchTrainer:
             # A stateless data server's answer to the last push of a step or generation that ended: what
             # became of that push no longer matters (a fence voided it, or the run ended).
             with contextlib.suppress(RecoverableError):  # (a stale generation's too)
-                receive_all(shards, [link.pending for link in shards], self.job.call_timeout)
+                receive_all(shards, [link.pending for link in shards], self.spec.call_timeout)
         # The parameters as a copy, never read in place (`wire/published.py`): a loop fetches a step it may
         # have pushed in part already (its frame to one shard went in, another's failed), and a shard that
         # holds its batch ids from that push may apply the step, writing its parameters, while this loop
@@ -131,7 +131,7 @@ class MicroBatchTrainer:
             Frame({"op": "pull", "generation": role.generation, "then": then and {**then, "copy": True}})
             for then in self.then(role, step, schedule)
         ]
-        return Ahead(role.generation, step, exchange(shards, frames, self.job.call_timeout))
+        return Ahead(role.generation, step, exchange(shards, frames, self.spec.call_timeout))
 
     def step(
         self,
@@ -146,7 +146,7 @@ class MicroBatchTrainer:
     ) -> Ahead | None:
         """Train this worker's share of `step` and push it (`pushes`); returns the answers for its next
         step, where the push asked for them."""
-        timeout = self.job.call_timeout
+        timeout = self.spec.call_timeout
         clock = time.perf_counter()
 
         def lap(phase: str) -> None:
@@ -251,7 +251,7 @@ class MicroBatchTrainer:
             # inside too, for ops that draw there; the lock costs nothing to a worker with one loop.
             cuda = [self.device] if self.device.type == "cuda" else []
             with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=cuda):
-                seed = micro_batch_seed(self.job.seed, batch_id)
+                seed = micro_batch_seed(self.spec.model_spec.seed, batch_id)
                 # Only the generators this micro-batch draws from: `torch.manual_seed` also queues a
                 # seed for every CUDA device not started yet, recording a Python traceback each time
                 # (75 us a micro-batch on a CPU worker, 4% of an mlp step).

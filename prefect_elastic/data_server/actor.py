@@ -40,7 +40,7 @@ import torch
 from ..allocator import freeze_startup_objects, tune_allocator
 from ..dataset import DatasetInfo
 from ..errors import FatalError, RecoverableError, StaleGenerationError
-from ..job import ElasticJob
+from ..job import ShardSpec
 from ..messages import ShardStatus, SnapshotInfo, Tensors
 from ..schedule import Schedule
 from ..shard_optimizer import Gradient, ShardOptimizer
@@ -59,7 +59,7 @@ class DataServer:
     def __init__(
         self,
         index: int,
-        job: ElasticJob,
+        spec: ShardSpec,
         dataset: DatasetInfo,
         schedule: Schedule,
         params: Tensors,
@@ -69,20 +69,21 @@ class DataServer:
         applied: Sequence[int] = (),
         mode: ApplyMode | None = None,
     ) -> None:
-        """`mode`: how the shard applies (`SyncCommits` or `AsyncApplies`, the job's mode's: `modes.py`)."""
+        """`spec`: the job's settings a data server reads; `mode`: how the shard applies (`SyncCommits` or
+        `AsyncApplies`, the job's mode's: `modes.py`)."""
         tune_allocator()  # pulls, pushes and snapshots allocate megabytes every step; see allocator.py
         self._hooks = hooks_of_this_worker()
         self._hooks.on_start()  # (this runs in a task's thread)
         self.index = index
-        self.job_id = job.job_id
-        self._job = job
+        self.job_id = spec.job_id
+        self._spec = spec
         self._schedule = schedule
-        self.shard = ShardState(index, job, params, buffers, optimizer_state, version, applied)
+        self.shard = ShardState(index, spec.model_spec, params, buffers, optimizer_state, version, applied)
         self.partition = Partition(index, dataset, schedule, self.shard)
         if mode is None:
             raise TypeError("DataServer needs the apply of the job's mode (mode=, see prefect_elastic.modes)")
-        self.applies = mode(self.shard, schedule, self._hooks, job.max_staleness)
-        self.replicas = Replicas(self.shard, self.applies, schedule.data_servers, job.peer_replicas)
+        self.applies = mode(self.shard, schedule, self._hooks, spec.max_staleness)
+        self.replicas = Replicas(self.shard, self.applies, schedule.data_servers, spec.peer_replicas)
         # (None of these holds the actor: released, it is freed at once, and stops listening.)
         self._frames = ShardFrames(self.shard, self.applies, self.replicas, self.partition.get_batch)
         self._host = _worker_host()
@@ -325,7 +326,7 @@ class DataServer:
         empty on a standby, with its data partition only). Returns the version taken."""
         began = time.perf_counter()
         shard = self.shard
-        replica = await fetch_replica(peer, self.index, shard.generation, version, self._job.call_timeout)
+        replica = await fetch_replica(peer, self.index, shard.generation, version, self._spec.call_timeout)
         copied = time.perf_counter() - began
         # The replica arrived as tensors of this process alone: they become the live state as they are, and
         # the snapshot of their version is copied from them in the background, while the promotion goes on

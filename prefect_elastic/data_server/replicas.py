@@ -20,7 +20,7 @@ import torch
 
 from ..allocator import freeze_startup_objects, tune_allocator
 from ..errors import FatalError
-from ..job import ElasticJob
+from ..job import ShardSpec
 from ..messages import direct
 from ..wire import ChannelAddress, Frame, ShardLink, worker_tls
 from .apply import StepApplies
@@ -182,13 +182,13 @@ async def fetch_replica(
     return join_tensors(outline, {entry.batch_id: t for entry, t in frame.tensors})
 
 
-def warm_standby(job: ElasticJob) -> None:
+def warm_standby(spec: ShardSpec) -> None:
     """Runs on a standby static worker, once: pay what a data server's first start pays in a fresh
     process (building the job's optimizer the first time imports half of torch: about 1 s here) before it
     is promoted, not while training waits for it."""
     tune_allocator()
-    job.initial_model()
-    job.build_optimizer([torch.zeros(1, requires_grad=True)])
+    spec.model_spec.initial_model()
+    spec.model_spec.build_optimizer([torch.zeros(1, requires_grad=True)])
     freeze_startup_objects()
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import FatalError, StaleGenerationError
-from ..job import ElasticJob
+from ..job import ModelSpec
 from ..messages import Tensors
 from ..shard_optimizer import Gradient, ShardBuffers, ShardOptimizer
 from .records import StepRecords
@@ -45,7 +45,7 @@ class ShardState:
     def __init__(
         self,
         index: int,
-        job: ElasticJob,
+        model: ModelSpec,
         params: Tensors,
         buffers: Tensors,
         optimizer_state: dict[str, Any] | None,
@@ -53,7 +53,7 @@ class ShardState:
         applied: Sequence[int],
     ) -> None:
         self.index = index
-        self._job = job
+        self._model = model  # builds the optimizer over the shard's parameters
         self.generation = 0
         self.refused = 0  # messages of another generation refused since the shard started
         self.records = StepRecords()
@@ -82,7 +82,7 @@ class ShardState:
         received), so they are taken as they are, and the caller copies the snapshot in the background
         (`start_snapshot`; the first apply waits for it); else both are copies."""
         # The parameters live in one flat tensor (`shard_optimizer.py`); `params` are views of it.
-        self.optimizer = ShardOptimizer(self._job, params, owned) if params else None
+        self.optimizer = ShardOptimizer(self._model, params, owned) if params else None
         self.params = self.optimizer.params if self.optimizer is not None else {}
         # The buffers live in one flat tensor per dtype (`ShardBuffers`); `buffers` are views of them.
         self.buffer_runs = ShardBuffers(buffers, owned)

@@ -31,7 +31,7 @@ LOSSES: dict[str, LossFn] = {
     "mse": torch.nn.functional.mse_loss,
 }
 # Held by whatever seeds torch's one global generator and draws from it: a model's construction
-# (`ElasticJob.initial_model`) and a micro-batch's forward (`compute.MicroBatchTrainer.gradient`).
+# (`ModelSpec.initial_model`) and a micro-batch's forward (`compute.MicroBatchTrainer.gradient`).
 GLOBAL_RNG_LOCK = threading.Lock()
 
 

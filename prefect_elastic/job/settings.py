@@ -22,19 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from ..dataset import DatasetInfo
 from ..errors import JobConfigError
-from .build import (
-    GLOBAL_RNG_LOCK,
-    LOSSES,
-    OPTIMIZERS,
-    LossFn,
-    StateLayout,
-    build_model,
-    build_optimizer,
-    loss_named,
-    state_layout,
-)
+from .build import LOSSES, OPTIMIZERS, LossFn, StateLayout, build_model, state_layout
 from .inputs import check_dataset
 from .loading import config_error, read_settings, yaml_of
+from .specs import CheckpointSpec, LoopSpec, ModelSpec, RoleSpecs, ShardSpec
 
 __all__ = ["ElasticJob"]
 
@@ -370,15 +361,8 @@ class ElasticJob(BaseModel):
         return self.initial_model().state_dict()
 
     def initial_model(self) -> torch.nn.Module:
-        """The model as built for the job's seed, on the CPU."""
-        # fork_rng keeps the caller's global RNG stream as it was. The lock: model constructors draw from
-        # torch's one global generator, so two jobs started from threads of one process would otherwise
-        # interleave their draws and start from parameters that depend on timing. Every model this package
-        # builds is built here (a check's, a compute loop's skeleton too): one built outside the lock drew
-        # in the middle of another job's initial parameters (`test_two_jobs_share_a_cluster`, twice).
-        with GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
-            return self.make_model().cpu()
+        """The model as built for the job's seed, on the CPU (`ModelSpec.initial_model`)."""
+        return self.model_spec.initial_model()
 
     def initial_tensors(self) -> tuple[StateLayout, dict[str, torch.Tensor]]:
         """The layout of the model's state, and the tensors the servers hold (no alias twice)."""
@@ -390,11 +374,55 @@ class ElasticJob(BaseModel):
 
     def loss_fn(self) -> LossFn:
         """The loss function named by `loss`."""
-        return loss_named(self.loss)
+        return self.model_spec.loss_fn()
 
     def build_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The optimizer named by `optimizer`, over `params` (the whole model or one shard's slice)."""
-        return build_optimizer(self.optimizer, params)
+        return self.model_spec.build_optimizer(params)
+
+    # ---- each role's slice of the job (`specs.py`) ------------------------------------------------------
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        """What builds the model, the loss and the optimizer, in every role."""
+        return ModelSpec(self.model, self.seed, self.loss, dict(self.optimizer))
+
+    @property
+    def shard_spec(self) -> ShardSpec:
+        """A data server's settings."""
+        return ShardSpec(
+            self.job_id, self.model_spec, self.call_timeout, self.max_staleness, self.peer_replicas
+        )
+
+    @property
+    def loop_spec(self) -> LoopSpec:
+        """A compute loop's settings."""
+        return LoopSpec(
+            self.job_id,
+            self.model_spec,
+            self.call_timeout,
+            self.liveness_interval,
+            self.threads_per_worker,
+            self.micro_batches,
+        )
+
+    @property
+    def checkpoint_spec(self) -> CheckpointSpec:
+        """The checkpoint writer's settings."""
+        return CheckpointSpec(
+            self.job_id,
+            self.checkpoint,
+            self.checkpoint_keep,
+            self.storage_for(self.checkpoint) if self.checkpoint else {},
+            self.checkpoint_every,
+            self.checkpoint_failures_allowed,
+            self.fingerprint_fields(),
+        )
+
+    @property
+    def role_specs(self) -> RoleSpecs:
+        """Every role's settings, made once when the job is prepared."""
+        return RoleSpecs(self.shard_spec, self.loop_spec, self.checkpoint_spec)
 
     def check_inputs(self) -> DatasetInfo:
         """The expensive checks, run once before any cluster work: model, loss, dataset, and whether the

@@ -266,8 +266,8 @@ class Actors:
             )
         self.placed_on(where)
         return self.client.submit(
-            DataServer, index, self.job, self.run.dataset, self.run.schedule, *tensors, version, applied,
-            self.run.mode.applies,
+            DataServer, index, self.run.specs.shard, self.run.dataset, self.run.schedule, *tensors, version,
+            applied, self.run.mode.applies,
             actor=True, workers=[where], allow_other_workers=False,
             key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",
             pure=False,

@@ -59,7 +59,7 @@ class ComputeLoops:
                 self.run.loop_restarts[addr] = self.run.loop_restarts.get(addr, 0) + 1
                 self.run._loop_serial += 1
                 self.run.loops[addr] = self.client.submit(
-                    run_loop, self.run.mode.loop, self.job, coordinator, plan, self.run.layout,
+                    run_loop, self.run.mode.loop, self.run.specs.loop, coordinator, plan, self.run.layout,
                     self.run.schedule,
                     key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-compute-{addr}-{self.run._loop_serial}",
                     workers=[addr], allow_other_workers=False, pure=False,

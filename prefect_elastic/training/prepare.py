@@ -1,4 +1,5 @@
-"""Preparing a job: everything checked and decided before any cluster work (the inputs, the schedule)."""
+"""Preparing a job: everything checked and decided before any cluster work (the inputs, the schedule, each
+role's spec)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ..dataset import DatasetInfo, partition_bounds
 from ..errors import (
     JobConfigError,
 )
-from ..job import ElasticJob
+from ..job import ElasticJob, RoleSpecs
 from ..modes import Mode, mode_of
 from ..schedule import Schedule
 
@@ -42,6 +43,7 @@ class Prepared:
     schedule: Schedule
     persistence: Persistence
     mode: Mode  # the parts of sync or async mode each role is handed (`modes.py`)
+    specs: RoleSpecs  # the job's settings each role is handed (`job/specs.py`), not the whole job
 
 
 def prepare(job: ElasticJob | str | os.PathLike[str]) -> Prepared:
@@ -52,4 +54,6 @@ def prepare(job: ElasticJob | str | os.PathLike[str]) -> Prepared:
     mode = mode_of(job.mode)
     schedule = build_schedule(job, dataset, mode)
     layout, initial = job.initial_tensors()
-    return Prepared(job, dataset, schedule, Persistence(job, layout, initial, mode.checkpoints), mode)
+    specs = job.role_specs
+    persistence = Persistence(specs.checkpoint, layout, initial, mode.checkpoints)
+    return Prepared(job, dataset, schedule, persistence, mode, specs)

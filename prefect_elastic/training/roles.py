@@ -50,7 +50,8 @@ class StaticRoles:
             if worker not in self.run.warmed:
                 # Fire and forget: a standby promoted before it finished is only slower to start.
                 self.run.warmed[worker] = self.client.submit(
-                    warm_standby, self.job, workers=[worker], allow_other_workers=False, pure=False,
+                    warm_standby, self.run.specs.shard, workers=[worker], allow_other_workers=False,
+                    pure=False,
                     key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-warm-{worker}",
                 )  # fmt: skip
         if self.run.coordinator_at not in view.static:

@@ -107,6 +107,7 @@ class TrainingRun:
         self.dataset = prepared.dataset
         self.schedule = prepared.schedule
         self.mode = prepared.mode  # what differs between sync and async mode (`modes.py`)
+        self.specs = prepared.specs  # what each role is handed of the job
         self.persistence = prepared.persistence
         self.layout = prepared.persistence.layout
         self.stop = stop

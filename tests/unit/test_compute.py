@@ -37,7 +37,7 @@ from .test_channel import Served
 def test_gradient_equals_an_ordinary_model_with_tied_weights_and_dropout(digits_url: str) -> None:
     job = ElasticJob(model="tests.models:tied_dropout", dataset=digits_url, data_servers=4, seed=3)
     layout, tensors = job.initial_tensors()
-    trainer = MicroBatchTrainer(job, [list(tensors)], layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(job.loop_spec, [list(tensors)], layout, torch.device("cpu"))
     params = {n: tensors[n].clone().requires_grad_(True) for n in trainer.param_names}
     buffers = {n: t for n, t in tensors.items() if n not in params}
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
@@ -63,7 +63,7 @@ def test_gradient_equals_an_ordinary_language_model_with_an_lstm(tokens_url: str
         model="tests.models:char_lm", loss="tests.models:sequence_loss", dataset=tokens_url, seed=4
     )
     layout, tensors = job.initial_tensors()
-    trainer = MicroBatchTrainer(job, [list(tensors)], layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(job.loop_spec, [list(tensors)], layout, torch.device("cpu"))
     params = {n: tensors[n].clone().requires_grad_(True) for n in trainer.param_names}
     x = torch.randint(1, TOKENS, (8, 16))
     y = torch.randint(1, TOKENS, (8, 16))
@@ -93,7 +93,7 @@ def test_a_micro_batch_draws_its_dropout_mask_alone_while_another_thread_builds_
     job = ElasticJob(model="tests.models:pausing_dropout", dataset=digits_url, seed=3)
     other = ElasticJob(model="tests.models:pausing_mlp", dataset=digits_url, seed=6)
     layout, tensors = job.initial_tensors()
-    trainer = MicroBatchTrainer(job, [list(tensors)], layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(job.loop_spec, [list(tensors)], layout, torch.device("cpu"))
     params = {n: tensors[n].clone().requires_grad_(True) for n in trainer.param_names}
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
     alone_loss, alone_grads, _ = trainer.gradient(params, {}, x, y, step=0, batch_id=5)
@@ -128,7 +128,7 @@ def test_a_step_is_pushed_first_to_the_shards_that_hold_the_most_parameters(digi
     # A small model's parameters all on the last data server (`plan_shards`): its frame goes first.
     job = ElasticJob(model="tests.models:tied_dropout", dataset=digits_url, data_servers=3, seed=3)
     layout, tensors = job.initial_tensors()
-    trainer = MicroBatchTrainer(job, [[], [], list(tensors)], layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(job.loop_spec, [[], [], list(tensors)], layout, torch.device("cpu"))
     assert trainer.push_order == [2, 0, 1]
 
 
@@ -148,7 +148,7 @@ def test_parameters_moved_as_one_transfer_give_the_same_gradients(digits_url: st
     and the gradient against those views is the gradient against the separate tensors."""
     job = ElasticJob(model="tests.models:tied_dropout", dataset=digits_url, seed=3)
     layout, tensors = job.initial_tensors()
-    trainer = MicroBatchTrainer(job, [list(tensors)], layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(job.loop_spec, [list(tensors)], layout, torch.device("cpu"))
     names = trainer.param_names
     moved = moved_as_one(names, [tensors[n] for n in names], trainer.shapes, torch.device("cpu"))
     assert list(moved) == names
@@ -250,7 +250,7 @@ def _one_step(digits_url: str, observer: _ObservesPushes | None) -> tuple[Tensor
     assert all(plan), "both data servers hold parameters"
     prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", min_shard_bytes=0))
     schedule = prepared.schedule
-    trainer = MicroBatchTrainer(prepared.job, plan, prepared.persistence.layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(prepared.specs.loop, plan, prepared.persistence.layout, torch.device("cpu"))
     served = [Served(server.on_frame) for server in servers]
     links = [ShardLink(s.address, timeout=5) for s in served]
     role = Role(0, 0, ("w",), 0, channels=tuple(s.address for s in served))

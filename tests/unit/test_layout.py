@@ -1,5 +1,6 @@
 """The shape of the package, as the code reads: no module over 500 lines, no import circle (counting imports
-made inside functions, which only hide one), and the job's mode asked in one place."""
+made inside functions, which only hide one), the job's mode asked in one place, and the roles handed their
+specs, not the whole job."""
 
 from __future__ import annotations
 
@@ -87,6 +88,38 @@ def test_the_mode_is_asked_in_one_place() -> None:
         for name, path in modules().items()
         for i, line in enumerate(path.read_text().splitlines(), 1)
         if asked.search(line.split("#")[0]) and name != "prefect_elastic.modes"
+    ]
+    assert not where, where
+
+
+# The roles that are handed their slice of the job (`job/specs.py`): none of them may reach for the rest.
+HANDED_A_SPEC = ("data_server", "compute", "checkpoint", "shard_optimizer")
+
+
+def names_the_whole_job(node: ast.AST) -> bool:
+    """Whether `node` names `ElasticJob`, or imports the module that defines it."""
+    if isinstance(node, ast.Name):
+        return node.id == "ElasticJob"
+    if isinstance(node, ast.Attribute):
+        return node.attr == "ElasticJob"
+    if isinstance(node, ast.alias):
+        return "ElasticJob" in (node.name, node.asname) or node.name.endswith("settings")
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").endswith("settings")
+    return False
+
+
+def test_the_roles_handed_a_spec_never_see_the_whole_job() -> None:
+    """A data server, a compute loop, the shard optimizer and the checkpoint writer get a `ShardSpec`, a
+    `LoopSpec`, a `ModelSpec` or a `CheckpointSpec`: none of their modules imports or names `ElasticJob`,
+    or imports the module that defines it."""
+    scanned = {n: p for n, p in modules().items() if n.split(".")[1:2] and n.split(".")[1] in HANDED_A_SPEC}
+    assert len(scanned) > 20, sorted(scanned)  # (every module of the four: the scan finds them)
+    where = [
+        f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', '?')}"
+        for path in scanned.values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if names_the_whole_job(node)
     ]
     assert not where, where
 

@@ -23,7 +23,7 @@ from prefect_elastic.wire.published import Published, flat_tensor, map_peers
 
 from ..conftest import in_process_servers, make_job
 from .test_channel import Served
-from .test_shard_optimizer import OPTIMIZERS, job
+from .test_shard_optimizer import OPTIMIZERS, model_spec
 
 
 class Shard:
@@ -114,7 +114,7 @@ def test_with_shared_memory_off_the_parameters_are_plain_memory(monkeypatch: pyt
 
 def test_a_shards_optimizer_keeps_its_parameters_in_a_published_region_and_steps_them_there() -> None:
     params = {"w": torch.randn(5, 3), "b": torch.randn(3)}
-    optimizer = ShardOptimizer(job(OPTIMIZERS[0]), params)
+    optimizer = ShardOptimizer(model_spec(OPTIMIZERS[0]), params)
     assert optimizer.region is not None and optimizer.flat is not None
     found = published.region_of(optimizer.params["b"])
     assert found == (optimizer.region, 15 * 4)
@@ -169,7 +169,7 @@ def test_a_loop_fetching_a_step_again_gets_a_copy_and_its_pipelined_pulls_read_i
     default = ElasticJob.model_fields["min_shard_bytes"].default
     servers, plan = in_process_servers(digits_url, min_shard_bytes=default)
     prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp"))
-    trainer = MicroBatchTrainer(prepared.job, plan, prepared.persistence.layout, torch.device("cpu"))
+    trainer = MicroBatchTrainer(prepared.specs.loop, plan, prepared.persistence.layout, torch.device("cpu"))
     served = [Served(server.on_frame) for server in servers]
     links = [ShardLink(s.address, timeout=5) for s in served]
     holder = servers[1]._optimizer

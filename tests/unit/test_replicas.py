@@ -16,7 +16,7 @@ from prefect_elastic.data_server import DataServer, join_tensors, split_tensors
 from prefect_elastic.errors import FatalError, StaleGenerationError
 from prefect_elastic.training import prepare, standbys
 
-from ..conftest import in_process_servers
+from ..conftest import in_process_servers, make_job
 
 
 def servers(digits_url: str, **overrides: Any) -> tuple[DataServer, DataServer, list[list[str]]]:
@@ -46,7 +46,7 @@ def test_a_snapshot_is_reported_only_once_its_copy_is_whole_on_the_peer(digits_u
 
 def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(digits_url: str) -> None:
     first, second, plan = servers(digits_url)
-    job, schedule = first._job, first._schedule
+    schedule = first._schedule
 
     async def run() -> None:
         # A snapshot with the optimizer's state in it (Adam's moments exist from the first step on).
@@ -58,8 +58,10 @@ def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(d
         with torch.no_grad():  # the shard moved on after its snapshot: the replica is of the snapshot
             for p in first._params.values():
                 p.add_(1.0)
-        prepared = prepare(job)
-        empty = DataServer(0, job, prepared.dataset, schedule, {}, {}, None, 0, mode=prepared.mode.applies)
+        # (The job `servers` made them for.)
+        prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp"))
+        spec = prepared.specs.shard
+        empty = DataServer(0, spec, prepared.dataset, schedule, {}, {}, None, 0, mode=prepared.mode.applies)
         assert not empty._params
         assert await empty.adopt(second, 0) == 0
         snapshot = first.shard.snapshots[0]

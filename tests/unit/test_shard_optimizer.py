@@ -8,7 +8,7 @@ import torch
 
 from prefect_elastic.compute import PACK_BYTES, gradient_entries, packs, unflatten
 from prefect_elastic.errors import FatalError
-from prefect_elastic.job import ElasticJob
+from prefect_elastic.job import ElasticJob, ModelSpec
 from prefect_elastic.shard_optimizer import ShardBuffers, ShardOptimizer, _flat_view
 from prefect_elastic.wire import Entry, Frame, decode, encode
 
@@ -32,10 +32,12 @@ OPTIMIZERS = [
 ]
 
 
-def job(optimizer: dict[str, object]) -> ElasticJob:
-    return ElasticJob(
+def model_spec(optimizer: dict[str, object]) -> ModelSpec:
+    """The model spec of a job with `optimizer` (checked as the job checks it)."""
+    job = ElasticJob(
         job_id="flat", model="tests.models:mlp", dataset="file:///nowhere.npz", optimizer=optimizer
     )
+    return job.model_spec
 
 
 def tensors(seed: int, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict[str, torch.Tensor]:
@@ -46,7 +48,7 @@ def tensors(seed: int, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict[str,
 def torch_reference(optimizer: dict[str, object], steps: list[list[dict[str, torch.Tensor]]]) -> dict:
     """What `torch.optim` gives over one tensor per parameter, with the gradients summed in order."""
     params = {n: t.clone() for n, t in tensors(0).items()}
-    opt = job(optimizer).build_optimizer(list(params.values()))
+    opt = model_spec(optimizer).build_optimizer(list(params.values()))
     for micro_batches in steps:
         for name, p in params.items():
             total = micro_batches[0][name].clone()
@@ -65,7 +67,7 @@ def gradient_steps(count: int) -> list[list[dict[str, torch.Tensor]]]:
 def test_one_flat_tensor_gives_the_bits_of_one_tensor_per_parameter(optimizer: dict[str, object]) -> None:
     steps = gradient_steps(12)
     expected = torch_reference(optimizer, steps)
-    shard = ShardOptimizer(job(optimizer), tensors(0))
+    shard = ShardOptimizer(model_spec(optimizer), tensors(0))
     for micro_batches in steps:
         shard.step(micro_batches)
     for name, p in expected["params"].items():
@@ -89,12 +91,12 @@ def test_a_state_dict_taken_out_and_loaded_again_goes_on_with_the_same_bits(
 ) -> None:
     steps = gradient_steps(10)
     expected = torch_reference(optimizer, steps)
-    first = ShardOptimizer(job(optimizer), tensors(0))
+    first = ShardOptimizer(model_spec(optimizer), tensors(0))
     for micro_batches in steps[:4]:
         first.step(micro_batches)
     saved = first.state_dict()
     # A promotion or a restore: a new shard from the snapshot's tensors and optimizer state.
-    second = ShardOptimizer(job(optimizer), {n: p.clone() for n, p in first.params.items()})
+    second = ShardOptimizer(model_spec(optimizer), {n: p.clone() for n, p in first.params.items()})
     second.load_state_dict(saved)
     for micro_batches in steps[4:]:
         second.step(micro_batches)
@@ -112,12 +114,12 @@ def test_a_promoted_shard_takes_the_replica_as_it_came_and_goes_on_with_the_same
     holds one tensor per parameter, and the steps give the bits the flat shard would have given."""
     steps = gradient_steps(10)
     expected = torch_reference(optimizer, steps)
-    first = ShardOptimizer(job(optimizer), tensors(0))
+    first = ShardOptimizer(model_spec(optimizer), tensors(0))
     for micro_batches in steps[:4]:
         first.step(micro_batches)
     replica = {n: p.clone() for n, p in first.params.items()}
     state = first.state_dict()
-    promoted = ShardOptimizer(job(optimizer), replica, owned=True)
+    promoted = ShardOptimizer(model_spec(optimizer), replica, owned=True)
     promoted.load_state_dict(state, owned=True)
     assert all(
         promoted.params[n] is not None and promoted.params[n].data_ptr() == replica[n].data_ptr()
@@ -132,7 +134,7 @@ def test_a_promoted_shard_takes_the_replica_as_it_came_and_goes_on_with_the_same
 
 
 def test_the_snapshot_form_is_a_copy_that_later_steps_do_not_change() -> None:
-    shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
+    shard = ShardOptimizer(model_spec(OPTIMIZERS[0]), tensors(0))
     shard.step([tensors(1)])
     saved = shard.state_dict()
     before = saved["state"][0]["momentum_buffer"].clone()
@@ -141,12 +143,12 @@ def test_the_snapshot_form_is_a_copy_that_later_steps_do_not_change() -> None:
 
 
 def test_the_parameters_are_views_of_the_flat_tensor_and_a_restore_writes_through_them() -> None:
-    shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
+    shard = ShardOptimizer(model_spec(OPTIMIZERS[0]), tensors(0))
     with torch.no_grad():
         for name, p in shard.params.items():
             p.copy_(tensors(5)[name])
     shard.step([tensors(1)])
-    reference = ShardOptimizer(job(OPTIMIZERS[0]), tensors(5))
+    reference = ShardOptimizer(model_spec(OPTIMIZERS[0]), tensors(5))
     reference.step([tensors(1)])
     for name in SHAPES:
         assert torch.equal(shard.params[name], reference.params[name])
@@ -174,7 +176,7 @@ def test_gradients_that_came_back_to_back_in_a_frame_are_taken_without_a_copy() 
 
 def test_a_shard_of_two_dtypes_keeps_one_tensor_per_parameter_and_still_steps() -> None:
     params = {"w": torch.randn(5), "h": torch.randn(3, dtype=torch.float64)}
-    shard = ShardOptimizer(job(OPTIMIZERS[0]), params)
+    shard = ShardOptimizer(model_spec(OPTIMIZERS[0]), params)
     shard.step([{"w": torch.ones(5), "h": torch.ones(3, dtype=torch.float64)}])
     assert torch.allclose(shard.params["w"], params["w"] - 0.02)
     assert shard.params["h"].dtype == torch.float64
@@ -202,10 +204,11 @@ def test_packed_gradients_give_the_bits_of_one_tensor_per_parameter_in_any_order
     steps = gradient_steps(8)
     expected = torch_reference(optimizer, steps)
     names = list(SHAPES)
+    spec = model_spec(optimizer)
     shards = [
-        (ShardOptimizer(job(optimizer), tensors(0)), names),
-        (ShardOptimizer(job(optimizer), tensors(0)), names[::-1]),
-        (ShardOptimizer(job(optimizer), {n: t.clone() for n, t in tensors(0).items()}, owned=True), names),
+        (ShardOptimizer(spec, tensors(0)), names),
+        (ShardOptimizer(spec, tensors(0)), names[::-1]),
+        (ShardOptimizer(spec, {n: t.clone() for n, t in tensors(0).items()}, owned=True), names),
     ]
     assert shards[2][0].flat is None  # (one tensor per parameter, as a promotion leaves it)
     for shard, order in shards:
@@ -216,7 +219,7 @@ def test_packed_gradients_give_the_bits_of_one_tensor_per_parameter_in_any_order
 
 
 def test_a_packed_gradient_that_is_not_the_shards_is_refused() -> None:
-    shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
+    shard = ShardOptimizer(model_spec(OPTIMIZERS[0]), tensors(0))
     names = list(SHAPES)
     flat = torch.cat([t.reshape(-1) for t in tensors(1).values()])
     with pytest.raises(FatalError, match="packed gradient of 5 tensors"):
@@ -239,7 +242,7 @@ def test_small_gradients_are_packed_and_large_mixed_or_single_ones_go_one_by_one
 
 
 def test_flat_parameters_come_back_as_views_by_name_and_a_wrong_count_is_refused() -> None:
-    shard = ShardOptimizer(job(OPTIMIZERS[0]), tensors(0))
+    shard = ShardOptimizer(model_spec(OPTIMIZERS[0]), tensors(0))
     assert shard.flat is not None
     shapes = {n: torch.Size(s) for n, s in SHAPES.items()}
     parts = encode(Frame({}, [(Entry("params", -1, ""), shard.flat)]))
