@@ -253,7 +253,7 @@ def in_process_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServ
         made.append(
             DataServer(
                 i,
-                job,
+                prepared.specs.shard,
                 prepared.dataset,
                 prepared.schedule,
                 start.params,
