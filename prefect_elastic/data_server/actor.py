@@ -71,6 +71,7 @@ class DataServer:
     ) -> None:
         """`spec`: the job's settings a data server reads; `mode`: how the shard applies (`SyncCommits` or
         `AsyncApplies`, the job's mode's: `modes.py`)."""
+        began = time.perf_counter()
         tune_allocator()  # pulls, pushes and snapshots allocate megabytes every step; see allocator.py
         self._hooks = hooks_of_this_worker()
         self._hooks.on_start()  # (this runs in a task's thread)
@@ -90,15 +91,10 @@ class DataServer:
         self._server: ShardServer | None = None
         freeze_startup_objects()  # see allocator.py: no full collection pauses a step for 0.1 s or more
         log.info(
-            "data server %d of job %s: samples [%d, %d), %d params, %d buffers, version %d",
-            index,
-            self.job_id,
-            self.partition.start,
-            self.partition.stop,
-            len(self.shard.params),
-            len(self.shard.buffers),
-            self.version,
-        )
+            "data server %d of job %s: samples [%d, %d), %d params, %d buffers, version %d; %.3f s to start",
+            index, self.job_id, self.partition.start, self.partition.stop, len(self.shard.params),
+            len(self.shard.buffers), self.version, time.perf_counter() - began,
+        )  # fmt: skip
 
     @property
     def version(self) -> int:
@@ -330,8 +326,13 @@ class DataServer:
         copied = time.perf_counter() - began
         # The replica arrived as tensors of this process alone: they become the live state as they are, and
         # the snapshot of their version is copied from them in the background, while the promotion goes on
-        # (a 200 MB shard: 0.2 s of copies off the promotion's path); the first step waits for it.
-        shard.load(replica["params"], replica["buffers"], replica["optimizer"], int(replica["version"]), True)
+        # (a 200 MB shard: 0.2 s of copies off the promotion's path); the first step waits for it. The load
+        # builds the shard's optimizer, in a thread: the first optimizer a process builds imports
+        # torch._dynamo (5 to 11 s on the chaos soak's 2 cores, where the standby was not warmed yet:
+        # `warm_standby`), which on the event loop silenced the worker's heartbeats all that time.
+        # (Nothing else touches the shard meanwhile: it has no role and no channel yet.)
+        tensors = replica["params"], replica["buffers"], replica["optimizer"]
+        await asyncio.to_thread(shard.load, *tensors, int(replica["version"]), True)
         shard.applied = set(replica.get("applied", ()))  # async mode: the applies the snapshot holds
         self.applies.reset()
         shard.start_snapshot()

@@ -165,7 +165,9 @@ async def fetch_replica(
     (names, the optimizer's settings) through Dask. A 200 MB shard takes 0.03 to 0.04 s this way against
     0.09 s in one Dask actor call, and its tensors lie back to back, so that the optimizer takes them as
     they came (SGD's momentum: no 0.035 s copy)."""
+    began = time.perf_counter()
     address, outline = await asyncio.gather(peer.open_channel(), peer.replica_outline(index, version))
+    asked = time.perf_counter() - began
     ask = Frame({"op": "replica", "generation": generation, "source": index, "version": version})
 
     def fetch(address: ChannelAddress) -> Frame:
@@ -179,6 +181,10 @@ async def fetch_replica(
             link.close()
 
     frame = await asyncio.to_thread(fetch, address)
+    log.info(
+        "shard %d: replica of version %d from the peer: its channel and outline %.3f s, the frame %.3f s",
+        index, version, asked, time.perf_counter() - began - asked,
+    )  # fmt: skip
     return join_tensors(outline, {entry.batch_id: t for entry, t in frame.tensors})
 
 
@@ -186,10 +192,12 @@ def warm_standby(spec: ShardSpec) -> None:
     """Runs on a standby static worker, once: pay what a data server's first start pays in a fresh
     process (building the job's optimizer the first time imports half of torch: about 1 s here) before it
     is promoted, not while training waits for it."""
+    began = time.perf_counter()
     tune_allocator()
     spec.model_spec.initial_model()
     spec.model_spec.build_optimizer([torch.zeros(1, requires_grad=True)])
     freeze_startup_objects()
+    log.info("job %s: standby warmed in %.3f s", spec.job_id, time.perf_counter() - began)
 
 
 @dataclass(frozen=True)

@@ -205,15 +205,18 @@ def fault_label(record: FaultRecord) -> str:
 
 def worst_stalls(result: TrainResult, log: list[FaultRecord], top: int = 3) -> list[str]:
     """The `top` longest gaps between commits, each with what happened within it: the faults (by the
-    schedule's log) and then what survival detection did (by `result.events`), in time order."""
+    schedule's log) and then what survival detection did (by `result.events`), in time order, each with
+    its seconds into the gap."""
     times = result.commit_times
     gaps = sorted(range(len(times) - 1), key=lambda i: times[i + 1] - times[i], reverse=True)[:top]
     described = []
     for i in sorted(gaps, key=lambda i: times[i]):
         begin, end = times[i], times[i + 1]
-        faults = [fault_label(r) for r in log if begin <= r.time <= end]
+        faults = [f"{fault_label(r)} +{r.time - begin:.2f}" for r in log if begin <= r.time <= end]
         events = [
-            str(e.kind) for e in result.events if begin <= e.time <= end and e.kind != EventKind.SNAPSHOT
+            f"{e.kind} +{e.time - begin:.2f}"
+            for e in result.events
+            if begin <= e.time <= end and e.kind != EventKind.SNAPSHOT
         ]
         described.append(
             f"{end - begin:.2f} s after step {i + 1}: faults [{', '.join(faults)}], "

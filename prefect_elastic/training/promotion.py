@@ -28,7 +28,7 @@ from ..wire import ChannelAddress
 from .actors import START_TRIES
 from .calls import LEAVING_GRACE_SECONDS
 from .pacing import MEMBERSHIP_POLL_SECONDS
-from .workers import standbys
+from .workers import readiest_first, standbys
 
 if TYPE_CHECKING:
     from .run import TrainingRun
@@ -235,17 +235,26 @@ class Promotions:
         peer_at = self.run.placement[(index + 1) % len(self.run.placement)]
         cancelled = 0
         while True:
+            waited = time.monotonic()
             standby = self.wait_for_standby(index)
             clock = time.monotonic()
+            waited = clock - waited
             future: Future | None = None
             watched = standby  # the worker whose loss would explain a broken call
             try:
+                warm = self.warmth(standby)
                 self.run.actors.await_engine(standby, self.run.actors.startup_timeout())
+                engine = time.monotonic() - clock
                 future = self.run.actors.submit_data_server(index, standby, start, version)
                 shard: ShardHandle = self.run.calls.wait_unless_left(
                     future, standby, self.run.actors.startup_timeout()
                 )
                 started = time.monotonic() - clock
+                log.info(
+                    "job %s: data server %d started on standby %s (%s) in %.3f s: the engine's load %.3f s, "
+                    "the actor %.3f s (%.3f s waited for a standby before)",
+                    self.job.job_id, index, standby, warm, started, engine, started - engine, waited,
+                )  # fmt: skip
                 if replica is not None:
                     watched = peer_at
                     self.run.calls.wait_unless_left(
@@ -284,6 +293,13 @@ class Promotions:
                     self.job.job_id, standby, index, exc,
                 )  # fmt: skip
 
+    def warmth(self, standby: str) -> str:
+        """Where `standby`'s warming (`warm_standby`) stands, for the promotion's log."""
+        warmed = self.run.warmed.get(standby)
+        if warmed is None:
+            return "not warmed"
+        return "warm" if warmed.done() else "still warming"
+
     def wait_for_standby(self, index: int, taken: list[str] | None = None) -> str:
         """A static worker holding no data server of this job (nor one of `taken`); waits up to
         `min_workers_timeout` for one to join, then fails naming the role."""
@@ -294,7 +310,9 @@ class Promotions:
                 [w for w in view.static if w not in self.run.leaving], taken or self.run.placement
             )
             if free:
-                return free[0]
+                warming = {w for w, f in self.run.warmed.items() if not f.done()}
+                warm = set(self.run.warmed) - warming
+                return readiest_first(free, warm, warming)[0]
             if time.monotonic() >= deadline:
                 raise DataServerLostError(
                     f"data server {index} of job {self.job.job_id} was lost with its static worker "
