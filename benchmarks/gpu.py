@@ -89,11 +89,12 @@ def check_model(pool: elastic.ClusterPool, name: str, job: ElasticJob) -> dict[s
     return out
 
 
-def check_jobs(work: Path) -> dict[str, ElasticJob]:
+def check_jobs(work: Path, epochs: int = 2) -> dict[str, ElasticJob]:
     digits = digits_dataset(str(work / "digits"), shards=1)
     synthetic = write_dataset(work / "check.npz", CHECK_SAMPLES)
     common: dict[str, Any] = {
         "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
+        "epochs": epochs,
         "micro_batches": 2,
         "data_servers": 2,
         "liveness_interval": 0.5,
@@ -103,13 +104,13 @@ def check_jobs(work: Path) -> dict[str, ElasticJob]:
     synthetic_url = f"file://{synthetic}"
     return {
         "digits-cnn": ElasticJob(
-            model="prefect_elastic.local.demo:digits_cnn", dataset=digits, batch_size=16, epochs=2, **common
+            model="prefect_elastic.local.demo:digits_cnn", dataset=digits, batch_size=16, **common
         ),
         "transformer": ElasticJob(
-            model="benchmarks.workloads:transformer", dataset=synthetic_url, batch_size=64, epochs=2, **common
+            model="benchmarks.workloads:transformer", dataset=synthetic_url, batch_size=64, **common
         ),
         "cnn-20": ElasticJob(
-            model="benchmarks.workloads:cnn20", dataset=synthetic_url, batch_size=64, epochs=2, **common
+            model="benchmarks.workloads:cnn20", dataset=synthetic_url, batch_size=64, **common
         ),
     }
 
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=420.0, help="start no part after this many seconds")
     parser.add_argument("--workloads", default="cnn-gpu,transformer,cnn-20,mlp")
     parser.add_argument("--checks", default="digits-cnn,transformer,cnn-20")
+    parser.add_argument(
+        "--check-epochs", type=int, default=2, help="epochs of each check's runs (1 for a smoke run on a CPU)"
+    )
     parser.add_argument("--async-epochs", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=6.0, help="a steady run's length, about")
     parser.add_argument("--pairs", type=int, default=2, help="plain and prefect-elastic runs of each")
@@ -196,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         pool = elastic.ClusterPool()
         try:
-            jobs = check_jobs(work)
+            jobs = check_jobs(work, args.check_epochs)
             for name in filter(None, args.checks.split(",")):
                 part("check", name, functools.partial(check_model, pool, name, jobs[name]))
             data = write_dataset(work / "steady.npz", SAMPLES)

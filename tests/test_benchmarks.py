@@ -235,7 +235,7 @@ def check_the_gpu_check(tmp_path: Path) -> None:
     from benchmarks.gpu import main
 
     args = ["--out", str(tmp_path), "--checks", "transformer", "--workloads", "mlp", "--seconds", "0.5"]
-    assert main([*args, "--pairs", "1", "--async-epochs", "1"]) == 0
+    assert main([*args, "--pairs", "1", "--async-epochs", "1", "--check-epochs", "1"]) == 0
     results = json.loads((tmp_path / "gpu.json").read_text())
     check = results["check"]["transformer"]
     assert "error" not in check, check.get("error")

@@ -273,9 +273,12 @@ def test_static_workers_are_slurm_jobs_with_the_static_resource(slurm: LocalSlur
             assert len(static_jobs(slurm)) == 2
 
 
-SBATCH_TIMEOUT = 240
+# A bound on a hang, not on speed: each example takes about a minute here, over three under a loaded CI
+# machine's load (one sbatch job took past 240 s while a soak ran beside it).
+SBATCH_TIMEOUT = 420
 
 
+@pytest.mark.timeout(2 * SBATCH_TIMEOUT + 60)
 def test_slurm_examples_run_at_a_tiny_size(
     slurm: LocalSlurm, prefect_server: PrefectServer, digits_url: str, tmp_path: Path
 ) -> None:
