@@ -120,7 +120,7 @@ class StaticRoles(ShardCalls):
         for index in indices:
             self._take(state.lose_shard(index, state.generation, reason, time.time()))
 
-    async def _hold_at_one_version(self, tries: int = 3) -> None:
+    async def _hold_at_one_version(self, tries: int = 3, wait: float = HOLD_WAIT_SECONDS) -> None:
         """Let the step in flight finish, then stop every shard at the same step boundary (`hold_at`), so
         that the fence after finds them at one version: a fence in the middle of a step finds one shard a
         step ahead of another, and the shards go back to the last snapshot. A held shard applies no step
@@ -131,7 +131,7 @@ class StaticRoles(ShardCalls):
         statuses: list[ShardStatus] = await self._on_shards(lambda s: s.status(state.schedule.total_steps))
         target = min(max(s.version for s in statuses) + 1, state.schedule.total_steps)
         for _ in range(tries):
-            hold = partial(_hold_at, generation=state.generation, version=target, wait=HOLD_WAIT_SECONDS)
+            hold = partial(_hold_at, generation=state.generation, version=target, wait=wait)
             reached: list[int] = await self._on_shards(hold)
             if len(set(reached)) == 1:
                 return

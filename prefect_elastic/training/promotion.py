@@ -43,6 +43,9 @@ class Promotions:
         self.run = run
         self.job = run.job
         self.client = run.client
+        # The standby a data server is being started on: silent to the scheduler, it is asked for Dask's
+        # handshake before it counts as gone (`Workers.view`), as a role's worker is.
+        self.starting_on: set[str] = set()
 
     def promote_standbys(self, lost: list[int], ask: bool = True) -> None:
         """Suspend training, then for each lost data server: start one on a standby static worker, from
@@ -141,6 +144,7 @@ class Promotions:
                 self.client.cancel([old])
             moved = self.run.channels[i]
             shards[i], self.run.channels[i], self.run.placement[i] = shard, channel, standby
+            self.starting_on = set()  # (a role's worker now)
             self.run._told_lost.discard(i)
             self.leave_links([moved])
             log.warning(
@@ -241,6 +245,7 @@ class Promotions:
             waited = clock - waited
             future: Future | None = None
             watched = standby  # the worker whose loss would explain a broken call
+            self.starting_on = {standby}
             try:
                 warm = self.warmth(standby)
                 self.run.actors.await_engine(standby, self.run.actors.startup_timeout())
@@ -267,6 +272,7 @@ class Promotions:
                 )
                 return standby, future, shard, channel, started, adopted
             except Exception as exc:
+                self.starting_on = set()
                 if future is not None:
                     with contextlib.suppress(Exception):
                         self.client.cancel([future])

@@ -173,7 +173,10 @@ class Workers:
             if unheard(r, now, silent_after, run._answered_at)
         }
         run._unanswered &= silent
-        asked = silent & {*run.placement, run.coordinator_at} - run._unanswered
+        # (So is a standby a data server is starting on: one busy warming, whose import starves its event
+        # loop for seconds, was taken for gone and the start tried again on it, 10 s lost each time.)
+        holders = {*run.placement, run.coordinator_at, *run.promotion.starting_on}
+        asked = silent & holders - run._unanswered
         alive = run.calls.members_answering(asked, min(SILENT_PROBE_SECONDS, max(silent_after, 0.1)))
         for worker in alive:
             run._answered_at[worker] = time.monotonic()
