@@ -20,7 +20,7 @@ from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import Progress
 from prefect_elastic.training import TrainResult, train
 
-from .workloads import BATCH, LR, MOMENTUM, THREADS, WORKLOADS
+from .workloads import LR, MOMENTUM, THREADS, WORKLOADS
 
 
 def make_job(
@@ -34,13 +34,14 @@ def make_job(
     job_id: str = "bench",
     mode: str = "sync",
 ) -> ElasticJob:
-    # batch_size is per micro-batch: one micro-batch of 128 is exactly the plain loop's step.
+    # batch_size is per micro-batch: one micro-batch (128 unless the workload says otherwise) is exactly the
+    # plain loop's step.
     return ElasticJob(
         job_id=job_id,
         model=WORKLOADS[workload].model,
         dataset=f"file://{data}",
         optimizer={"name": "sgd", "lr": LR, "momentum": MOMENTUM},
-        batch_size=BATCH,
+        batch_size=WORKLOADS[workload].batch,
         micro_batches=micro_batches,
         epochs=epochs,
         data_servers=2,
@@ -257,8 +258,9 @@ def steady(
     liveness_interval: float,
     workers: int = 1,
 ) -> dict[str, Any]:
-    """`workers` compute workers, sync mode, one micro-batch of 128 per worker and step. With one worker,
-    the step of the plain loop, plus the framework; with two, the step of DDP with two processes."""
+    """`workers` compute workers, sync mode, one micro-batch (of the workload's batch) per worker and step.
+    With one worker, the step of the plain loop, plus the framework; with two, the step of DDP with two
+    processes."""
     with pool.elastic(workers) as cluster:
         job = make_job(
             workload, data, micro_batches=workers, epochs=epochs, liveness_interval=liveness_interval,

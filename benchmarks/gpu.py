@@ -1,6 +1,7 @@
 """What a GPU changes: compute workers training on CUDA, checked and measured.
 
     python -m benchmarks.gpu --out DIR [--budget SECONDS] [--workloads cnn-gpu,transformer,cnn-20,mlp]
+    python -m benchmarks.gpu --out DIR --checks "" --workloads resnet18   (needs the bench extra)
 
 Run where a GPU is lent (the device tool lends one GPU and 16 cores to some sessions; CI has none). On a
 machine without a GPU it runs on the CPU, which only tries the script out. It writes `gpu.json` into DIR
@@ -14,7 +15,9 @@ after every part, so a run cut short keeps what it measured, and skips the parts
    whether the parameters are bitwise equal to the reference's.
 2. **steady**: the plain loop on the GPU (`plain.plain_loop`, in a process of its own) against one compute
    worker in sync mode (`elastic.steady`: snapshots every second, the phases of a step), in alternating
-   pairs; then async mode on the mlp against the plain loop (`async_mode.steady`).
+   pairs; then async mode on the mlp against the plain loop (`async_mode.steady`). Each workload trains on
+   synthetic data of its own shape and at its own batch (`workloads.Workload`: the resnet18 on 3x32x32,
+   batch 32), `--samples` of them an epoch.
 """
 
 from __future__ import annotations
@@ -41,9 +44,9 @@ from prefect_elastic.training import TrainResult, train
 
 from . import async_mode, elastic
 from .plain import plain_process
-from .workloads import BATCH, write_dataset
+from .workloads import WORKLOADS, write_dataset
 
-SAMPLES = 16384  # 128 steps of 128 an epoch, as benchmarks/run.py
+SAMPLES = 16384  # 128 steps of 128 an epoch, as benchmarks/run.py (512 of the resnet18's 32)
 CHECK_SAMPLES = 4096
 
 
@@ -116,17 +119,32 @@ def check_jobs(work: Path, epochs: int = 2) -> dict[str, ElasticJob]:
 
 
 def steady_pairs(
-    pool: elastic.ClusterPool, workload: str, data: str, seconds: float, repeats: int
+    pool: elastic.ClusterPool, workload: str, data: str, seconds: float, repeats: int, samples: int = SAMPLES
 ) -> dict[str, Any]:
     """Alternating pairs of the plain loop and one compute worker, runs of about `seconds` (from a short
     probe of the plain loop); and the plain loop once with the kernels a compute worker on a GPU is held
-    to (`compute.training_device`), which is what bitwise reproducibility costs apart from the framework."""
+    to (`compute.training_device`), which is what bitwise reproducibility costs apart from the framework.
+    `data` holds `samples` samples of the workload's shape."""
     probe = plain_process(workload, data, steps=30)
-    per_epoch = SAMPLES // BATCH
+    per_epoch = samples // WORKLOADS[workload].batch
     epochs = max(1, min(20, round(seconds * 1000 / probe["step_ms"] / per_epoch)))
+    deterministic = plain_process(workload, data, steps=epochs * per_epoch, deterministic=True)
+    return {
+        "probe_step_ms": probe["step_ms"],
+        "plain_deterministic_step_ms": deterministic["step_ms"],
+        **pairs(pool, workload, data, epochs, per_epoch, repeats),
+    }
+
+
+def pairs(
+    pool: elastic.ClusterPool, workload: str, data: str, epochs: int, per_epoch: int, repeats: int
+) -> dict[str, Any]:
+    """`repeats` pairs of the plain loop (in a process of its own) and one compute worker in sync mode
+    (snapshots every second), `epochs` epochs of `per_epoch` steps each; the two runs of a pair next to
+    each other, in the opposite order every other pair, so that a drift of the machine weighs on both.
+    The ratio is the median of the pairs' ratios of throughput."""
     steps = epochs * per_epoch
-    deterministic = plain_process(workload, data, steps=steps, deterministic=True)
-    pairs = []
+    done = []
     for i in range(repeats):
         order = ("plain", "elastic") if i % 2 == 0 else ("elastic", "plain")
         got: dict[str, Any] = {}
@@ -135,7 +153,7 @@ def steady_pairs(
                 got["plain"] = plain_process(workload, data, steps=steps)
             else:
                 got["elastic"] = elastic.steady(pool, workload, data, epochs, liveness_interval=1.0)
-        pairs.append(
+        done.append(
             {
                 "ratio": got["elastic"]["samples_per_s"] / got["plain"]["samples_per_s"],
                 "plain_step_ms": got["plain"]["step_ms"],
@@ -144,12 +162,14 @@ def steady_pairs(
             }
         )
     return {
+        "workload": workload,
+        "batch": WORKLOADS[workload].batch,
         "epochs": epochs,
         "steps": steps,
-        "probe_step_ms": probe["step_ms"],
-        "plain_deterministic_step_ms": deterministic["step_ms"],
-        "pairs": pairs,
-        "ratio": statistics.median(p["ratio"] for p in pairs),
+        "pairs": done,
+        "ratio": statistics.median(p["ratio"] for p in done),
+        "plain_step_ms": statistics.median(p["plain_step_ms"] for p in done),
+        "elastic_step_ms": statistics.median(p["elastic"]["step_ms"] for p in done),
     }
 
 
@@ -176,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--async-epochs", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=6.0, help="a steady run's length, about")
     parser.add_argument("--pairs", type=int, default=2, help="plain and prefect-elastic runs of each")
+    parser.add_argument("--samples", type=int, default=SAMPLES, help="samples of each steady run's epoch")
     args = parser.parse_args(argv)
+    unknown = [w for w in args.workloads.split(",") if w and w not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workloads {unknown} (known: {', '.join(WORKLOADS)})")
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     results: dict[str, Any] = {"environment": environment(), "check": {}, "steady": {}}
@@ -203,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             jobs = check_jobs(work, args.check_epochs)
             for name in filter(None, args.checks.split(",")):
                 part("check", name, functools.partial(check_model, pool, name, jobs[name]))
-            data = write_dataset(work / "steady.npz", SAMPLES)
+            data = WORKLOADS["mlp"].dataset(work, args.samples)  # (MNIST-shaped: the async mlp's too)
             for workload in filter(None, args.workloads.split(",")):
-                run = functools.partial(steady_pairs, pool, workload, data, args.seconds, args.pairs)
+                shaped = WORKLOADS[workload].dataset(work, args.samples)
+                run = functools.partial(
+                    steady_pairs, pool, workload, shaped, args.seconds, args.pairs, args.samples
+                )
                 part("steady", workload, run)
         finally:
             pool.close()

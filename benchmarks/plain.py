@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .workloads import BATCH, LR, MOMENTUM, THREADS, WORKLOADS, load_dataset
+from .workloads import LR, MOMENTUM, THREADS, WORKLOADS, load_dataset
 
 
 def plain_process(
@@ -40,20 +40,22 @@ def plain_process(
 
 
 def plain_loop(workload: str, data: str, steps: int, warmup: int = 5) -> dict[str, Any]:
-    """Train `steps` steps of batch 128 in this process; samples/s over the steps after `warmup`."""
+    """Train `steps` steps of the workload's batch (128 unless it says otherwise) in this process; samples/s
+    over the steps after `warmup`."""
     torch.set_num_threads(THREADS)
     # The device a compute worker picks (`compute.training_device`'s rule), as a user's script would:
     # the batches stay in host memory and go to the GPU one at a time, as a compute worker's do.
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     x, y = load_dataset(data)
     model = WORKLOADS[workload].make().to(device)
+    batch = WORKLOADS[workload].batch
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    per_epoch = len(y) // BATCH
+    per_epoch = len(y) // batch
     times: list[float] = []
     losses: list[float] = []
     for step in range(steps + warmup):
-        idx = order[(step % per_epoch) * BATCH : (step % per_epoch + 1) * BATCH]
+        idx = order[(step % per_epoch) * batch : (step % per_epoch + 1) * batch]
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x[idx].to(device)), y[idx].to(device))
         loss.backward()
@@ -65,7 +67,7 @@ def plain_loop(workload: str, data: str, steps: int, warmup: int = 5) -> dict[st
         "system": "plain-pytorch",
         "workload": workload,
         "steps": steps,
-        "samples_per_s": steps * BATCH / elapsed,
+        "samples_per_s": steps * batch / elapsed,
         "step_ms": 1000 * elapsed / steps,
         "device": str(device),
         "final_loss": losses[-1],

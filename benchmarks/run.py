@@ -1,5 +1,8 @@
 """Run the benchmark suite: `python -m benchmarks.run [--smoke]`.
 
+`python -m benchmarks.run --only steady --workloads resnet18` measures transformers' ResNet-18 (the bench
+extra: `pip install -e ".[bench]"`) against the plain loop; the suite leaves it out unless it is named.
+
 Every figure of docs/benchmarks.md, measured in this one invocation on this machine: the plain PyTorch
 loop, prefect-elastic, torchrun DDP and torchrun elastic on the same workloads (benchmarks/workloads.py).
 Writes the raw results as JSON (`--raw`) and the table and plots into `--docs`. `--smoke` runs every
@@ -58,6 +61,11 @@ class Sizes:
     # Epochs of a steady-state run, by workload: about 20 s each on 2 cores, so a run holds 20 snapshots.
     # (The machine's speed drifts: on 2026-11-23 the plain cnn took 150 to 230 ms a step, not 90.)
     steady_epochs: tuple[tuple[str, int], ...] = (("cnn", 1), ("cnn-20", 5), ("transformer", 5), ("mlp", 10))
+    # The workloads of the bench extra, measured only when named (`--workloads`), on data of their own shape
+    # of `extra_samples` samples: the resnet18, 128 steps of 32 an epoch (about 15 s of the plain loop's
+    # steps on 2 idle cores, at its 114 ms a step).
+    extra_steady_epochs: tuple[tuple[str, int], ...] = (("resnet18", 2),)
+    extra_samples: int = 4096
     repeats: int = 3  # runs of each steady-state figure, interleaved; medians are reported
     # The same for the workloads of a step of about 15 to 20 ms: their ratio over plain lies within this
     # machine's noise of its 0.90 target (3 repeats gave cnn-20 0.88 in one run, 0.98 in another).
@@ -119,6 +127,8 @@ SMOKE = Sizes(
     samples=2048,
     memory_samples=4096,  # must differ from samples: the memory figure compares the two
     steady_epochs=(("cnn", 1), ("cnn-20", 1), ("transformer", 1), ("mlp", 1)),
+    extra_steady_epochs=(("resnet18", 1),),
+    extra_samples=1024,  # 32 steps of the resnet18
     repeats=1,
     light_repeats=1,
     ddp_epochs=(("cnn-20", 2),),  # 16 steps: a throughput needs more than 5 after the first
@@ -197,20 +207,33 @@ def attempt(results: dict[str, Any], name: str, fn: Callable[..., Any], *args: A
     return value
 
 
-def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str, sizes: Sizes) -> None:
+def steady_figures(
+    results: dict[str, Any],
+    pool: elastic.ClusterPool,
+    data: str,
+    sizes: Sizes,
+    workloads: list[str] | None = None,
+) -> None:
     """Plain loop vs one compute worker (snapshots every 1 s), and the same without snapshots; the plain
-    loop also with the workers' allocator settings."""
+    loop also with the workers' allocator settings. On `workloads` if given (of `sizes.steady_epochs` and
+    `sizes.extra_steady_epochs`), else on those of `sizes.steady_epochs`."""
+    default = dict(sizes.steady_epochs)
+    extra = dict(sizes.extra_steady_epochs)
     # The first job on a fresh cluster ran up to 20% slower in every phase (workers still settling, caches
     # cold): one short job first, not counted.
     attempt(results, "warm-up", elastic.steady, pool, "cnn-20", data, 1, NO_SNAPSHOTS)
-    for w in dict(sizes.steady_epochs):  # (not cnn-gpu: too slow on CPUs; benchmarks/gpu.py measures it)
+    for w in workloads or default:  # (not cnn-gpu: too slow on CPUs; benchmarks/gpu.py measures it)
+        if w in default:
+            epochs, shaped = default[w], data
+            steps = epochs * (sizes.samples // WORKLOADS[w].batch)
+        else:  # (its own shape: written beside the MNIST-shaped data)
+            epochs, shaped = extra[w], WORKLOADS[w].dataset(Path(data).parent, sizes.extra_samples)
+            steps = epochs * (sizes.extra_samples // WORKLOADS[w].batch)
         plain: list[float] = []
         tuned: list[float] = []
         with_snap: list[float] = []
         without: list[float] = []
         runs: list[dict[str, Any]] = []
-        epochs = dict(sizes.steady_epochs)[w]
-        steps = epochs * (sizes.samples // BATCH)
         for i in range(sizes.light_repeats if w in sizes.light else sizes.repeats):
             # Odd repeats run in the opposite order, so a drift of the machine over time (or the first run
             # after another kind of run being slower) weighs on both sides of each ratio alike. The two
@@ -221,14 +244,14 @@ def steady_figures(results: dict[str, Any], pool: elastic.ClusterPool, data: str
             for kind in order if i % 2 == 0 else order[::-1]:
                 if kind in ("plain", "tuned"):
                     got[kind] = attempt(
-                        results, f"plain {w} {kind} #{i}", plain_process, w, data, steps, kind == "tuned"
+                        results, f"plain {w} {kind} #{i}", plain_process, w, shaped, steps, kind == "tuned"
                     )
                 else:
                     # A liveness interval longer than the run: survival detection runs only on worker
                     # events, so there are no periodic snapshots.
                     interval = 1.0 if kind == "snapshots" else NO_SNAPSHOTS
                     got[kind] = attempt(
-                        results, f"elastic {w} {kind} #{i}", elastic.steady, pool, w, data, epochs, interval
+                        results, f"elastic {w} {kind} #{i}", elastic.steady, pool, w, shaped, epochs, interval
                     )
             p, t, a, b = got["plain"], got["tuned"], got["snapshots"], got["none"]
             if p and t and a and b:
@@ -486,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         help="run this group of scenarios alone, and merge its results into --raw (the rest stay as stored)",
     )
     parser.add_argument(
+        "--workloads",
+        help="with --only steady: these workloads (comma-separated) instead of the default ones; "
+        f"of {', '.join(dict(Sizes().steady_epochs) | dict(Sizes().extra_steady_epochs))}",
+    )
+    parser.add_argument(
         "--baseline",
         default=baseline.BEFORE_ISSUE_9,
         metavar="COMMIT",
@@ -493,6 +521,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(default {baseline.BEFORE_ISSUE_9}, the last before issue 9; 'none' to leave the comparison out)",
     )
     args = parser.parse_args(argv)
+    if args.workloads is not None:
+        known = dict(Sizes().steady_epochs) | dict(Sizes().extra_steady_epochs)
+        unknown = [w for w in args.workloads.split(",") if w not in known]
+        if args.only != "steady" or unknown:
+            parser.error(f"--workloads goes with --only steady, of {', '.join(known)} (unknown: {unknown})")
     if args.report_only:
         stored: dict[str, Any] = json.loads(Path(args.raw).read_text())
         report.write(stored, Path(args.docs), Path(args.docs).parent / "img")
@@ -559,9 +592,11 @@ def run_only(args: argparse.Namespace) -> int:
     if args.only == "steady":
         # (The one-worker steady state against the plain loop, with the fixed cost of a step: the rows a
         # change to the step path moves.)
+        workloads = args.workloads.split(",") if args.workloads else None
+        results["workloads"] = {w.name: w.kind for w in WORKLOADS.values()}
         pool = elastic.ClusterPool()
         try:
-            steady_figures(results, pool, data, sizes)
+            steady_figures(results, pool, data, sizes, workloads)
         finally:
             pool.close()
     elif args.only in ("ddp", "recovery"):
@@ -600,7 +635,11 @@ def run_only(args: argparse.Namespace) -> int:
     else:
         standby_figures(results, data, big, sizes)
     results.setdefault("partial_runs", []).append(
-        {"only": args.only, "at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
+        {
+            "only": args.only,
+            "at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            **({"workloads": args.workloads} if args.workloads else {}),
+        }
     )
     raw.write_text(json.dumps(results, indent=1, default=str))
     report.write(results, docs, docs.parent / "img")

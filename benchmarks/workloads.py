@@ -12,11 +12,15 @@
   a step here, in the 5 to 30 ms a step takes on a GPU; dropout draws random numbers every step.
 - `mlp`: communication-bound; 784-512-512-10 (669,706 parameters, 2.68 MB of float32), batch 128 (a
   step moves the parameters and their gradient, and computes little).
+- `resnet18`: a model of the size people train, from a package a user takes it from rather than from this
+  repository: Hugging Face transformers' `ResNetForImageClassification` in the ResNet-18 shape (11,181,642
+  parameters, 44.7 MB, BatchNorm), on CIFAR-shaped images (3x32x32), batch 32. transformers is the `bench`
+  extra (`pip install -e ".[bench]"`): imported only when the model is built.
 
-The data is synthetic and MNIST-shaped (1x28x28 float32, 10 classes), made from a seed, so every system
-reads the very same samples without a download. It is learnable: each class is a fixed random pattern,
-each sample that pattern scaled and buried in noise
-(twice the pattern's spread), so the loss keeps falling for several epochs.
+The data is synthetic, MNIST-shaped (1x28x28 float32, 10 classes) unless a workload says otherwise (its
+`shape`), made from a seed, so every system reads the very same samples without a download. It is learnable:
+each class is a fixed random pattern, each sample that pattern scaled and buried in noise (twice the
+pattern's spread), so the loss keeps falling for several epochs.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 from torch import nn
 
 BATCH = 128  # samples per optimizer step (one micro-batch of 128, or micro-batches summing to it)
+MNIST_SHAPE = (1, 28, 28)  # one sample of the synthetic data, unless a workload says otherwise
 LR = 0.02  # 0.05 with momentum 0.9 diverged for a while on the cnn in one of the systems' data orders
 MOMENTUM = 0.9
 THREADS = 1  # torch threads of every training process, in every system
@@ -114,16 +119,54 @@ def transformer() -> nn.Module:
     return RowTransformer()
 
 
+class Logits(nn.Module):
+    """A Hugging Face image classifier as a plain module: images in, logits out, so that the job's loss
+    (`cross_entropy` of the output and the labels) applies to it as to any other model."""
+
+    def __init__(self, classifier: nn.Module) -> None:
+        super().__init__()
+        self.classifier = classifier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.classifier(pixel_values=x).logits
+        return logits
+
+
+def resnet18() -> nn.Module:
+    """ResNet-18 (basic blocks, 2-2-2-2, 64 to 512 channels) for 10 classes, as transformers builds it."""
+    # (Imported here: transformers is an optional extra, and takes seconds to import.)
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    config = ResNetConfig(
+        num_channels=3, embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[2, 2, 2, 2],
+        layer_type="basic",
+    )  # fmt: skip
+    # (Set after: its annotated __init__ does not list the keyword, which every config takes.)
+    config.num_labels = 10
+    return Logits(ResNetForImageClassification(config))
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
     model: str  # import path, as an ElasticJob names it
     kind: str  # compute-bound | communication-bound
+    shape: tuple[int, ...] = MNIST_SHAPE  # one sample of its data
+    batch: int = BATCH  # samples per step of one worker (the plain loop's step)
 
     def make(self) -> nn.Module:
         torch.manual_seed(0)
-        makers = {"cnn": cnn, "cnn-20": cnn20, "transformer": transformer, "mlp": mlp, "cnn-gpu": cnn_gpu}
+        makers = {
+            "cnn": cnn, "cnn-20": cnn20, "transformer": transformer, "mlp": mlp, "cnn-gpu": cnn_gpu,
+            "resnet18": resnet18,
+        }  # fmt: skip
         return makers[self.name]()
+
+    def dataset(self, folder: str | Path, samples: int) -> str:
+        """The synthetic dataset of this workload's shape in `folder` (written the first time), its path.
+        Workloads of one shape share one file; the MNIST-shaped one keeps the name it always had."""
+        shape = "" if self.shape == MNIST_SHAPE else "x".join(map(str, self.shape)) + "-"
+        return write_dataset(Path(folder) / f"synthetic-{shape}{samples}.npz", samples, shape=self.shape)
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.make().parameters())
@@ -152,25 +195,35 @@ WORKLOADS = {
     ),
     "mlp": Workload("mlp", "benchmarks.workloads:mlp", "communication-bound"),
     "cnn-gpu": Workload("cnn-gpu", "benchmarks.workloads:cnn_gpu", "compute-bound on a GPU (GPU runs only)"),
+    "resnet18": Workload(
+        "resnet18",
+        "benchmarks.workloads:resnet18",
+        "transformers' ResNet-18, 45 MB (the bench extra)",
+        shape=(3, 32, 32),
+        batch=32,
+    ),
 }
 
 
-def synthetic_images(samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """`samples` MNIST-shaped images (float32, (N, 1, 28, 28)) and labels (int64, 10 classes)."""
+def synthetic_images(
+    samples: int, seed: int = 0, shape: tuple[int, ...] = MNIST_SHAPE
+) -> tuple[np.ndarray, np.ndarray]:
+    """`samples` images of `shape` (float32, (N, *shape)) and labels (int64, 10 classes)."""
     rng = np.random.default_rng(seed)
-    prototypes = rng.normal(0.0, 1.0, size=(10, 1, 28, 28)).astype(np.float32)
+    prototypes = rng.normal(0.0, 1.0, size=(10, *shape)).astype(np.float32)
     y = rng.integers(0, 10, size=samples).astype(np.int64)
-    scale = rng.uniform(0.5, 1.5, size=(samples, 1, 1, 1)).astype(np.float32)
-    x = prototypes[y] * scale + rng.normal(0.0, 2.0, size=(samples, 1, 28, 28)).astype(np.float32)
+    scale = rng.uniform(0.5, 1.5, size=(samples, *(1 for _ in shape))).astype(np.float32)
+    x = prototypes[y] * scale + rng.normal(0.0, 2.0, size=(samples, *shape)).astype(np.float32)
     return x, y
 
 
-def write_dataset(path: str | Path, samples: int, seed: int = 0) -> str:
-    """Write the synthetic dataset as one .npz (arrays `x`, `y`) and return its path."""
+def write_dataset(path: str | Path, samples: int, seed: int = 0, shape: tuple[int, ...] = MNIST_SHAPE) -> str:
+    """Write the synthetic dataset (samples of `shape`) as one .npz (arrays `x`, `y`) and return its path.
+    An existing file is kept: the path names the data (callers put the shape and the size in it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
-        x, y = synthetic_images(samples, seed)
+        x, y = synthetic_images(samples, seed, shape)
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, x=x, y=y)
         tmp.rename(path)
