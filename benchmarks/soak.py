@@ -63,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds {args.rounds}: the soak asserts at least 50 faults a run, so give 5 or more")
     with tempfile.TemporaryDirectory(prefix="prefect-elastic-soak-") as folder:
         out = Path(folder) / "figures.jsonl"
-        env = {**os.environ, "ELASTIC_SOAK_ROUNDS": str(args.rounds), "ELASTIC_SOAK_FIGURES": str(out)}
+        env = {
+            **os.environ,
+            "ELASTIC_SOAK_ROUNDS": str(args.rounds),
+            "ELASTIC_SOAK_FIGURES": str(out),
+            "ELASTIC_ALL_CASES": "1",  # the three runs, not the one a CI seed picks
+        }
         command = [sys.executable, "-m", "pytest", "-q", "-m", "heavy", "-k", "soak", "tests/test_chaos.py"]
         print("running", " ".join(command), f"with {args.rounds} rounds", flush=True)
         code = subprocess.call(command, cwd=ROOT, env=env)
