@@ -316,8 +316,8 @@ class Promotions:
                 [w for w in view.static if w not in self.run.leaving], taken or self.run.placement
             )
             if free:
-                warming = {w for w, f in self.run.warmed.items() if not f.done()}
-                warm = set(self.run.warmed) - warming
+                warm = {w for w, f in self.run.warmed.items() if f.done()}
+                warming = set(self.run.warmed) - warm
                 return readiest_first(free, warm, warming)[0]
             if time.monotonic() >= deadline:
                 raise DataServerLostError(
