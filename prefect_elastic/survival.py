@@ -10,9 +10,10 @@ sequence of events can be unit-tested.
   (`reassign`). When there were no members before (the job starts, or it waited with none), nothing was in
   flight: the workers are admitted (`start`) and nothing is undone.
 - Fewer live workers than `min_workers`: no work is handed out; after `min_workers_timeout` the job fails.
-- A change made only of graceful leaves (workers retired: a lifetime or walltime that ended, an adaptive
-  scale-down, `retire_workers`) hands their share back without a rollback, whatever the policy
-  (`spare_graceful_leaves`): nothing they did was lost.
+- A change that lost nothing, made only of joins and graceful leaves (workers retired: a lifetime or
+  walltime that ended, an adaptive scale-down, `retire_workers`), is not rolled back, whatever the policy
+  (`spare_what_lost_nothing`): `rollback` is the answer to a loss, and a member that joined or left
+  gracefully took nothing with it.
 """
 
 from __future__ import annotations
@@ -160,16 +161,24 @@ def wait_for_losses(
     return not (set(known) & set(live)) <= set(answering)
 
 
-def spare_graceful_leaves(decision: Decision, graceful: frozenset[str]) -> Decision:
-    """A rollback whose only change is workers that left gracefully becomes a reassign: their last step
-    is whole or not made, so only the step in flight is trained again. A join in the same change keeps the
-    policy's rollback."""
-    if decision.action is not Action.ROLLBACK or decision.joined or not decision.left:
+def spare_what_lost_nothing(decision: Decision, graceful: frozenset[str]) -> Decision:
+    """A rollback whose change lost nothing becomes a reassign: one made only of joins (every member is
+    still there, so the step in flight can end on every shard: `finishes_the_step_in_flight` in
+    coordinator/actor.py) and of workers that left gracefully (their last step is whole or not made),
+    so at most the step in flight is trained again. A loss in the same change keeps the policy's
+    rollback. (The parameters are the same either way: the reconcile still rolls back where the shards
+    stand a version apart.)"""
+    if decision.action is not Action.ROLLBACK or not decision.membership_changed:
         return decision
     if not decision.left <= graceful:
         return decision
+    why = (
+        "they left gracefully"
+        if not decision.joined
+        else "only joins"
+        if not decision.left
+        else "only joins and graceful leaves"
+    )
     return replace(
-        decision,
-        action=Action.REASSIGN,
-        reason=f"{decision.reason}; they left gracefully, so nothing is rolled back",
+        decision, action=Action.REASSIGN, reason=f"{decision.reason}; {why}, so nothing is rolled back"
     )

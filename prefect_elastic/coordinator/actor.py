@@ -40,7 +40,7 @@ from ..messages import (
     direct,
 )
 from ..schedule import Schedule
-from ..survival import Action, Decision, Policy, spare_graceful_leaves, survival_check
+from ..survival import Action, Decision, Policy, spare_what_lost_nothing, survival_check
 from ..wire import ChannelAddress
 from .commit_book import CommitBook, SnapshotAt, SnapshotWhereFenced
 from .pacing import STEADY_SYNC_SECONDS, SYNC_SECONDS
@@ -58,8 +58,9 @@ JOIN_HOLD_SECONDS = 1.0
 
 def finishes_the_step_in_flight(decision: Decision) -> bool:
     """Whether the membership change `decision` lets the step in flight end before the fence: a reassign
-    made only of joins, where no member that holds a share of that step is gone. (A rollback goes back to
-    the snapshot whatever the shards hold; a loss may have left a push missing forever.) Pure."""
+    made only of joins, where no member that holds a share of that step is gone (under either policy:
+    `survival.spare_what_lost_nothing` makes a rollback of joins alone a reassign). (A rollback goes back
+    to the snapshot whatever the shards hold; a loss may have left a push missing forever.) Pure."""
     return decision.action is Action.REASSIGN and bool(decision.joined) and not decision.left
 
 
@@ -263,7 +264,7 @@ class Coordinator(StaticRoles):
         restarted and must start from a fence): the shards are fenced into a new generation, brought to
         one version, and the new members get their roles. Otherwise a snapshot is asked for, which the
         shards take between two steps without stopping. Workers in `graceful` left gracefully (retired): a
-        change made only of them is not rolled back (`survival.spare_graceful_leaves`).
+        change made only of them and of joins is not rolled back (`survival.spare_what_lost_nothing`).
         """
         await self._survive(frozenset(live_workers), trigger, renew, frozenset(graceful or ()))
         events, self._unreported = self._unreported, []
@@ -306,7 +307,9 @@ class Coordinator(StaticRoles):
             self._take(state.absorb(status))
         if state.finished:
             return
-        decision = spare_graceful_leaves(survival_check(state.survival_state(), live, time.time()), graceful)
+        decision = spare_what_lost_nothing(
+            survival_check(state.survival_state(), live, time.time()), graceful
+        )
         if renew and decision.action in (Action.SNAPSHOT, Action.NOTHING) and decision.resume:
             # Same members, but a member's compute loop starts over: a loop that died may have pushed to
             # one shard and not to another, so it gets a clean start in a new generation.

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from prefect_elastic.coordinator.actor import finishes_the_step_in_flight
-from prefect_elastic.survival import Decision, Policy, SurvivalState, survival_check
+from prefect_elastic.survival import Decision, Policy, SurvivalState, spare_what_lost_nothing, survival_check
 
 
 def decide(before: set[str], live: set[str], policy: Policy = "reassign") -> Decision:
@@ -17,6 +17,11 @@ def decide(before: set[str], live: set[str], policy: Policy = "reassign") -> Dec
 
 def test_only_joins_under_reassign_let_the_step_in_flight_end() -> None:
     assert finishes_the_step_in_flight(decide({"a", "b"}, {"a", "b", "c"}))
+
+
+def test_joins_under_rollback_let_it_end_too_once_spared() -> None:
+    joins = decide({"a", "b"}, {"a", "b", "c"}, policy="rollback")
+    assert finishes_the_step_in_flight(spare_what_lost_nothing(joins, frozenset()))
 
 
 def test_a_loss_a_rollback_or_a_start_fences_at_once() -> None:

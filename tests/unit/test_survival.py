@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from prefect_elastic.survival import Action, Decision, SurvivalState, spare_graceful_leaves, survival_check
+from prefect_elastic.survival import Action, Decision, SurvivalState, spare_what_lost_nothing, survival_check
 
 
 def state(**overrides: object) -> SurvivalState:
@@ -152,20 +152,31 @@ def test_losses_wait_a_moment_for_the_rest_of_their_group() -> None:
     assert not wait_for_losses({"a", "b"}, set(), 0.0, 0.05), "every member is gone: no one to wait for"
 
 
-def test_a_change_made_only_of_graceful_leaves_is_not_rolled_back() -> None:
+def test_a_change_that_lost_nothing_is_not_rolled_back() -> None:
     rollback = survival_check(state(), {"a"}, now=100.0)
     assert rollback.action is Action.ROLLBACK and rollback.left == frozenset({"b"})
-    spared = spare_graceful_leaves(rollback, frozenset({"b"}))
+    spared = spare_what_lost_nothing(rollback, frozenset({"b"}))
     assert spared.action is Action.REASSIGN and "gracefully" in spared.reason
     assert (spared.generation, spared.workers) == (rollback.generation, rollback.workers)
-    # A loss among the leaves, or a join in the same change, keeps the policy's rollback.
-    both = survival_check(state(workers=frozenset({"a", "b", "c"})), {"a"}, now=100.0)
-    assert spare_graceful_leaves(both, frozenset({"b"})).action is Action.ROLLBACK
+    # Joins alone, and joins beside graceful leaves, lost nothing either.
+    joins = survival_check(state(), {"a", "b", "c"}, now=100.0)
+    assert joins.action is Action.ROLLBACK and joins.joined == frozenset({"c"})
+    spared_joins = spare_what_lost_nothing(joins, frozenset())
+    assert spared_joins.action is Action.REASSIGN and "only joins" in spared_joins.reason
+    assert (spared_joins.generation, spared_joins.workers) == (joins.generation, joins.workers)
     swap = survival_check(state(), {"a", "c"}, now=100.0)
-    assert spare_graceful_leaves(swap, frozenset({"b"})).action is Action.ROLLBACK
-    # Under reassign there is nothing to spare.
+    assert spare_what_lost_nothing(swap, frozenset({"b"})).action is Action.REASSIGN
+    # A loss among the leaves keeps the policy's rollback, with or without a join beside it.
+    both = survival_check(state(workers=frozenset({"a", "b", "c"})), {"a"}, now=100.0)
+    assert spare_what_lost_nothing(both, frozenset({"b"})).action is Action.ROLLBACK
+    assert spare_what_lost_nothing(swap, frozenset()).action is Action.ROLLBACK
+    # Under reassign there is nothing to spare; nor in a start, or with no change at all.
     reassign = survival_check(state(policy="reassign"), {"a"}, now=100.0)
-    assert spare_graceful_leaves(reassign, frozenset({"b"})) == reassign
+    assert spare_what_lost_nothing(reassign, frozenset({"b"})) == reassign
+    start = survival_check(state(workers=frozenset()), {"a"}, now=100.0)
+    assert spare_what_lost_nothing(start, frozenset()) == start
+    unchanged = survival_check(state(), {"a", "b"}, now=100.0)
+    assert spare_what_lost_nothing(unchanged, frozenset()) == unchanged
 
 
 def test_a_check_waits_for_a_worker_that_is_still_starting_only_when_nothing_else_changed() -> None:
