@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from distributed import Future
@@ -212,11 +212,18 @@ class Actors:
         failed counts as loaded: the role it was for fails there, and says why, as it would have.)"""
         return {w for w in workers if self.load_engine(w) is None}
 
-    def await_engine(self, where: str, timeout: float, **watch: bool) -> None:
-        """Wait for the engine to be loaded on `where` (`Calls.wait_unless_left`, `watch` its options)."""
+    def await_engine(
+        self,
+        where: str,
+        timeout: float,
+        elastic: bool = False,
+        heard: bool = True,
+        gone: Callable[[], bool] | None = None,
+    ) -> None:
+        """Wait for the engine to be loaded on `where` (`Calls.wait_unless_left`, with its options)."""
         future = self.load_engine(where)
         if future is not None:
-            self.run.calls.wait_unless_left(future, where, timeout, **watch)
+            self.run.calls.wait_unless_left(future, where, timeout, elastic, heard, gone)
             self.load_engine(where)  # (drops the future)
 
     def submit_coordinator(self, where: str, resume: Resume | None) -> Future:

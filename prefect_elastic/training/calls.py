@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from distributed.actor import Actor
@@ -110,13 +110,20 @@ class Calls:
                 ) from exc
 
     def wait_unless_left(
-        self, future: Any, worker: str, timeout: float, elastic: bool = False, heard: bool = True
+        self,
+        future: Any,
+        worker: str,
+        timeout: float,
+        elastic: bool = False,
+        heard: bool = True,
+        gone: Callable[[], bool] | None = None,
     ) -> Any:
         """`future`'s result, unless the static worker `worker` (an elastic one with `elastic`), which the
         call depends on, leaves first: a call to a dead worker waits for Dask's connect timeout. With
         `heard`, a static worker the scheduler has not heard from lately has left too (a promotion must not
         wait on a frozen standby); without, only one the scheduler no longer lists (at the start, a worker
-        busy with its first import is silent for a moment)."""
+        busy with its first import is silent for a moment). `gone`, if given, says instead whether it has
+        left (`Promotions.standby_gone`)."""
         deadline = time.monotonic() + timeout
         next_look = time.monotonic() + WATCH_WHILE_CALLING_SECONDS
         while True:
@@ -129,7 +136,7 @@ class Calls:
                     raise StaticWorkerLeft(worker) from None
                 if now >= next_look:
                     next_look = now + WATCH_WHILE_CALLING_SECONDS
-                    if not self.listed(worker, elastic, heard):
+                    if gone() if gone is not None else not self.listed(worker, elastic, heard):
                         raise StaticWorkerLeft(worker) from None
                 if now >= deadline:
                     raise

@@ -6,7 +6,9 @@ generation; a data server that was only silent keeps its role.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -28,7 +30,7 @@ from ..wire import ChannelAddress
 from .actors import START_TRIES
 from .calls import LEAVING_GRACE_SECONDS
 from .pacing import MEMBERSHIP_POLL_SECONDS
-from .workers import readiest_first, standbys
+from .workers import pass_over_standby, readiest_first, standbys
 
 if TYPE_CHECKING:
     from .run import TrainingRun
@@ -246,13 +248,17 @@ class Promotions:
             future: Future | None = None
             watched = standby  # the worker whose loss would explain a broken call
             self.starting_on = {standby}
+            passed_over = functools.partial(self.standby_gone, standby)
             try:
                 warm = self.warmth(standby)
-                self.run.actors.await_engine(standby, self.run.actors.startup_timeout())
+                self.run.actors.await_engine(standby, self.run.actors.startup_timeout(), gone=passed_over)
                 engine = time.monotonic() - clock
                 future = self.run.actors.submit_data_server(index, standby, start, version)
                 shard: ShardHandle = self.run.calls.wait_unless_left(
-                    future, standby, self.run.actors.startup_timeout()
+                    future,
+                    standby,
+                    self.run.actors.startup_timeout(),
+                    gone=passed_over,
                 )
                 started = time.monotonic() - clock
                 log.info(
@@ -268,7 +274,10 @@ class Promotions:
                     watched = standby
                 adopted = time.monotonic() - clock - started
                 channel = self.run.calls.wait_unless_left(
-                    shard.open_channel(), standby, self.job.call_timeout
+                    shard.open_channel(),
+                    standby,
+                    self.job.call_timeout,
+                    gone=passed_over,
                 )
                 return standby, future, shard, channel, started, adopted
             except Exception as exc:
@@ -298,6 +307,17 @@ class Promotions:
                     "job %s: standby %s left while data server %d started on it (%s); taking the next",
                     self.job.job_id, standby, index, exc,
                 )  # fmt: skip
+
+    def standby_gone(self, standby: str) -> bool:
+        """Whether to give up the standby a data server is being started on (`pass_over_standby`)."""
+        view = self.run.workers.view()
+        others = [w for w in view.static if w not in self.run.leaving and w != standby]
+        return pass_over_standby(
+            listed=standby in view.static or standby in view.silent_static,
+            silent_for=None if standby in view.static else view.silence.get(standby, math.inf),
+            another_free=bool(standbys(others, self.run.placement)),
+            patience=self.job.call_timeout,
+        )
 
     def warmth(self, standby: str) -> str:
         """Where `standby`'s warming (`warm_standby`) stands, for the promotion's log."""

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..cluster import (
@@ -41,6 +41,8 @@ class WorkersView:
     # Static workers the scheduler still lists but has not heard from lately: left out of `static`, but
     # asked before their loss would cost a shard's last copy (`Calls.answering`).
     silent_static: frozenset[str] = frozenset()
+    # Of `silent_static`, the seconds since each was last heard from or answered a direct call.
+    silence: dict[str, float] = field(default_factory=dict)
 
 
 def standbys(static: tuple[str, ...] | list[str], placement: list[str]) -> tuple[str, ...]:
@@ -137,7 +139,27 @@ def classify(
         static=tuple(r["address"] for r in sorted(heard, key=lambda r: (str(r["name"]), r["address"]))),
         graceful=frozenset(graceful),
         silent_static=frozenset(r["address"] for r in static if r not in heard),
+        silence={
+            r["address"]: min(r["silent"], now - answered_at.get(r["address"], -math.inf))
+            for r in static
+            if r not in heard
+        },
     )
+
+
+def pass_over_standby(listed: bool, silent_for: float | None, another_free: bool, patience: float) -> bool:
+    """Whether a promotion gives up the standby it is starting a data server on (for another standby, or
+    for the next to join): gone (the scheduler no longer `listed` it), or silent (`silent_for`: seconds
+    since it was last heard from or answered; None while it is heard from) while another standby heard
+    from is free, or for longer than `patience`. A lone standby silent for a moment is waited for: one
+    busy with the start itself (imports that starve its event loop: seconds on a loaded machine) had its
+    start cancelled and begun again once it was heard from, three starts and 18 s in one chaos soak for a
+    start of 0.1 s; a frozen or cut-off one stays silent past `patience`. Pure."""
+    if not listed:
+        return True
+    if silent_for is None:
+        return False
+    return another_free or silent_for > patience
 
 
 class Workers:

@@ -52,6 +52,8 @@ def test_a_silent_role_holder_is_silent_only_while_a_heard_standby_can_take_its_
 def test_an_answer_to_a_direct_call_counts_as_a_heartbeat() -> None:
     rows = [row("s1", static=True, silent=5.0), row("s2", static=True)]
     assert view(rows, Roles(["s1"], "s1")).silent_static == {"s1"}
+    assert view(rows, Roles(["s1"], "s1")).silence == {"s1": 5.0}, "how long it has been silent"
+    assert view(rows, Roles(["s1"], "s1"), answered_at={"s1": 97.0}).silence == {"s1": 3.0}
     assert view(rows, Roles(["s1"], "s1"), answered_at={"s1": 99.5}).static == ("s1", "s2")
 
 
