@@ -36,7 +36,7 @@ from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.dataset import digits_dataset, write_npz
 from prefect_elastic.errors import ElasticError
 from prefect_elastic.local.chaos import SoakFigures
-from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.local.cluster import FORK_SERVER_ENV, LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import Progress
 from prefect_elastic.training import prepare
@@ -72,6 +72,12 @@ os.environ["ELASTIC_TESTS_GATE"] = str(_SIGNALS / "gate")
 os.environ["ELASTIC_TESTS_FAIL_ONCE"] = str(_SIGNALS / "fail-once")
 os.environ["ELASTIC_TESTS_HOLD"] = str(_SIGNALS / "hold")
 os.environ["ELASTIC_TESTS_BAD_WORKER"] = str(_SIGNALS / "bad-worker")
+# The local clusters of the tests (and of the flows they run in subprocesses) fork their workers from one
+# process that imported distributed, torch and this package once (`prefect_elastic.local.forkserver`): each
+# of the suite's hundreds of worker processes starts with a fifth of the CPU. The tests of what a user meets
+# start theirs with the `dask` command line (tests/test_user_cluster.py, tests/test_slurm.py); set the
+# variable to 0 to run everything on plainly started processes.
+os.environ.setdefault(FORK_SERVER_ENV, "1")
 
 
 @contextlib.contextmanager

@@ -42,6 +42,8 @@ __all__ = ["LocalElasticCluster"]
 
 log = logging.getLogger(__name__)
 
+# "1": clusters that are not told otherwise fork their workers from a fork server (the test suite sets it).
+FORK_SERVER_ENV = "PREFECT_ELASTIC_FORK_SERVER"
 _RPC_TIMEOUT_S = 30.0
 _TERM_GRACE_S = 5.0
 
@@ -60,6 +62,9 @@ class LocalElasticCluster(Service):
     ``PYTHONPATH`` given in ``env`` (if any) followed by this process's `sys.path`. With
     ``security=True`` every connection (the scheduler, the workers, their clients, the step path) is TLS
     with a self-signed authority made for this cluster; `security` is then the clients' `Security`.
+    ``fork_server=True`` forks the workers (outside a network namespace) from one process that imported
+    distributed, torch and this package once (`forkserver`): a worker starts with a fraction of the CPU;
+    None takes it from the environment variable ``PREFECT_ELASTIC_FORK_SERVER`` ("1"), off otherwise.
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class LocalElasticCluster(Service):
         host: str = "127.0.0.1",
         max_restarts: int = 3,
         restart_delay: float = 1.0,
+        fork_server: bool | None = None,
     ) -> None:
         if static_workers < 0 or elastic_workers < 0:
             raise ValueError(
@@ -106,6 +112,7 @@ class LocalElasticCluster(Service):
             host=host,
             max_restarts=max_restarts,
             restart_delay=restart_delay,
+            fork_server=os.environ.get(FORK_SERVER_ENV) == "1" if fork_server is None else fork_server,
         )
         self._lock = self._processes.lock
         self._worker_pids: dict[str, int] = {}

@@ -14,7 +14,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -24,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.security import Security
 
-from .processes import log_tail, signal_group, start_group, stop_groups
+from .forkserver import ForkServer, shared_fork_server
+from .processes import Leader, log_tail, signal_group, start_group, stop_groups
 
 if TYPE_CHECKING:
     from .netns import NetworkNamespace
@@ -81,6 +81,7 @@ class ClusterProcesses:
         host: str,
         max_restarts: int,
         restart_delay: float,
+        fork_server: bool = False,
     ) -> None:
         if threads_per_worker < 1:
             raise ValueError(f"threads_per_worker must be >= 1, got {threads_per_worker}")
@@ -101,6 +102,8 @@ class ClusterProcesses:
         self.max_restarts = max_restarts
         self.restart_delay = restart_delay
         self.preload = preload
+        self.fork_server = fork_server
+        self._fork_server: ForkServer | None = None
         self._given_log_dir = log_dir
         self.log_dir: Path | None = None
         self._security_wanted = security
@@ -109,9 +112,9 @@ class ClusterProcesses:
 
         self.lock = threading.RLock()
         self.closed = False
-        self.scheduler: subprocess.Popen[bytes] | None = None
+        self.scheduler: Leader | None = None
         self.scheduler_address: str | None = None
-        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.workers: dict[str, Leader] = {}
         self.specs: dict[str, tuple[bool, NetworkNamespace | None]] = {}  # name -> (static, netns)
         self._counters = {"static": 0, "elastic": 0}
         self._supervised: set[str] = set()
@@ -131,6 +134,9 @@ class ClusterProcesses:
         (self.log_dir / "scratch").mkdir(exist_ok=True)
         (self.log_dir / "parent_watchdog.py").write_text(WATCHDOG_SOURCE)
         self._prepare_tls()
+        if self.fork_server:
+            # Started by the first cluster of this process, it imports while the scheduler starts.
+            self._fork_server = shared_fork_server(self._child_env(), os.getcwd())
 
     def _prepare_tls(self) -> None:
         """Write the certificates the processes are started with (`--tls-*` take files)."""
@@ -188,8 +194,17 @@ class ClusterProcesses:
         log_name: str,
         netns: NetworkNamespace | None = None,
         env: dict[str, str] | None = None,
-    ) -> subprocess.Popen[bytes]:
+        fork: bool = False,
+    ) -> Leader:
         assert self.log_dir is not None
+        server = self._fork_server
+        if fork and server is not None and netns is None:
+            forked_env = {**self._child_env(), **(env or {})}
+            # Its parent, the one whose loss its watchdog watches for, is the fork server; and a nanny forks
+            # its worker process in turn, so that the imports are done there too.
+            forked_env[PARENT_ENV] = str(server.pid)
+            forked_env["DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD"] = "fork"
+            return server.spawn(args, env=forked_env, log=self.log_dir / f"{log_name}.log", cwd=os.getcwd())
         # `ip netns exec` execs the command in place: the group leader is still the Python process.
         prefix = netns.exec_prefix() if netns is not None else []
         return start_group(
@@ -280,13 +295,13 @@ class ClusterProcesses:
         if static:
             args += ["--resources", f"{self.static_resource}=1"]
         env = {"DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps(preloads)}
-        proc = self._popen(args, name, netns, env)
+        proc = self._popen(args, name, netns, env, fork=True)
         with self.lock:
             self.workers[name] = proc
             self.specs[name] = (static, netns)
         return name
 
-    def worker(self, name: str) -> subprocess.Popen[bytes] | None:
+    def worker(self, name: str) -> Leader | None:
         """The process started for worker `name` (its nanny's, or its own without a nanny)."""
         with self.lock:
             return self.workers.get(name)

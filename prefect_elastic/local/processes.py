@@ -22,17 +22,39 @@ import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Protocol, Self
 
 import psutil
 
-__all__ = ["log_tail", "signal_group", "start_group", "stop_groups"]
+__all__ = ["GROUP_ENV", "Leader", "log_tail", "mark_group", "signal_group", "start_group", "stop_groups"]
 
 _REAP_S = 5.0  # how long to wait for a leader to be reaped after its SIGKILL
 # Every process of a group started here inherits this variable, with a value of that group's own.
-_GROUP_ENV = "PREFECT_ELASTIC_PROCESS_GROUP"
-# A leader's Popen: its group's marker (not keyed by pid, which the kernel reuses).
-_MARKERS: weakref.WeakKeyDictionary[subprocess.Popen[bytes], str] = weakref.WeakKeyDictionary()
+GROUP_ENV = "PREFECT_ELASTIC_PROCESS_GROUP"
+
+
+class Leader(Protocol):
+    """A group's leading process as the functions here use it: a `subprocess.Popen`, or a process that a
+    fork server started and reaps (`forkserver.ForkedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+# A leader: its group's marker (not keyed by pid, which the kernel reuses).
+_MARKERS: weakref.WeakKeyDictionary[Leader, str] = weakref.WeakKeyDictionary()
+
+
+def mark_group(leader: Leader, marker: str) -> None:
+    """Record the value of `GROUP_ENV` that the members of `leader`'s group show in their environment."""
+    _MARKERS[leader] = marker
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -64,7 +86,7 @@ def start_group(
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**env, _GROUP_ENV: marker},
+            env={**env, GROUP_ENV: marker},
             cwd=cwd,
             start_new_session=True,
             preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
@@ -73,7 +95,7 @@ def start_group(
     return proc
 
 
-def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+def signal_group(proc: Leader, sig: int) -> None:
     """Send `sig` to the process group that `proc` leads; a group that is gone already is no error."""
     if proc.poll() is None:
         # The leader lives (or is an unreaped zombie): the group's id is still its pid, and ours.
@@ -88,7 +110,7 @@ def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     marker = _MARKERS.get(proc)
     for member in _members(proc.pid):
         try:
-            if marker is not None and member.environ().get(_GROUP_ENV) == marker:
+            if marker is not None and member.environ().get(GROUP_ENV) == marker:
                 member.send_signal(sig)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
@@ -103,7 +125,7 @@ def _members(pgid: int) -> list[psutil.Process]:
     return found
 
 
-def stop_groups(procs: Iterable[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+def stop_groups(procs: Iterable[Leader], grace: float = 5.0) -> None:
     """End the groups that `procs` lead: SIGTERM, up to `grace` seconds for all of them together to exit,
     then SIGKILL to each whole group (which also reaches children that outlived their leader)."""
     procs = list(procs)
