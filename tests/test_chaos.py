@@ -14,6 +14,7 @@ longer soak and writes its figures into docs/faults.md.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from collections import Counter
 import psutil
 import pytest
 
-from prefect_elastic import train
+from prefect_elastic import TrainResult, train
 from prefect_elastic.local.chaos import (
     GROUP,
     ROUND,
@@ -135,16 +136,46 @@ class HoldForFaults:
         GATE.unlink(missing_ok=True)
 
 
-def soak_processes(marker: str) -> list[psutil.Process]:
-    """Every live process started for the soak's cluster: they all carry `marker` in their environment."""
-    found = []
-    for proc in psutil.process_iter():
+def stall_lines(result: TrainResult, log: list[FaultRecord]) -> list[str]:
+    """Every gap between commits longer than the liveness interval, with the faults and the events of
+    survival detection within it (each with its reason, steps undone and seconds), in time order."""
+    lines = []
+    for step, (begin, end) in enumerate(itertools.pairwise(result.commit_times), start=1):
+        if end - begin <= result.job.liveness_interval:
+            continue
+        lines.append(f"{end - begin:.2f} s after step {step}:")
+        lines += [
+            f"  +{r.time - begin:.2f} fault {fault_label(r)} {r.target}"
+            for r in log
+            if begin <= r.time <= end
+        ]
+        lines += [
+            f"  +{e.time - begin:.2f} {e.kind} ({e.seconds:.2f} s, {e.steps_lost} undone) {e.reason}"
+            for e in result.events
+            if begin <= e.time <= end and e.kind != EventKind.SNAPSHOT
+        ]
+    return lines
+
+
+def soak_processes(marker: str, since: float) -> list[psutil.Process]:
+    """Every live process started for the soak's cluster. Those started as commands carry `marker` in their
+    environment; those forked from the test session's fork server (`local.forkserver`) show the server's
+    environment instead, and are found as this process's descendants started at `since` or later. The fork
+    server itself serves the whole session, and is left out."""
+    me = psutil.Process()
+    descendants = me.children(recursive=True)
+    found = {}
+    for proc in [*psutil.process_iter(), *descendants]:
         try:
-            if proc.environ().get("ELASTIC_TESTS_SOAK") == marker:
-                found.append(proc)
+            if proc.ppid() == me.pid and "prefect_elastic.local.forkserver" in proc.cmdline():
+                continue
+            if proc.environ().get("ELASTIC_TESTS_SOAK") == marker or (
+                proc.create_time() >= since and proc in descendants
+            ):
+                found[proc.pid] = proc
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
-    return found
+    return list(found.values())
 
 
 @pytest.mark.heavy
@@ -169,9 +200,16 @@ def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: s
     faults = chaos_schedule(seed=seed, rounds=ROUNDS, every=EVERY[mode])
     planned = sum(f.count for f in faults.faults)
     env = {"ELASTIC_TESTS_PACE_S": PACE_S, "ELASTIC_TESTS_SOAK": marker}
+    since = time.time()
     with (
         HostNetwork() as net,
-        LocalElasticCluster(static_workers=3, elastic_workers=2, env=env, host=net.address) as cluster,
+        LocalElasticCluster(
+            static_workers=3,
+            elastic_workers=2,
+            env=env,
+            host=net.address,
+            log_dir=os.environ.get("ELASTIC_SOAK_LOG_DIR"),  # (kept there, to read where a stall went)
+        ) as cluster,
     ):
         # Two of the four compute workers run in network namespaces (the partitions' targets), under a
         # supervisor that starts them again if they exit, as systemd or SLURM would.
@@ -182,14 +220,18 @@ def test_chaos_soak(reference: References, digits_url: str, mode: str, policy: s
         finally:
             GATE.unlink(missing_ok=True)
             faults.wait(30)
-        running = soak_processes(marker)
-    left_behind = soak_processes(marker)
+        running = soak_processes(marker, since)
+    left_behind = soak_processes(marker, since)
     figures = soak_figures(result, faults)
     SOAK_FIGURES.append(figures)
     print(figures.summary())
-    if os.environ.get("ELASTIC_SOAK_FIGURES"):  # scripts/soak.sh collects them for docs/faults.md
+    if os.environ.get("ELASTIC_SOAK_FIGURES"):  # python -m benchmarks.soak collects them for docs/faults.md
         with open(os.environ["ELASTIC_SOAK_FIGURES"], "a") as out:
             out.write(json.dumps(dataclasses.asdict(figures)) + "\n")
+    if os.environ.get("ELASTIC_SOAK_STALLS"):  # every stall with its faults and events, to read where it went
+        with open(os.environ["ELASTIC_SOAK_STALLS"], "a") as out:
+            out.write(f"{mode}, {policy}, seed {seed}:\n")
+            out.writelines(f"  {line}\n" for line in stall_lines(result, faults.log))
 
     if mode == "sync":
         assert_same_parameters(result, reference(job.model_copy(update={"mode": "sync"})))
