@@ -28,6 +28,9 @@ SILENT_HEARTBEATS = 2.5
 # How long a static worker that holds a role and is silent to the scheduler is given to answer Dask's
 # handshake before it counts as silent (at most a liveness interval): a live one answers in milliseconds.
 SILENT_PROBE_SECONDS = 0.5
+# The same for a compute member silent to the scheduler: short, so that a frozen or cut-off member is still
+# out within two liveness intervals (the silence limit, then this).
+MEMBER_PROBE_SECONDS = 0.2
 
 
 @dataclass(frozen=True)
@@ -60,14 +63,21 @@ def readiest_first(free: tuple[str, ...], warm: set[str], warming: set[str]) -> 
     return sorted(free, key=lambda w: (w not in warm, w not in warming))
 
 
-def running_elastic(rows: list[dict[str, Any]], static_resource: str, silent_after: float) -> list[str]:
-    """The elastic workers that run and were heard from lately (`scheduler_view_of_workers`'s rows)."""
+def running_elastic(
+    rows: list[dict[str, Any]],
+    static_resource: str,
+    silent_after: float,
+    now: float = 0.0,
+    answered_at: dict[str, float] | None = None,
+) -> list[str]:
+    """The elastic workers that run and were heard from lately (`scheduler_view_of_workers`'s rows), or
+    answered a direct call lately (`answered_at`, by the clock of `now`: `unheard`)."""
     return [
         r["address"]
         for r in rows
         if not is_static_worker(r, static_resource)
         and r["status"] in ("running", "paused")
-        and r["silent"] <= max(silent_after, r["silent_limit"])
+        and not unheard(r, now, silent_after, answered_at or {})
     ]
 
 
@@ -122,7 +132,7 @@ def classify(
     remove it). `requested`: the workers a cluster object started (`SpecCluster.requested`), those the
     scheduler does not list yet are `pending`."""
     elastic = [r for r in rows if not is_static_worker(r, static_resource)]
-    running = running_elastic(rows, static_resource, silent_after)
+    running = running_elastic(rows, static_resource, silent_after, now, answered_at)
     static = static_rows(rows, static_resource)
     heard = [r for r in static if not unheard(r, now, silent_after, answered_at)]
     holders = {*roles.placement, roles.coordinator_at}
@@ -181,9 +191,6 @@ class Workers:
         for gone in [w for w in run.engine if w not in listed]:
             del run.engine[gone]
         run.engine_loaded &= listed
-        # A worker that has not imported the engine yet is still starting: the import would otherwise
-        # happen on its event loop, which would send no heartbeat meanwhile (`cluster.workers.load_engine`).
-        loaded = run.actors.engine_loaded_on(running_elastic(rows, self.job.static_resource, silent_after))
         # A role's worker silent to the scheduler is asked for Dask's handshake first: one starved of CPU
         # (the chaos soak's 2 cores) still answers, and taking it for lost cost a promotion or the
         # coordinator's rebuild, seconds under that load; a frozen or cut-off one never answers.
@@ -198,11 +205,35 @@ class Workers:
         # (So is a standby a data server is starting on: one busy warming, whose import starves its event
         # loop for seconds, was taken for gone and the start tried again on it, 10 s lost each time.)
         holders = {*run.placement, run.coordinator_at, *run.promotion.starting_on}
+        # And a compute member: a false loss costs a membership change, and another when it joins again
+        # (the chaos soak: members silent to the scheduler for 1.3 to 2 s under load, then back).
+        members = set(run.known_live)
+        silent_members = {
+            r["address"]
+            for r in rows
+            if r["address"] in members
+            and not is_static_worker(r, self.job.static_resource)
+            and r["status"] in ("running", "paused")
+            and unheard(r, now, silent_after, run._answered_at)
+        }
+        run._unanswered &= silent | silent_members
         asked = silent & holders - run._unanswered
         alive = run.calls.members_answering(asked, min(SILENT_PROBE_SECONDS, max(silent_after, 0.1)))
-        for worker in alive:
+        asked_members = silent_members - run._unanswered
+        answered_members = run.calls.members_answering(asked_members, MEMBER_PROBE_SECONDS)
+        if answered_members:
+            log.info(
+                "job %s: members %s, silent to the scheduler, answered Dask's handshake: still members",
+                self.job.job_id, sorted(answered_members),
+            )  # fmt: skip
+        for worker in alive | answered_members:
             run._answered_at[worker] = time.monotonic()
-        run._unanswered |= asked - alive
+        run._unanswered |= (asked - alive) | (asked_members - answered_members)
+        # A worker that has not imported the engine yet is still starting: the import would otherwise
+        # happen on its event loop, which would send no heartbeat meanwhile (`cluster.workers.load_engine`).
+        loaded = run.actors.engine_loaded_on(
+            running_elastic(rows, self.job.static_resource, silent_after, time.monotonic(), run._answered_at)
+        )
         return classify(
             rows,
             view["graceful"],

@@ -39,6 +39,13 @@ def test_live_members_are_running_heard_and_loaded_elastic_workers() -> None:
     assert v.static == ("s1",)
 
 
+def test_a_silent_member_that_answered_a_direct_call_lately_is_still_live() -> None:
+    rows = [row("e1"), row("e2", silent=5.0), row("s1", static=True)]
+    assert view(rows, Roles(["s1"], "s1")).live == ["e1"]
+    assert view(rows, Roles(["s1"], "s1"), answered_at={"e2": 99.5}).live == ["e1", "e2"]
+    assert view(rows, Roles(["s1"], "s1"), answered_at={"e2": 98.0}).live == ["e1"], "that answer is old"
+
+
 def test_a_silent_role_holder_is_silent_only_while_a_heard_standby_can_take_its_role() -> None:
     rows = [row("s1", static=True, silent=5.0), row("s2", static=True), row("s3", static=True)]
     v = view(rows, Roles(["s1", "s2"], "s2"))
