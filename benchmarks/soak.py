@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from prefect_elastic.local.cluster import FORK_SERVER_ENV
+from prefect_elastic.local.forkserver import FORK_SERVER_ENV
 
 from .report import replace_between
 

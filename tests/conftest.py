@@ -36,8 +36,9 @@ from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.dataset import digits_dataset, write_npz
 from prefect_elastic.errors import ElasticError
 from prefect_elastic.local.chaos import SoakFigures
-from prefect_elastic.local.cluster import FORK_SERVER_ENV, LocalElasticCluster
+from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
+from prefect_elastic.local.forkserver import FORK_SERVER_ENV
 from prefect_elastic.messages import Progress
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import memfd

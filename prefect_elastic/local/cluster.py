@@ -32,6 +32,7 @@ import distributed
 from distributed.security import Security
 
 from ..cluster.static import is_static_worker
+from .forkserver import fork_server_wanted
 from .launch import POLL_S, ClusterProcesses
 from .processes import Service, signal_group, stop_groups
 
@@ -42,8 +43,6 @@ __all__ = ["LocalElasticCluster"]
 
 log = logging.getLogger(__name__)
 
-# "1": clusters that are not told otherwise fork their workers from a fork server (the test suite sets it).
-FORK_SERVER_ENV = "PREFECT_ELASTIC_FORK_SERVER"
 _RPC_TIMEOUT_S = 30.0
 _TERM_GRACE_S = 5.0
 
@@ -62,9 +61,8 @@ class LocalElasticCluster(Service):
     ``PYTHONPATH`` given in ``env`` (if any) followed by this process's `sys.path`. With
     ``security=True`` every connection (the scheduler, the workers, their clients, the step path) is TLS
     with a self-signed authority made for this cluster; `security` is then the clients' `Security`.
-    ``fork_server=True`` forks the workers (outside a network namespace) from one process that imported
-    distributed, torch and this package once (`forkserver`): a worker starts with a fraction of the CPU;
-    None takes it from the environment variable ``PREFECT_ELASTIC_FORK_SERVER`` ("1"), off otherwise.
+    ``fork_server=True`` forks workers from a process that imported their modules once (`forkserver`);
+    None: as the environment variable ``PREFECT_ELASTIC_FORK_SERVER`` says ("1"), off otherwise.
     """
 
     def __init__(
@@ -112,7 +110,7 @@ class LocalElasticCluster(Service):
             host=host,
             max_restarts=max_restarts,
             restart_delay=restart_delay,
-            fork_server=os.environ.get(FORK_SERVER_ENV) == "1" if fork_server is None else fork_server,
+            fork_server=fork_server_wanted(fork_server),
         )
         self._lock = self._processes.lock
         self._worker_pids: dict[str, int] = {}
@@ -171,9 +169,7 @@ class LocalElasticCluster(Service):
                 client.close(timeout=5)
         self._processes.stop(_TERM_GRACE_S)
 
-    def cleanup(self) -> None:
-        """`close`, as every local service ends (``with`` calls it)."""
-        self.close()
+    cleanup = close  # as every local service ends (``with`` calls it)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._started else "not started")
@@ -208,8 +204,7 @@ class LocalElasticCluster(Service):
         identity = client.sync(
             self._scheduler_rpc(client).identity, n_workers=-1, callback_timeout=_RPC_TIMEOUT_S
         )
-        workers: dict[str, dict[str, Any]] = identity.get("workers", {})
-        return workers
+        return dict(identity.get("workers", {}))
 
     def worker_names(self, static: bool | None = None) -> list[str]:
         """Names of the live workers, as the scheduler sees them; ``static`` filters by kind."""

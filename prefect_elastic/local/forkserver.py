@@ -44,7 +44,18 @@ from typing import Any
 
 from .processes import GROUP_ENV, log_tail, mark_group
 
-__all__ = ["FORKED_IMPORTS", "ForkServer", "ForkedProcess", "shared_fork_server"]
+__all__ = [
+    "FORKED_IMPORTS",
+    "FORK_SERVER_ENV",
+    "ForkServer",
+    "ForkedProcess",
+    "fork_server_wanted",
+    "shared_fork_server",
+]
+
+# "1": the local clusters that are not told otherwise fork their workers from a fork server (the test suite
+# sets it, for itself and the processes it starts).
+FORK_SERVER_ENV = "PREFECT_ELASTIC_FORK_SERVER"
 
 # What the fork server imports for every process it forks: the Dask worker's command line, the compute
 # loop's and the data server's modules (torch with them), and torch._dynamo, which the first optimizer step
@@ -227,6 +238,11 @@ class ForkServer:
 
 
 # ---------------------------------------------------------------------------------------- the server side
+
+
+def fork_server_wanted(given: bool | None) -> bool:
+    """A cluster's `fork_server` setting: as given, or from `FORK_SERVER_ENV` when None."""
+    return os.environ.get(FORK_SERVER_ENV) == "1" if given is None else given
 
 
 _shared: ForkServer | None = None
