@@ -8,7 +8,7 @@
 - `records.py`: the open step, the records of applied steps, and the apply's decisions (pure);
 - `state.py`: the shard's tensors, version, generation and snapshots;
 - `replicas.py`: copies of snapshots on the peer, and a standby's adoption of one;
-- `plan.py`: which tensors each shard holds (`plan_shards`, pure);
+- `plan.py`: which tensors, or ranges of them, each shard holds (`plan_shards`, `plan_pieces`; pure);
 - `hooks.py`: the points a rehearsal can slow a data server down or kill it at (`ServerHooks`).
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from .actor import DataServer
 from .apply import ApplyMode, AsyncApplies, StepApplies, SyncCommits
 from .hooks import NoHooks, ServerHooks
-from .plan import plan_shards
+from .plan import Piece, plan_pieces, plan_shards
 from .replicas import join_tensors, split_tensors, warm_standby
 from .state import INLINE_APPLY_ELEMENTS
 
@@ -27,10 +27,12 @@ __all__ = [
     "AsyncApplies",
     "DataServer",
     "NoHooks",
+    "Piece",
     "ServerHooks",
     "StepApplies",
     "SyncCommits",
     "join_tensors",
+    "plan_pieces",
     "plan_shards",
     "split_tensors",
     "warm_standby",

@@ -26,6 +26,25 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,
 }
+# Optimizers whose update of an element reads that element's gradient and state only (their per-tensor
+# scalars, as Adam's step count, are the same for every element): a tensor split across data servers
+# (`data_server.plan_pieces`) gets the very numbers it gets whole. Not so Adafactor, LAMB, LARS or
+# Shampoo, which read a tensor's norms or its rows' and columns' statistics.
+ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.SGD,
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.RMSprop,
+        torch.optim.Adagrad,
+        torch.optim.Adadelta,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+    }
+)
 LOSSES: dict[str, LossFn] = {
     "cross_entropy": torch.nn.functional.cross_entropy,
     "mse": torch.nn.functional.mse_loss,
@@ -95,6 +114,22 @@ def build_optimizer(optimizer: dict[str, Any], params: list[torch.Tensor]) -> to
     options = dict(optimizer)
     name = options.pop("name")
     return OPTIMIZERS[name](params, **options)
+
+
+def splits_tensors(optimizer: type[torch.optim.Optimizer], asked: bool | None) -> bool:
+    """Whether a job's tensors larger than a data server's share are split across data servers: as
+    `asked` (the job's `split_tensors`), else (None) whenever `optimizer` is known to update elementwise.
+    Raises JobConfigError when a split is asked for under an optimizer not known to be elementwise."""
+    elementwise = optimizer in ELEMENTWISE_OPTIMIZERS
+    if asked and not elementwise:
+        raise JobConfigError(
+            "split_tensors",
+            asked,
+            f"{optimizer.__name__} is not known to update elementwise (its step may read a tensor's norms or "
+            "its rows' statistics), so a tensor split across data servers could train to other numbers; "
+            "leave split_tensors unset or set it to False",
+        )
+    return elementwise if asked is None else asked
 
 
 def resolve_callable(path: str, field: str) -> Callable[..., Any]:
