@@ -9,6 +9,7 @@ everything in this package: a worker unpickles `load_engine` before it has impor
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 from collections.abc import Iterable
 from typing import Any
@@ -28,9 +29,18 @@ def load_engine(modules: tuple[str, ...] = ENGINE_MODULES) -> None:
     for as long (3 to 4 s on a small machine): a plain `dask worker` (no preload) would be taken for lost
     at the start of every run. Here the import runs in a thread, while the loop keeps answering; this
     function and its argument are plain names, so unpickling them imports nothing heavy (this module is
-    torch-free)."""
+    torch-free).
+
+    Then what those imports made is frozen (`gc.freeze`, after a collection), as
+    `allocator.freeze_startup_objects` does after a compute loop's first step: that first full collection
+    scans every object of torch and the engine (about 330,000, 0.3 s of CPU here) with the GIL held, so
+    the worker's event loop sends no heartbeat meanwhile. After its first step it had made a member that
+    just joined silent for 1.3 to 3.7 s under the chaos soak's load, and taken for lost; here the worker
+    is not a member yet, and the later collection scans only what was made since."""
     for name in modules:
         importlib.import_module(name)
+    gc.collect()
+    gc.freeze()
 
 
 async def answering(addresses: Iterable[str], timeout: float, **connection_args: Any) -> frozenset[str]:
