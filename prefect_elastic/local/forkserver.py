@@ -14,7 +14,9 @@ forked worker's imports were done before its environment was set, so settings re
 from the cluster's environment (the same for every worker of a cluster, given to the fork server), and
 the per-worker ones (preloads, the process-group marker, the parent to die with) are read after the fork,
 when `dask.config.refresh` runs. `/proc/<pid>/environ` of a forked process shows the fork server's
-environment: its group marker is the fork server's, which `processes.signal_group` accepts. Users' clusters
+environment: its group marker is the fork server's, which `processes.signal_group` accepts. And forked
+processes share the fork server's string-hash seed, where plainly started ones each draw their own: code
+that wrongly expects two processes to iterate a set of strings in the same order would pass here. Users' clusters
 start their workers from the command line; the tests of what a user meets start theirs that way.
 
 The protocol on the fork server's stdin and stdout is one JSON object a line: a request ``{"id", "argv",
