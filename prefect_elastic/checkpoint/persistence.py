@@ -15,17 +15,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..data_server.plan import Piece, cut, join, plan_pieces
 from ..dataset import explain_storage_error, is_object_store
-from ..errors import CheckpointWriteError, FatalError
+from ..errors import CheckpointMismatchError, CheckpointWriteError, FatalError
 from ..job import CheckpointSpec, StateLayout
 from ..messages import EventKind, MembershipEvent, Resume
 from .cadence import CheckpointCadence
+from .optimizer_state import cut_optimizer, join_optimizer
 from .record import Checkpoint, check_compatible, fingerprint
 from .store import CheckpointStore
 
@@ -86,6 +88,9 @@ class Persistence:
         self.resumed_from: str | None = None
         self.last_written: str | None = None
         self.written_step = -1
+        # Which pieces of the model each data server holds (`plan_pieces`), set by the controller when it
+        # makes the plan: a checkpoint joins the shards' parts into whole tensors by it.
+        self.plan: list[list[Piece]] = []
         self._snapshots = 0
         self.failures = WriteFailures()
         # A `checkpoint-failed` event per write that failed, for the run's result (the coordinator records
@@ -101,21 +106,70 @@ class Persistence:
                 self.resumed, self.resumed_from = checkpoint, where
                 log.info("job %s resumes from %s at step %d", spec.job_id, where, checkpoint.committed_steps)
 
-    def shard_start(self, index: int, names: list[str], checkpoint: Checkpoint | None = None) -> ShardStart:
-        """What data server `index` (holding `names`) starts from: `checkpoint`, else the checkpoint this
-        run resumed from, else the job's initial values."""
+    def shard_start(
+        self, index: int, held: Sequence[Piece | str], checkpoint: Checkpoint | None = None
+    ) -> ShardStart:
+        """What data server `index` (holding `held`: its pieces, or names of whole tensors) starts from:
+        `checkpoint`, else the checkpoint this run resumed from, else the job's initial values. A checkpoint
+        holds whole tensors, so it starts a shard under any plan."""
         checkpoint = checkpoint or self.resumed
         source = checkpoint.tensors if checkpoint else self.initial
-        params = {n: source[n] for n in names if n in self.layout.params}
-        buffers = {n: source[n] for n in names if n not in self.layout.params}
+        pieces = [
+            h if isinstance(h, Piece) else Piece(h, 0, source[h].numel(), source[h].numel()) for h in held
+        ]
+        tensors = cut(source, pieces)
+        params = {n: t for n, t in tensors.items() if n in self.layout.params}
+        buffers = {n: t for n, t in tensors.items() if n not in self.layout.params}
         if checkpoint is None:
             return ShardStart(params, buffers, None, 0)
+        held_params = [p for p in pieces if p.name in params]
+        state = cut_optimizer(self.whole_optimizer(checkpoint), held_params) if held_params else None
         if checkpoint.versions:
+            # Async mode: the shard resumes at its own version, with the batch ids it had applied, which
+            # hold for the pieces it held then only. (A shard that holds none now is not asked: its
+            # pieces went to another, which finds them not its own.)
+            written = self.written_plan(checkpoint)
+            now = [(p.name, p.start, p.stop) for p in pieces]
+            if now and (index >= len(written) or now != written[index]):
+                raise CheckpointMismatchError(
+                    f"data server {index} would hold other tensors than it held when the async checkpoint "
+                    "was written (each shard resumes at a version of its own); resume it with the "
+                    "`min_shard_bytes` and `split_tensors` it was written with"
+                )
             return ShardStart(
-                params, buffers, checkpoint.optimizers[index], checkpoint.versions[index],
-                checkpoint.applied[index],
+                params, buffers, state, checkpoint.versions[index], checkpoint.applied[index]
             )  # fmt: skip
-        return ShardStart(params, buffers, checkpoint.optimizers[index], checkpoint.committed_steps)
+        return ShardStart(params, buffers, state, checkpoint.committed_steps)
+
+    def written_plan(self, checkpoint: Checkpoint) -> list[list[tuple[str, int, int]]]:
+        """Which pieces each shard held when `checkpoint` was written (name, first element, end)."""
+        if checkpoint.plan:
+            return [list(pieces) for pieces in checkpoint.plan]
+        return [[(p.name, p.start, p.stop) for p in pieces] for pieces in self._legacy_plan(checkpoint)]
+
+    def _legacy_plan(self, checkpoint: Checkpoint) -> list[list[Piece]]:
+        # Formats 1 and 2: whole tensors, as `data_servers` and `min_shard_bytes` dealt them (the
+        # checkpoint's fingerprint names both).
+        job = checkpoint.fingerprint.get("job", {})
+        ours = self.spec.fingerprint_fields
+        shards = int(job.get("data_servers", ours.get("data_servers", len(checkpoint.optimizers))))
+        floor = int(job.get("min_shard_bytes", 0))
+        written = plan_pieces(checkpoint.tensors, shards, floor, split=False)
+        if checkpoint.optimizers and len(written) != len(checkpoint.optimizers):
+            written = plan_pieces(checkpoint.tensors, len(checkpoint.optimizers), floor, split=False)
+        return written
+
+    def whole_optimizer(self, checkpoint: Checkpoint) -> dict[str, Any]:
+        """The checkpoint's optimizer state by tensor name; a checkpoint of format 1 or 2 holds one state
+        per shard, under the whole-tensor plan of the `data_servers` and `min_shard_bytes` it was written
+        with (its fingerprint names them)."""
+        if checkpoint.optimizer is not None:
+            return checkpoint.optimizer
+        written = self._legacy_plan(checkpoint)
+        return join_optimizer(checkpoint.optimizers, written, self._param_shapes(checkpoint.tensors))
+
+    def _param_shapes(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Size]:
+        return {n: t.shape for n, t in tensors.items() if n in self.layout.params}
 
     def fallback(self) -> tuple[Checkpoint | None, str] | None:
         """Where every shard goes back to when a data server is lost with the replica of its shard: the
@@ -193,9 +247,12 @@ class Persistence:
                 f"snapshot versions {[p['version'] for p in parts]} differ from the ledger's "
                 f"{versions}; no checkpoint written"
             )
-        tensors: dict[str, torch.Tensor] = {}
-        for p in parts:
-            tensors.update(p["tensors"])
+        plan = self.plan or [
+            [Piece(n, 0, t.numel(), t.numel()) for n, t in p["tensors"].items()] for p in parts
+        ]
+        shapes = {n: t.shape for n, t in self.initial.items()}
+        # Whole tensors, a plain state_dict, whichever shards held which parts of them.
+        tensors = join([p["tensors"] for p in parts], plan, shapes)
         return Checkpoint(
             job_id=self.spec.job_id,
             fingerprint=self.expected,
@@ -204,9 +261,11 @@ class Persistence:
             ledger=record.ledger,
             history=record.history,
             tensors=tensors,
-            optimizers=[p["optimizer"] for p in parts],
+            optimizers=[],
             versions=tuple(record.versions),
             applied=tuple(tuple(p["applied"]) for p in parts) if record.versions else (),
+            optimizer=join_optimizer([p["optimizer"] for p in parts], plan, self._param_shapes(self.initial)),
+            plan=tuple(tuple((p.name, p.start, p.stop) for p in pieces) for pieces in plan),
         )
 
     def _last_good(self) -> str | None:

@@ -21,7 +21,9 @@ from ..errors import CheckpointMismatchError, FatalError
 from ..job import CheckpointSpec, StateLayout
 from ..ledger import LedgerEntry
 
-FORMAT = 2  # 2: the ledger has a 4th column, async mode's staleness; format 1 (3 columns) is still read
+# 2: the ledger has a 4th column, async mode's staleness; 3: the optimizer's state whole, by the model's
+# tensor names (`optimizer`), not one state_dict per shard. Formats 1 and 2 are still read.
+FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -33,11 +35,18 @@ class Checkpoint:
     ledger: list[LedgerEntry]
     history: list[float]
     tensors: dict[str, torch.Tensor]  # parameters and buffers, each once (see StateLayout)
-    optimizers: list[dict[str, Any]]  # one optimizer state_dict per shard
+    # Formats 1 and 2: one optimizer state_dict per shard, under the plan of whole tensors that the job's
+    # `data_servers` and `min_shard_bytes` made (`Persistence.whole_optimizer` reads it by name).
+    optimizers: list[dict[str, Any]]
     # Async mode: each shard's version, and the batch ids it had applied (sync: every shard is at
     # `committed_steps`, and the ledger says what was applied).
     versions: tuple[int, ...] = ()
     applied: tuple[tuple[int, ...], ...] = ()
+    # The optimizer's state by tensor name, each entry whole (`checkpoint.optimizer_state`); None in a
+    # checkpoint of format 1 or 2.
+    optimizer: dict[str, Any] | None = None
+    # Which pieces each shard held (`plan_pieces`: name, first element, end), as written; () before format 3.
+    plan: tuple[tuple[tuple[str, int, int], ...], ...] = ()
 
     def to_bytes(self) -> bytes:
         payload = {
@@ -54,6 +63,9 @@ class Checkpoint:
             "tensors": self.tensors,
             "optimizers": self.optimizers,
         }
+        if self.optimizer is not None:
+            payload["optimizer"] = self.optimizer
+            payload["plan"] = [[list(piece) for piece in pieces] for pieces in self.plan]
         if self.versions:
             payload["versions"] = torch.tensor(self.versions, dtype=torch.int64)
             payload["applied"] = [torch.tensor(ids, dtype=torch.int64) for ids in self.applied]
@@ -65,7 +77,7 @@ class Checkpoint:
     def from_bytes(cls, data: bytes, where: str) -> Checkpoint:
         try:
             payload = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-            if payload.get("format") not in (1, FORMAT):
+            if payload.get("format") not in (1, 2, FORMAT):
                 raise ValueError(f"format {payload.get('format')!r}, expected {FORMAT}")
             rows = payload["ledger"].tolist()
             workers = payload["ledger_workers"]
@@ -83,6 +95,11 @@ class Checkpoint:
                 optimizers=list(payload["optimizers"]),
                 versions=tuple(int(v) for v in payload.get("versions", torch.zeros(0)).tolist()),
                 applied=tuple(tuple(int(b) for b in t.tolist()) for t in payload.get("applied", [])),
+                optimizer=payload.get("optimizer"),
+                plan=tuple(
+                    tuple((str(n), int(a), int(b)) for n, a, b in pieces)
+                    for pieces in payload.get("plan", [])
+                ),
             )
         except Exception as exc:
             raise FatalError(

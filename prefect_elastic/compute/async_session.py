@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..allocator import freeze_startup_objects
+from ..data_server.plan import join, part
 from ..errors import StaleGenerationError
 from ..messages import CoordinatorHandle, Role, Tensors
 from ..schedule import Schedule
@@ -216,7 +217,8 @@ class AsyncSession:
         b = self.hand.popleft()
         began = time.perf_counter()
         x, y = self._batch(b)
-        merged = {n: t for part in self.state for n, t in part.items()}
+        # (Whole tensors: the parts of one split across shards are joined into a new one.)
+        merged = join(self.state, trainer.plan, trainer.shapes)
         # The version of each shard the model came from: the tag of this gradient, whatever arrives while
         # it computes (a candidate's version is that of the parameters it was made from).
         base = list(self.versions)
@@ -244,7 +246,8 @@ class AsyncSession:
             self._collect()
             self.stats.add("wait", time.perf_counter() - blocked)
         frames = []
-        for i, names in enumerate(trainer.plan):
+        for i, names in enumerate(trainer.shard_params):
+            pieces = trainer.pieces[i]
             header = {
                 "op": "apply",
                 "generation": gen,
@@ -254,9 +257,9 @@ class AsyncSession:
                 "loss": loss,
                 "then": {"state": True},
             }
-            tensors = [(Entry("grad", b, n), grads[n]) for n in names if n in grads]
+            tensors = [(Entry("grad", b, n), part(grads[n], pieces[n])) for n in names if n in grads]
             # (Grouped by dtype, as a sync push sends them: the shard updates a run at once.)
-            tensors += [(Entry("buffer", b, n), bufs[n]) for n in trainer.buffer_order[i]]
+            tensors += [(Entry("buffer", b, n), part(bufs[n], pieces[n])) for n in trainer.buffer_order[i]]
             frames.append(Frame(header, tensors))
         self.exchange = self.postman.submit(self._exchange, frames)
         self.pending.append(Pending(b))
@@ -273,7 +276,10 @@ class AsyncSession:
         # (The gradients are cloned: the exchange thread may still be sending them, and an optimizer may
         # change a gradient in place, as Adam and SGD do with `maximize`.)
         pairs = [
-            (self.state[i][n], grads[n].clone()) for i in late for n in self.trainer.plan[i] if n in grads
+            (self.state[i][p.name], part(grads[p.name], p).clone())
+            for i in late
+            for p in self.trainer.plan[i]
+            if p.name in grads
         ]
         if not pairs:
             return

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..data_server.plan import Piece, joined, split_pieces
 from ..errors import FatalError
 from ..messages import Tensors
 from ..wire import Entry, Frame, ShardLink, contiguous_strides, raise_error
@@ -32,28 +33,41 @@ class Ahead:
     frames: list[Frame]
 
     def unpack(
-        self, shapes: dict[str, torch.Size]
+        self, shapes: dict[str, torch.Size], plan: Sequence[Sequence[Piece]] = ()
     ) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         """The parameters and buffers (views of the frames' tensors), and the batches by batch id.
-        `shapes`: every parameter's and buffer's shape, for the shards that send theirs as flat runs."""
+        `shapes`: every parameter's and buffer's shape, for the shards that send theirs as flat runs;
+        `plan`: each shard's pieces, where a tensor split across shards comes in parts (each answer names
+        its shard), joined here into a new whole tensor."""
         state: Tensors = {}
+        parts: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
         xs: dict[int, torch.Tensor] = {}
         ys: dict[int, torch.Tensor] = {}
         for frame in self.frames:
             error = frame.header.get("next_error")
             if error is not None:
                 raise_error(error)
+            split = split_pieces(plan, frame.header.get("shard"))
+            held = {**shapes, **{n: torch.Size([p.numel]) for n, p in split.items()}} if split else shapes
+            found: Tensors = {}
             for entry, tensor in frame.tensors:
                 if entry.kind == "state":
-                    state[entry.name] = tensor
+                    found[entry.name] = tensor
                 elif entry.kind == "params":
-                    state.update(unflatten(frame.header["params"], tensor, shapes))
+                    found.update(unflatten(frame.header["params"], tensor, held))
                 elif entry.kind == "buffers":  # (one flat run of the shard's buffers of one dtype)
-                    state.update(unflatten(frame.header["buffers"][entry.batch_id], tensor, shapes))
+                    found.update(unflatten(frame.header["buffers"][entry.batch_id], tensor, held))
                 elif entry.kind == "x":
                     xs[entry.batch_id] = tensor
                 elif entry.kind == "y":
                     ys[entry.batch_id] = tensor
+            for name, tensor in found.items():
+                if name in split:
+                    parts.setdefault(name, []).append((split[name], tensor))
+                else:
+                    state[name] = tensor
+        for name, runs in parts.items():
+            state[name] = joined(runs, shapes[name])
         return state, {b: (x, ys[b]) for b, x in xs.items()}
 
 

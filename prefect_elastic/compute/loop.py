@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from ..allocator import tune_allocator
+from ..data_server.plan import Piece
 from ..job import LoopSpec, StateLayout
 from ..messages import CoordinatorHandle, Role, direct
 from ..schedule import Schedule
@@ -77,7 +78,7 @@ def run_loop(
     loop: Loop,
     spec: LoopSpec,
     coordinator: CoordinatorHandle,
-    plan: list[list[str]],
+    plan: list[list[Piece]],
     layout: StateLayout,
     schedule: Schedule,
 ) -> LoopStats:

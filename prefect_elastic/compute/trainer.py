@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
+from ..data_server.plan import Piece, part, pieces_of
 from ..errors import ModelFailure, RecoverableError
 from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
@@ -50,14 +51,13 @@ class MicroBatchTrainer:
     def __init__(
         self,
         spec: LoopSpec,
-        plan: list[list[str]],
+        plan: Sequence[Sequence[Piece | str]],
         layout: StateLayout,
         device: torch.device,
         slowdown: Callable[[], Any] = lambda: None,
     ) -> None:
         self.spec = spec
         self._slowdown = slowdown
-        self.plan = plan
         self.device = device
         # Shapes only: no parameter values live here. (Built under the lock, as every model is: another
         # job's loop in this process may be drawing from torch's global generator.)
@@ -67,35 +67,41 @@ class MicroBatchTrainer:
         # handed the tensor it shares explicitly; autograd then sums both uses into one gradient.
         self.aliases = dict(layout.aliases)
         self.loss_fn = spec.model_spec.loss_fn()
-        self.shard_of = {name: i for i, names in enumerate(plan) for name in names}
         # Each shard's parameters (its plan has its buffers too), in the plan's order: the gradients a
-        # frame carries to it, and the order of a packed run of them (the frame's `order`).
-        params = set(self.param_names)
-        self.shard_params = [[n for n in names if n in params] for names in plan]
+        # frame carries to it, and the order of a packed run of them (the frame's `order`). A piece of a
+        # tensor split across shards (`plan_pieces`) carries the flat run of its elements of it.
         meta = dict(self.model.named_parameters(remove_duplicate=False))
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
         self.shapes = {n: t.shape for n, t in {**buffers, **meta}.items()}
+        # (A plan of names holds whole tensors: `plan_shards`.)
+        self.plan = [pieces_of(held, {n: s.numel() for n, s in self.shapes.items()}) for held in plan]
+        params = set(self.param_names)
+        self.shard_params = [[p.name for p in pieces if p.name in params] for pieces in self.plan]
+        self.pieces = [{p.name: p for p in pieces} for pieces in self.plan]
         # Each shard's buffers in the order a push carries them: grouped by dtype (in the plan's order
         # within a group), so that a micro-batch's buffers of one dtype lie back to back in the frame and
         # the shard updates them as one run (`ShardBuffers.update`).
         dtypes = list(dict.fromkeys(b.dtype for b in buffers.values()))
         self.buffer_order = [
-            sorted((n for n in names if n in buffers), key=lambda n: dtypes.index(buffers[n].dtype))
-            for names in plan
+            sorted(
+                (p.name for p in pieces if p.name in buffers), key=lambda n: dtypes.index(buffers[n].dtype)
+            )
+            for pieces in self.plan
+        ]
+        held = [
+            [part(meta[n], self.pieces[i][n]) for n in names] for i, names in enumerate(self.shard_params)
         ]
         # (Decided once: a gradient has its parameter's dtype and shape.)
-        self.packed = [packs([meta[n] for n in names]) for names in self.shard_params]
+        self.packed = [packs(tensors) for tensors in held]
         # On a GPU, the gradients come back as one flat run where they share a dtype (`to_host`), and so do
         # the parameters go to it where they are small besides (`on_device`).
         self.one_run = len({meta[n].dtype for n in self.param_names}) == 1
         self.small = sum(meta[n].numel() * meta[n].element_size() for n in self.param_names) <= PACK_BYTES
-        self.push_order = push_order(
-            [sum(meta[n].numel() * meta[n].element_size() for n in names) for names in self.shard_params]
-        )
+        self.push_order = push_order([sum(t.numel() * t.element_size() for t in tensors) for tensors in held])
         # Data servers that hold no state (`plan_shards` gave a small model's to as few as it needs): a
         # push there only counts the step's batch ids, and the loop reads its answer just before its next
         # push instead of waiting for it (see `step`).
-        self.stateless = [not names for names in plan]
+        self.stateless = [not pieces for pieces in self.plan]
         self.pull_wait = min(PULL_WAIT_SECONDS, spec.call_timeout / 2)
 
     def then(
@@ -158,7 +164,7 @@ class MicroBatchTrainer:
         gen = role.generation
         if ahead is None or (ahead.generation, ahead.step) != (gen, step):
             ahead = self.fetch(role, step, shards, schedule)
-        state, batches = ahead.unpack(self.shapes)
+        state, batches = ahead.unpack(self.shapes, self.plan)
         del ahead
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
@@ -198,10 +204,13 @@ class MicroBatchTrainer:
             # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
             # takes them as one flat gradient without a copy (`shard_optimizer.py`).
             for i in range(len(self.plan)):
+                pieces = self.pieces[i]
                 frames[i].tensors += gradient_entries(
-                    b, [(n, g[n]) for n in self.shard_params[i]], self.packed[i]
+                    b, [(n, part(g[n], pieces[n])) for n in self.shard_params[i]], self.packed[i]
                 )
-                frames[i].tensors += [(Entry("buffer", b, n), bufs[n]) for n in self.buffer_order[i]]
+                frames[i].tensors += [
+                    (Entry("buffer", b, n), part(bufs[n], pieces[n])) for n in self.buffer_order[i]
+                ]
             lap("compute")
         del state, params, buffers, batches
         answers = pushes.deliver(

@@ -47,7 +47,8 @@ class ShardFrames:
         if header["op"] == "current":
             version, state = await self._applies.current_for_answer(generation)
             return Frame(
-                {"ok": True, "version": version}, [(Entry("state", -1, n), t) for n, t in state.items()]
+                {"ok": True, "version": version, "shard": self._shard.index},
+                [(Entry("state", -1, n), t) for n, t in state.items()],
             )
         if header["op"] == "replica":
             # A standby taking shard `source`'s role reads the replica's tensors here (`adopt`).
@@ -70,7 +71,8 @@ class ShardFrames:
         then = header.get("then")
         if then is None:
             return Frame({"ok": True})
-        answer: dict[str, Any] = {"ok": True}
+        # (`shard`: a loop joins the parts of a tensor split across data servers by who sent them.)
+        answer: dict[str, Any] = {"ok": True, "shard": self._shard.index}
         tensors: list[tuple[Entry, torch.Tensor]] = []
         try:
             if then.get("step") is not None:
@@ -129,7 +131,7 @@ class ShardFrames:
             buffers,
             float(header["loss"]),
         )
-        answer = {"ok": True, "outcome": outcome, "staleness": staleness}
+        answer = {"ok": True, "outcome": outcome, "staleness": staleness, "shard": self._shard.index}
         then = header.get("then") or {}
         tensors: list[tuple[Entry, torch.Tensor]] = []
         if then.get("state"):

@@ -12,9 +12,12 @@ an optimizer whose update is elementwise (`job.splits_tensors` decides).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import FatalError
 
 # A cut that falls inside a tensor smaller than this moves to the tensor's nearer edge: splitting a small
 # tensor costs one more entry in every frame and saves next to nothing (a shard's load then differs from
@@ -120,14 +123,47 @@ def piece_names(plan: list[list[Piece]]) -> list[list[str]]:
     return [[p.name for p in pieces] for pieces in plan]
 
 
-def cut(state: dict[str, torch.Tensor], pieces: list[Piece]) -> dict[str, torch.Tensor]:
-    """A shard's tensors out of whole ones, by name: a whole piece as it is, a part as a flat run of its
-    elements (a view of a contiguous tensor)."""
-    return {p.name: state[p.name] if p.whole else state[p.name].reshape(-1)[p.start : p.stop] for p in pieces}
+def pieces_of(held: Sequence[Piece | str], sizes: dict[str, int]) -> list[Piece]:
+    """`held` as pieces: a name stands for the whole tensor (of `sizes[name]` elements), as a plan of
+    whole tensors (`plan_shards`) names them."""
+    return [h if isinstance(h, Piece) else Piece(h, 0, sizes[h], sizes[h]) for h in held]
+
+
+def part(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """`piece` of the whole `tensor`: itself where whole, else a flat run of its elements (a view of a
+    contiguous tensor)."""
+    return tensor if piece.whole else tensor.reshape(-1)[piece.start : piece.stop]
+
+
+def cut(state: dict[str, torch.Tensor], pieces: Sequence[Piece]) -> dict[str, torch.Tensor]:
+    """A shard's tensors out of whole ones, by name (`part` of each)."""
+    return {p.name: part(state[p.name], p) for p in pieces}
+
+
+def split_pieces(plan: Sequence[Sequence[Piece]], shard: int | None) -> dict[str, Piece]:
+    """The pieces of shard `shard` that are parts of a tensor split across shards, by name (none where
+    `shard` is None or past the plan)."""
+    if shard is None or not 0 <= shard < len(plan):
+        return {}
+    return {p.name: p for p in plan[shard] if not p.whole}
+
+
+def joined(runs: Sequence[tuple[Piece, torch.Tensor]], shape: torch.Size) -> torch.Tensor:
+    """A new whole tensor of `shape` out of the parts of it in `runs` (every element once; FatalError
+    where they do not cover it)."""
+    first = runs[0][1]
+    if sum(p.numel for p, _ in runs) != runs[0][0].size:
+        raise FatalError(
+            f"parts of {runs[0][0].name} came for {sum(p.numel for p, _ in runs)} of its elements"
+        )
+    flat = torch.empty(runs[0][0].size, dtype=first.dtype, device=first.device)
+    for p, run in runs:
+        flat[p.start : p.stop] = run.reshape(-1)
+    return flat.view(shape)
 
 
 def join(
-    parts: list[dict[str, torch.Tensor]], plan: list[list[Piece]], shapes: dict[str, torch.Size]
+    parts: Sequence[dict[str, torch.Tensor]], plan: Sequence[Sequence[Piece]], shapes: dict[str, torch.Size]
 ) -> dict[str, torch.Tensor]:
     """Whole tensors out of every shard's tensors (`parts[i]` holds shard `i`'s pieces by name, as `cut`
     gives them), in the order of `shapes`; a whole piece is taken as it is, the parts of a split tensor are
@@ -141,9 +177,5 @@ def join(
             else:
                 split.setdefault(p.name, []).append((p, held[p.name]))
     for name, runs in split.items():
-        first = runs[0][1]
-        flat = torch.empty(runs[0][0].size, dtype=first.dtype, device=first.device)
-        for p, run in runs:
-            flat[p.start : p.stop] = run.reshape(-1)
-        whole[name] = flat.view(shapes[name])
+        whole[name] = joined(runs, shapes[name])
     return {name: whole[name] for name in shapes if name in whole}

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from ..dataset import DatasetInfo
 from ..errors import JobConfigError
-from .build import LOSSES, OPTIMIZERS, LossFn, StateLayout, build_model, state_layout
+from .build import LOSSES, OPTIMIZERS, LossFn, StateLayout, build_model, splits_tensors, state_layout
 from .inputs import check_dataset
 from .loading import config_error, read_settings, yaml_of
 from .specs import CheckpointSpec, LoopSpec, ModelSpec, RoleSpecs, ShardSpec
@@ -109,6 +109,12 @@ class ElasticJob(BaseModel):
     # costs more than it saves on a small model (docs/design/commit-point.md, "Which data servers hold
     # parameters"). 0 spreads them over every data server.
     min_shard_bytes: int = 16 * 2**20
+    # A tensor larger than a data server's share is split across data servers (contiguous ranges of its
+    # elements: `data_server.plan_pieces`), so each data server holding parameters carries about an equal
+    # part of the bytes and of the optimizer's work. None: split whenever the optimizer updates
+    # elementwise (every built-in one does: `job.build.ELEMENTWISE_OPTIMIZERS`); True under another is
+    # refused; False keeps every tensor whole. The trained numbers are the same either way.
+    split_tensors: bool | None = None
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -319,6 +325,22 @@ class ElasticJob(BaseModel):
             ) from exc
         return {"name": name, **options}
 
+    @field_validator("split_tensors", mode="after")
+    @classmethod
+    def _split_elementwise(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        optimizer = info.data.get("optimizer")
+        if optimizer is not None:
+            try:
+                splits_tensors(OPTIMIZERS[optimizer["name"]], value)
+            except JobConfigError as exc:
+                raise ValueError(exc.problem) from None
+        return value
+
+    @property
+    def splits(self) -> bool:
+        """Whether tensors larger than a data server's share are split (`split_tensors`, decided)."""
+        return splits_tensors(OPTIMIZERS[self.optimizer["name"]], self.split_tensors)
+
     # ---- YAML --------------------------------------------------------------------------------------------
 
     @classmethod
@@ -353,8 +375,11 @@ class ElasticJob(BaseModel):
         """The fields that decide the trained parameters: a checkpoint only resumes a job that agrees on
         all of them. (Workers, timeouts, the policy and the job id do not change the result.)"""
         keys = ("model", "dataset", "loss", "optimizer", "batch_size", "micro_batches", "epochs")
-        # (`min_shard_bytes` decides which data server holds which optimizer state, as `data_servers` does.)
-        return {k: getattr(self, k) for k in (*keys, "data_servers", "min_shard_bytes", "seed")}
+        # (`data_servers` decides which batch ids each partition serves. A checkpoint holds whole tensors,
+        # so which data server held which of them does not matter: `min_shard_bytes` and `split_tensors`
+        # may change on a resume, except in async mode, where each shard resumes at a version of its own
+        # (`Persistence.shard_start` checks that its pieces are the ones it held).)
+        return {k: getattr(self, k) for k in (*keys, "data_servers", "seed")}
 
     def initial_state(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers before training (its `state_dict`); the same for a seed."""

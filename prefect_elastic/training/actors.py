@@ -26,7 +26,7 @@ from ..cluster import (
     scheduler_view_of_workers,
 )
 from ..coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator
-from ..data_server import DataServer, plan_shards
+from ..data_server import DataServer, Piece, plan_pieces
 from ..errors import (
     DataServerLostError,
     FatalError,
@@ -97,12 +97,14 @@ class Actors:
             )
         return [r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))]
 
-    def start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
+    def start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[Piece]]]:
         """Start the data servers and the coordinator on the static workers. Nothing is trained before they
         all stand, so a static worker lost meanwhile costs nothing but the start: it is tried again on the
         static workers left (a standby is one more of them), up to `START_TRIES` times."""
         job = self.job
-        plan = plan_shards(self.run.persistence.initial, job.data_servers, job.min_shard_bytes)
+        # (A tensor larger than a data server's share is split across several, where the job allows it.)
+        plan = plan_pieces(self.run.persistence.initial, job.data_servers, job.min_shard_bytes, job.splits)
+        self.run.persistence.plan = plan  # (a checkpoint joins the parts by it)
         tries = 0
         while True:
             static = self.static_workers()
@@ -133,8 +135,8 @@ class Actors:
                 )  # fmt: skip
 
     def start_servers_on(
-        self, static: list[str], plan: list[list[str]]
-    ) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[str]]]:
+        self, static: list[str], plan: list[list[Piece]]
+    ) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[Piece]]]:
         job = self.job
         self.run.placement = [static[i % len(static)] for i in range(len(plan))]
         self.run.coordinator_at = static[0]

@@ -6,9 +6,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import torch
-
 from ..coordinator import ShardUnreachable
+from ..data_server.plan import join
 from ..errors import (
     DataServerLostError,
     FatalError,
@@ -58,9 +57,9 @@ def finish(run: TrainingRun, progress: Progress) -> TrainResult:
     outcome: Outcome = coordinator.outcome().result(timeout=timeout)
     if progress.state == "failed":
         raise failure_error(progress)
-    state: dict[str, torch.Tensor] = {}
-    for f in [s.state() for s in shards]:
-        state.update(f.result(timeout=run.job.call_timeout))
+    parts = [f.result(timeout=run.job.call_timeout) for f in [s.state() for s in shards]]
+    # (Whole tensors: the parts of one split across data servers joined.)
+    state = join(parts, run.plan, {n: t.shape for n, t in run.persistence.initial.items()})
     shard_phases = [f.result(timeout=timeout) for f in [s.phases() for s in shards]]
     run.compute.stop()
     return TrainResult(
@@ -85,7 +84,7 @@ def finish(run: TrainingRun, progress: Progress) -> TrainResult:
         resumed_from=run.persistence.resumed_from,
         shard_phases=shard_phases,
         promotions=list(run.promotions),
-        shard_plan=[list(names) for names in run.plan],
+        shard_plan=[[p.name for p in pieces] for pieces in run.plan],
     )
 
 

@@ -13,6 +13,7 @@ from distributed import Future
 
 from ..compute import run_loop
 from ..dask_failures import settled_result
+from ..data_server.plan import Piece
 from ..errors import (
     FatalError,
 )
@@ -41,7 +42,7 @@ class ComputeLoops:
     def to_restart(self, live: list[str]) -> bool:
         return any(self.run.loops[a].done() for a in live if a in self.run.loops)
 
-    def ensure(self, view: WorkersView, coordinator: CoordinatorHandle, plan: list[list[str]]) -> bool:
+    def ensure(self, view: WorkersView, coordinator: CoordinatorHandle, plan: list[list[Piece]]) -> bool:
         """A compute loop on every live worker. Returns whether a live member's loop was started over
         (it needs a fence). The loop of a worker that is listed but silent (frozen) is kept: if it wakes,
         its old messages are refused and it asks for a new role."""

@@ -22,6 +22,7 @@ from ..cluster import (
     WORKER_EVENTS_TOPIC,
 )
 from ..compute import MIN_LEASE, LoopStats
+from ..data_server.plan import Piece
 from ..errors import (
     ElasticError,
     FatalError,
@@ -134,7 +135,7 @@ class TrainingRun:
         self.coordinator: Any = None  # a CoordinatorHandle once started
         self.shards: list[Any] = []  # ShardHandles
         self.channels: list[ChannelAddress] = []  # where each shard listens for compute loops
-        self.plan: list[list[str]] = []
+        self.plan: list[list[Piece]] = []
         # Where the roles live: the static worker of each data server, and of the coordinator. Static
         # workers that hold none of them are standbys: a lost data server's role goes to one of them.
         self.placement: list[str] = []

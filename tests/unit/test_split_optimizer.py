@@ -1,0 +1,99 @@
+"""Tensors split across shards (`plan_pieces`) train to the bits of whole ones, without a cluster: each
+shard's optimizer over its pieces (`ShardOptimizer`), the optimizer's state joined into a checkpoint's
+whole form by name and cut again under another plan (`checkpoint.optimizer_state`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefect_elastic.checkpoint.optimizer_state import cut_optimizer, join_optimizer
+from prefect_elastic.data_server.plan import Piece, cut, join, part, plan_pieces
+from prefect_elastic.job import ElasticJob, ModelSpec
+from prefect_elastic.shard_optimizer import ShardOptimizer
+
+# One tensor far over a share (split), small ones with odd lengths around it.
+SHAPES = {"big.weight": (300, 250), "big.bias": (300,), "head.weight": (7, 300), "head.bias": (7,)}
+OPTIMIZERS = [
+    {"name": "sgd", "lr": 0.02, "momentum": 0.9, "nesterov": True},
+    {"name": "adam", "lr": 1e-3},
+    {"name": "adamw", "lr": 1e-3, "weight_decay": 0.01, "amsgrad": True},
+]
+
+
+def model_spec(optimizer: dict[str, object]) -> ModelSpec:
+    job = ElasticJob(
+        job_id="split", model="tests.models:mlp", dataset="file:///nowhere.npz", optimizer=optimizer
+    )
+    return job.model_spec
+
+
+def tensors(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=gen) for n, shape in SHAPES.items()}
+
+
+def gradients(steps: int) -> list[list[dict[str, torch.Tensor]]]:
+    return [[tensors(100 + 10 * s + m) for m in range(3)] for s in range(steps)]
+
+
+class Shards:
+    """Every shard's optimizer over its pieces of the model, as data servers hold them."""
+
+    def __init__(self, spec: ModelSpec, plan: list[list[Piece]], start: dict[str, torch.Tensor]) -> None:
+        self.plan = plan
+        self.optimizers = [ShardOptimizer(spec, cut(start, pieces)) if pieces else None for pieces in plan]
+
+    def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        for pieces, optimizer in zip(self.plan, self.optimizers, strict=True):
+            if optimizer is not None:  # each micro-batch's gradient cut as a compute loop cuts it
+                optimizer.step([{p.name: part(g[p.name], p) for p in pieces} for g in micro_batches])
+
+    def whole(self) -> dict[str, torch.Tensor]:
+        held = [o.params if o is not None else {} for o in self.optimizers]
+        return join(held, self.plan, {n: torch.Size(s) for n, s in SHAPES.items()})
+
+    def optimizer_state(self) -> dict[str, object]:
+        states = [o.state_dict() if o is not None else {} for o in self.optimizers]
+        return join_optimizer(states, self.plan, {n: torch.Size(s) for n, s in SHAPES.items()})
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: str(o["name"]))
+def test_split_tensors_train_to_the_bits_of_whole_ones_and_resume_under_another_plan(
+    optimizer: dict[str, object],
+) -> None:
+    spec, start, steps = model_spec(optimizer), tensors(0), gradients(6)
+    one = Shards(spec, plan_pieces(start, 1), start)
+    three = Shards(spec, plan_pieces(start, 3, split=True), start)
+    assert any(not p.whole for pieces in three.plan for p in pieces)
+    for micro_batches in steps[:3]:
+        one.step(micro_batches)
+        three.step(micro_batches)
+    for name, t in one.whole().items():
+        assert torch.equal(t, three.whole()[name]), name
+    # A checkpoint: whole tensors and the optimizer's state by name, the same whichever plan wrote it.
+    whole_state = three.optimizer_state()
+    reference = one.optimizer_state()
+    assert whole_state["param_groups"] == reference["param_groups"]
+    for name, entry in reference["state"].items():  # type: ignore[union-attr]
+        for key, value in entry.items():
+            theirs = whole_state["state"][name][key]  # type: ignore[index]
+            assert torch.equal(theirs, value) and theirs.shape == value.shape, (name, key)
+    # Resumed on two shards: each cuts its part of the state, and trains on to the same bits.
+    plan = plan_pieces(start, 2)
+    two = Shards(spec, plan, three.whole())
+    for pieces, opt in zip(plan, two.optimizers, strict=True):
+        state = cut_optimizer(whole_state, [p for p in pieces if p.name in SHAPES])
+        if opt is not None and state is not None:
+            opt.load_state_dict(state)
+    for micro_batches in steps[3:]:
+        one.step(micro_batches)
+        two.step(micro_batches)
+    for name, t in one.whole().items():
+        assert torch.equal(t, two.whole()[name]), name
+
+
+def test_cut_optimizer_of_a_shard_without_parameters_or_settings_is_none() -> None:
+    assert cut_optimizer({"state": {}, "param_groups": []}, [Piece("a", 0, 3, 3)]) is None
+    assert cut_optimizer({"state": {}, "param_groups": [{"lr": 0.1}]}, []) is None
+    assert join_optimizer([{}, {}], [[], []], {"a": torch.Size([3])}) == {"state": {}, "param_groups": []}
