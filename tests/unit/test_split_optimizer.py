@@ -4,9 +4,13 @@ whole form by name and cut again under another plan (`checkpoint.optimizer_state
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from prefect_elastic import CheckpointMismatchError
+from prefect_elastic.checkpoint import AsyncCheckpoints, Checkpoint, CheckpointStore, Persistence, fingerprint
 from prefect_elastic.checkpoint.optimizer_state import cut_optimizer, join_optimizer
 from prefect_elastic.data_server.plan import Piece, cut, join, part, plan_pieces
 from prefect_elastic.job import ElasticJob, ModelSpec
@@ -97,3 +101,52 @@ def test_cut_optimizer_of_a_shard_without_parameters_or_settings_is_none() -> No
     assert cut_optimizer({"state": {}, "param_groups": []}, [Piece("a", 0, 3, 3)]) is None
     assert cut_optimizer({"state": {}, "param_groups": [{"lr": 0.1}]}, []) is None
     assert join_optimizer([{}, {}], [[], []], {"a": torch.Size([3])}) == {"state": {}, "param_groups": []}
+
+
+def wide_job(tmp_path: Path, **overrides: object) -> ElasticJob:
+    fields: dict[str, object] = {
+        "job_id": "split",
+        "model": "tests.wide_models:wide_mlp",
+        "dataset": "file:///nowhere.npz",
+        "optimizer": {"name": "adam", "lr": 1e-3},
+        "checkpoint": f"file://{tmp_path}/ckpt",
+        **overrides,
+    }
+    return ElasticJob(**fields)  # type: ignore[arg-type]
+
+
+def test_the_job_splits_by_default_and_its_fingerprint_leaves_out_where_tensors_live(tmp_path: Path) -> None:
+    assert wide_job(tmp_path).splits and not wide_job(tmp_path, split_tensors=False).splits
+    fields = wide_job(tmp_path).fingerprint_fields()
+    assert "min_shard_bytes" not in fields and "split_tensors" not in fields and "data_servers" in fields
+
+
+def test_an_async_checkpoint_resumes_each_shard_only_on_the_pieces_it_held(tmp_path: Path) -> None:
+    j = wide_job(tmp_path, mode="async", min_shard_bytes=0)
+    layout, tensors = j.initial_tensors()
+    plan = plan_pieces(tensors, 2)
+    assert any(not p.whole for pieces in plan for p in pieces)
+    CheckpointStore(str(j.checkpoint)).write(
+        Checkpoint(
+            job_id=j.job_id,
+            fingerprint=fingerprint(j.checkpoint_spec, layout, tensors),
+            generation=3,
+            committed_steps=6,
+            ledger=[],
+            history=[],
+            tensors=tensors,
+            optimizers=[],
+            versions=(6, 7),
+            applied=(tuple(range(6)), tuple(range(7))),
+            optimizer={"state": {}, "param_groups": [{"lr": 1e-3}]},
+            plan=tuple(tuple((p.name, p.start, p.stop) for p in pieces) for pieces in plan),
+        )
+    )
+    resumed = Persistence(j.checkpoint_spec, layout, tensors, AsyncCheckpoints())
+    start = resumed.shard_start(1, plan[1])
+    assert start.version == 7 and start.applied == tuple(range(7))
+    assert {n: t.shape for n, t in start.params.items()} == {
+        p.name: (torch.Size([p.numel]) if not p.whole else tensors[p.name].shape) for p in plan[1]
+    }
+    with pytest.raises(CheckpointMismatchError, match="data server 1 would hold other tensors"):
+        resumed.shard_start(1, plan_pieces(tensors, 2, split=False)[1])
