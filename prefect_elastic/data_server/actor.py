@@ -3,7 +3,8 @@
 Owns, for one job:
 - one partition of the training data, read from the job's fsspec URL when the actor starts, served by
   batch id (`get_batch`);
-- one shard of the model state (a fixed set of whole parameter and buffer tensors, see `plan_shards`) and
+- one shard of the model state (a fixed set of parameter and buffer tensors, whole or a contiguous range
+  of a tensor split across data servers held as a flat tensor under its name, see `plan_pieces`) and
   the optimizer state for those parameters (`state.py`), applied in the job's mode (`apply.py`): the shard
   is a commit point of its own, with no round trip to the coordinator on the step path;
 - a record of every step it applied (batch ids, workers, losses), which the coordinator reads off the
