@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -346,6 +347,10 @@ def _become(request: dict[str, Any]) -> None:
 def main(imports: Sequence[str]) -> int:
     for name in imports:
         importlib.import_module(name)
+    # What the imports made lives as long as any fork: out of the collector's sight, a fork's collections
+    # neither scan it nor write its headers (which would copy the pages it shares with this process).
+    gc.collect()
+    gc.freeze()
     request = _serve()
     if request is None:
         return 0
