@@ -153,7 +153,7 @@ class Persistence:
         job = checkpoint.fingerprint.get("job", {})
         ours = self.spec.fingerprint_fields
         shards = int(job.get("data_servers", ours.get("data_servers", len(checkpoint.optimizers))))
-        floor = int(job.get("min_shard_bytes", 0))
+        floor = int(job.get("min_shard_bytes", self.spec.min_shard_bytes))
         written = plan_pieces(checkpoint.tensors, shards, floor, split=False)
         if checkpoint.optimizers and len(written) != len(checkpoint.optimizers):
             written = plan_pieces(checkpoint.tensors, len(checkpoint.optimizers), floor, split=False)

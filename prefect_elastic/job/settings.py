@@ -442,6 +442,7 @@ class ElasticJob(BaseModel):
             self.checkpoint_every,
             self.checkpoint_failures_allowed,
             self.fingerprint_fields(),
+            min_shard_bytes=self.min_shard_bytes,
         )
 
     @property

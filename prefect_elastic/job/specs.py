@@ -85,6 +85,8 @@ class CheckpointSpec:
     every: int  # snapshots between two checkpoints
     failures_allowed: int  # writes that may fail in a row before the job stops
     fingerprint_fields: dict[str, Any]  # the job's settings a checkpoint must agree on to resume
+    # How a checkpoint of format 1 or 2 whose fingerprint does not name it dealt its optimizer states.
+    min_shard_bytes: int = 0
 
 
 @dataclass(frozen=True)

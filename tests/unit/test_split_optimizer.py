@@ -150,3 +150,44 @@ def test_an_async_checkpoint_resumes_each_shard_only_on_the_pieces_it_held(tmp_p
     }
     with pytest.raises(CheckpointMismatchError, match="data server 1 would hold other tensors"):
         resumed.shard_start(1, plan_pieces(tensors, 2, split=False)[1])
+
+
+def test_a_checkpoint_of_one_optimizer_state_per_shard_resumes_under_a_split_plan(tmp_path: Path) -> None:
+    # Formats 1 and 2 held one state per shard, under the whole-tensor plan of the job's `data_servers` and
+    # `min_shard_bytes`; the state by name is read out of them, then cut for each shard of the new plan.
+    j = wide_job(tmp_path, data_servers=2, min_shard_bytes=0)
+    layout, tensors = j.initial_tensors()
+    shapes = {n: tensors[n].shape for n in layout.params}
+    step = [{n: torch.full_like(tensors[n], 0.5) for n in layout.params}]
+    written = [[p for p in pieces if p.name in shapes] for pieces in plan_pieces(tensors, 2, split=False)]
+    old = [ShardOptimizer(j.model_spec, cut(tensors, pieces)) for pieces in written]
+    for pieces, optimizer in zip(written, old, strict=True):
+        optimizer.step([{p.name: g[p.name] for p in pieces} for g in step])
+    legacy = fingerprint(j.checkpoint_spec, layout, tensors)
+    legacy["job"]["min_shard_bytes"] = 0  # (as formats 1 and 2 wrote it)
+    CheckpointStore(str(j.checkpoint)).write(
+        Checkpoint(
+            job_id=j.job_id,
+            fingerprint=legacy,
+            generation=1,
+            committed_steps=1,
+            ledger=[],
+            history=[],
+            tensors=tensors,
+            optimizers=[o.state_dict() for o in old],
+        )
+    )
+    whole = join_optimizer([o.state_dict() for o in old], written, shapes)
+    resumed = Persistence(j.checkpoint_spec, layout, tensors, AsyncCheckpoints())
+    for index, pieces in enumerate(plan_pieces(tensors, 2)):
+        held = [p for p in pieces if p.name in shapes]
+        start = resumed.shard_start(index, pieces)
+        assert start.optimizer_state is not None
+        expected = cut_optimizer(whole, held)
+        assert expected is not None
+        for position, entry in expected["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(start.optimizer_state["state"][position][key], value), (
+                    held[position],
+                    key,
+                )
