@@ -140,6 +140,11 @@ class ForkServer:
         self._gone = threading.Event()
 
     @property
+    def ready(self) -> bool:
+        """Whether the server has imported and forks at once (False once it is gone)."""
+        return self._ready.is_set() and not self._gone.is_set()
+
+    @property
     def gone(self) -> bool:
         """Whether the server has exited (then it forks nothing more)."""
         return self._gone.is_set()

@@ -235,6 +235,8 @@ class ClusterProcesses:
                 str(self.log_dir / "parent_watchdog.py"),
             ],
             "scheduler",
+            # Forked too once the fork server has imported (a later cluster of this process): not waited for.
+            fork=self._fork_server is not None and self._fork_server.ready,
         )
         with self.lock:
             self.scheduler = proc
