@@ -79,12 +79,25 @@ def plan_pieces(
     With `split`: the model's elements, tensor after tensor in `state`'s order, cut into `holders` runs of
     about equal length (`SPLIT_MIN_ELEMENTS`: a small tensor is never cut), the last shards holding them.
     Each shard then holds at most one contiguous range of a tensor, and every element lies on exactly one
-    shard. Depends on the names, order and sizes of `state` only."""
+    shard. Where that leaves the fullest shard no lighter than whole tensors do (a model of many small
+    tensors, whose runs cannot be evened out without cuts), the whole tensors. Depends on the names, order
+    and sizes of `state` only."""
+    whole = [
+        [Piece(n, 0, state[n].numel(), state[n].numel()) for n in names]
+        for names in plan_shards(state, shards, min_bytes)
+    ]
     if not split:
-        return [
-            [Piece(n, 0, state[n].numel(), state[n].numel()) for n in names]
-            for names in plan_shards(state, shards, min_bytes)
-        ]
+        return whole
+    cut_up = _runs(state, shards, min_bytes)
+    return cut_up if _fullest(cut_up) < _fullest(whole) else whole
+
+
+def _fullest(plan: list[list[Piece]]) -> int:
+    return max((sum(p.numel for p in pieces) for pieces in plan), default=0)
+
+
+def _runs(state: dict[str, torch.Tensor], shards: int, min_bytes: int) -> list[list[Piece]]:
+    """The model's elements cut into `holders` contiguous runs, the last shards holding them."""
     count = holders(state, shards, min_bytes)
     sizes = [(name, t.numel()) for name, t in state.items()]
     total = sum(size for _, size in sizes)

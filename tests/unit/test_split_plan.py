@@ -69,17 +69,19 @@ def test_small_tensors_are_never_cut() -> None:
     plan = plan_pieces(state, 3)
     covered_once(state, plan)
     assert all(p.whole for pieces in plan for p in pieces)
-    assert [len(pieces) for pieces in plan] == [3, 4, 3]
+    assert sorted(len(pieces) for pieces in plan) == [3, 3, 4]
+    # Runs cut only at the tensors' edges would leave shards of 3000, 4000 and 3000 elements: no better
+    # than whole tensors dealt out, which is what the plan then is.
+    assert plan == plan_pieces(state, 3, split=False)
 
 
 def test_tiny_models_and_empty_tensors() -> None:
     state = {"a": torch.zeros(1), "b": torch.zeros(0), "c": torch.zeros(2)}
     plan = plan_pieces(state, 5)
     covered_once(state, plan)
-    # The shards a tiny model leaves empty come first, as those `min_shard_bytes` leaves empty do.
-    assert [bool(pieces) for pieces in plan] == [False, False, False, True, True]
-    assert plan_pieces({"only": torch.zeros(3)}, 2) == [[], [Piece("only", 0, 3, 3)]]
-    assert plan_pieces({"none": torch.zeros(0)}, 2) == [[], [Piece("none", 0, 0, 0)]]
+    assert all(p.whole for pieces in plan for p in pieces)
+    assert plan_pieces({"only": torch.zeros(3)}, 2) == [[Piece("only", 0, 3, 3)], []]
+    assert plan_pieces({"none": torch.zeros(0)}, 2) == [[Piece("none", 0, 0, 0)], []]
 
 
 def test_min_shard_bytes_still_decides_how_many_shards_hold_state() -> None:
