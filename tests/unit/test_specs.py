@@ -48,6 +48,7 @@ FROM_THE_JOB: dict[type, dict[str, Any]] = {
         "every": lambda j: j.checkpoint_every,
         "failures_allowed": lambda j: j.checkpoint_failures_allowed,
         "fingerprint_fields": lambda j: j.fingerprint_fields(),
+        "min_shard_bytes": lambda j: j.min_shard_bytes,
     },
 }
 
