@@ -15,7 +15,8 @@ import pytest
 
 from prefect_elastic.local import forkserver
 from prefect_elastic.local.cluster import LocalElasticCluster
-from prefect_elastic.local.forkserver import ForkedProcess
+from prefect_elastic.local.forkserver import FORKED_IMPORTS, ForkedProcess, ForkServer
+from prefect_elastic.local.launch import PARENT_ENV
 
 pytestmark = pytest.mark.cluster
 
@@ -103,20 +104,30 @@ def test_a_forked_worker_killed_is_reported_with_its_signal_and_restarted_by_its
 
 
 @pytest.mark.timeout(180)
-def test_the_fork_servers_end_ends_its_workers_and_the_next_cluster_starts_a_new_one() -> None:
-    with LocalElasticCluster(0, 1, nanny=False, fork_server=True) as cluster:
-        server = forkserver.shared_fork_server({}, os.getcwd())
-        worker = cluster._processes.worker("elastic-0")
-        assert worker is not None
-        os.killpg(server.pid, signal.SIGKILL)
-        # Its watchdog sees its parent gone and ends its group (a forked scheduler's too); the handle cannot
-        # be told the code.
-        _wait_gone(worker.pid)
-        assert worker.wait(timeout=10) == -signal.SIGKILL
-    with LocalElasticCluster(0, 1, nanny=False, fork_server=True) as again:
-        replacement = forkserver.shared_fork_server({}, os.getcwd())
-        assert replacement.pid != server.pid
-        assert again.worker_names(static=False) == ["elastic-0"]
+def test_the_fork_servers_end_ends_the_workers_it_forked(tmp_path: Path) -> None:
+    # A fork server of its own: the session's serves every other cluster of this test run.
+    with LocalElasticCluster(0, 0, fork_server=True) as cluster:
+        assert cluster.log_dir is not None
+        server = ForkServer(FORKED_IMPORTS, log=tmp_path / "fs.log", env=dict(os.environ), cwd=os.getcwd())
+        server.start()
+        try:
+            worker = server.spawn(
+                ["distributed.cli.dask_worker", cluster.scheduler_address, "--name", "private-0",
+                 "--nthreads", "1", "--no-nanny", "--no-dashboard",
+                 "--preload", str(cluster.log_dir / "parent_watchdog.py")],
+                env={**os.environ, PARENT_ENV: str(server.pid)},
+                log=tmp_path / "worker.log",
+                cwd=os.getcwd(),
+            )  # fmt: skip
+            cluster.wait_for_workers(["private-0"], timeout=120)
+            os.killpg(server.pid, signal.SIGKILL)
+            # Its watchdog sees its parent gone and ends its group; the handle cannot be told the code.
+            _wait_gone(worker.pid)
+            assert worker.wait(timeout=10) == -signal.SIGKILL
+            assert server.gone
+            cluster.wait_until_gone(["private-0"], timeout=60)
+        finally:
+            server.close()
 
 
 def test_python_runs_as_it_would_from_the_command_line(tmp_path: Path) -> None:

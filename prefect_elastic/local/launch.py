@@ -103,7 +103,6 @@ class ClusterProcesses:
         self.restart_delay = restart_delay
         self.preload = preload
         self.fork_server = fork_server
-        self._fork_server: ForkServer | None = None
         self._given_log_dir = log_dir
         self.log_dir: Path | None = None
         self._security_wanted = security
@@ -136,7 +135,7 @@ class ClusterProcesses:
         self._prepare_tls()
         if self.fork_server:
             # Started by the first cluster of this process, it imports while the scheduler starts.
-            self._fork_server = shared_fork_server(self._child_env(), os.getcwd())
+            self._server()
 
     def _prepare_tls(self) -> None:
         """Write the certificates the processes are started with (`--tls-*` take files)."""
@@ -168,6 +167,10 @@ class ClusterProcesses:
             tls_ca_file=ca, tls_client_cert=client_cert, tls_client_key=client_key, require_encryption=True
         )
 
+    def _server(self) -> ForkServer:
+        """This process's fork server, asked again each time: one that is gone is replaced by a new one."""
+        return shared_fork_server(self._child_env(), os.getcwd())
+
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.env)
@@ -197,8 +200,8 @@ class ClusterProcesses:
         fork: bool = False,
     ) -> Leader:
         assert self.log_dir is not None
-        server = self._fork_server
-        if fork and server is not None and netns is None:
+        server = self._server() if fork and netns is None else None
+        if server is not None:
             forked_env = {**self._child_env(), **(env or {})}
             # Its parent, the one whose loss its watchdog watches for, is the fork server; and a nanny forks
             # its worker process in turn, so that the imports are done there too.
@@ -236,7 +239,7 @@ class ClusterProcesses:
             ],
             "scheduler",
             # Forked too once the fork server has imported (a later cluster of this process): not waited for.
-            fork=self._fork_server is not None and self._fork_server.ready,
+            fork=self.fork_server and self._server().ready,
         )
         with self.lock:
             self.scheduler = proc
@@ -297,7 +300,7 @@ class ClusterProcesses:
         if static:
             args += ["--resources", f"{self.static_resource}=1"]
         env = {"DASK_DISTRIBUTED__WORKER__PRELOAD": json.dumps(preloads)}
-        proc = self._popen(args, name, netns, env, fork=True)
+        proc = self._popen(args, name, netns, env, fork=self.fork_server)
         with self.lock:
             self.workers[name] = proc
             self.specs[name] = (static, netns)
