@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets everything up, then runs the linters, the type checker and the whole test suite (real Dask
 # processes, a real Prefect server on SQLite and on PostgreSQL, headless Chromium, a real SLURM cluster, a
-# real S3 server; under 20 minutes on 2 cores). The docker-compose test (marker `compose`) builds an image and
-# runs from .ci/run after this; `bash scripts/test.sh -m compose` runs it alone.
+# real S3 server; the suite about 11 minutes on 2 cores, and the set-up 3 more on a fresh machine). The heavy
+# tests (marker `heavy`) and the docker-compose test (marker `compose`: it builds an image) run from .ci/run
+# after this; `bash scripts/test.sh -m heavy` or `-m compose` runs them alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
