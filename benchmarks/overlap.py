@@ -11,8 +11,8 @@ shard's side, per bucket: the sum of one more micro-batch's part (`add_`), the S
 over the bucket's one flat run (as `ShardOptimizer` applies it) against torch's loop over one tensor per
 parameter and `foreach` over them, the same update out of place (into the other of
 `bucket_book.TwoCopies`: a copy then the update, or `bucket_apply.sgd_into`), and a copy of its bytes (what
-a transfer through shared memory costs at least). Medians over the measured steps; the load averages
-before and after say how busy the machine was.
+a transfer through shared memory costs at least). Medians over the measured steps, in this thread's CPU time
+unless `--clock wall`; the load averages before and after say how busy the machine was.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ from prefect_elastic.data_server.plan import plan_pieces
 
 from .workloads import LR, MOMENTUM, WORKLOADS
 
+# What the figures count: this thread's CPU time by default (`--clock cpu`: on a machine that others load,
+# wall time measures them too; one torch thread and CPU autograd run every phase in this thread), or wall
+# time (`--clock wall`).
+_clock = time.thread_time
+
 
 def _ms(seconds: float) -> float:
     return round(1000 * seconds, 3)
@@ -47,9 +52,9 @@ def _timed(run: Callable[[], Any], repeats: int) -> float:
     run()
     times = []
     for _ in range(repeats):
-        began = time.perf_counter()
+        began = _clock()
         run()
-        times.append(time.perf_counter() - began)
+        times.append(_clock() - began)
     return statistics.median(times)
 
 
@@ -65,16 +70,16 @@ def step_phases(workload: str, steps: int, shards: int, cap: int | None) -> dict
     x = torch.randn(spec.batch, *spec.shape, generator=generator)
     y = torch.randint(0, 10, (spec.batch,), generator=generator)
     handed: list[tuple[Bucket, float]] = []
-    hooks = BucketHooks(plan, params, lambda b, run: handed.append((b, time.perf_counter())))
+    hooks = BucketHooks(plan, params, lambda b, run: handed.append((b, _clock())))
 
     def one(armed: bool) -> tuple[float, float, list[tuple[Bucket, float]]]:
         handed.clear()
-        began = time.perf_counter()
+        began = _clock()
         tensors = {**params, **{n: b.clone() for n, b in buffers.items()}}
         loss = F.cross_entropy(functional_call(meta, tensors, (x,)), y)
-        forward_end = time.perf_counter()
+        forward_end = _clock()
         torch.autograd.grad(loss, list(params.values()), allow_unused=True, materialize_grads=True)
-        backward_end = time.perf_counter()
+        backward_end = _clock()
         hooks.finish()
         windows = [(b, backward_end - at) for b, at in handed]
         return forward_end - began, backward_end - forward_end, windows if armed else []
@@ -86,12 +91,21 @@ def step_phases(workload: str, steps: int, shards: int, cap: int | None) -> dict
         # the difference of their backwards.
         armed = one(True)
         hooks.remove()
-        plain = one(False)
-        hooks = BucketHooks(plan, params, lambda b, run: handed.append((b, time.perf_counter())))
+        unarmed = one(False)
+        hooks = BucketHooks(plan, params, lambda b, run: handed.append((b, _clock())))
         if i >= 2:
             rows.append(armed)
-            bare.append(plain[1])
+            bare.append(unarmed[1])
     hooks.remove()
+    # The plain loop's step on the same model and batch, as a user's own script trains it.
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def plain_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    plain = _timed(plain_step, steps)
     order = [b for b, _ in rows[-1][2]]
     per_bucket = []
     for bucket in order:
@@ -111,6 +125,7 @@ def step_phases(workload: str, steps: int, shards: int, cap: int | None) -> dict
         "shards": shards,
         "cap_bytes": cap if cap is not None else [bucket_bytes(s) for s in shard_bytes],
         "buckets": sum(len(held) for held in plan),
+        "plain_step_ms": _ms(plain),
         "forward_ms": _ms(statistics.median(r[0] for r in rows)),
         "backward_ms": _ms(statistics.median(r[1] for r in rows)),
         "backward_without_hooks_ms": _ms(statistics.median(bare)),
@@ -125,7 +140,7 @@ def shard_apply(workload: str, shards: int, cap: int | None, repeats: int) -> di
     model = spec.make()
     params = dict(model.named_parameters())
     plan = plan_buckets(plan_pieces(dict(model.state_dict()), shards), params, cap=cap)
-    held = plan[-1]  # the last shard's (the one that holds the model's start where split)
+    held = plan[-1]  # the last shard's: the end of the model (its largest layers) where it is split
     names = list(dict.fromkeys(n for b in held for n in b.names))
     per_tensor = [params[n].detach().clone() for n in names]  # (whole tensors: a split one counts whole)
     flat = torch.cat([t.reshape(-1) for t in per_tensor])
@@ -206,9 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=1)
     parser.add_argument("--cap", type=int, default=None, help="bucket cap in bytes (default: the plan's)")
     parser.add_argument("--repeats", type=int, default=15, help="repeats of each shard-side timing")
+    parser.add_argument(
+        "--clock", choices=("cpu", "wall"), default="cpu", help="this thread's CPU time, or wall"
+    )
     args = parser.parse_args(argv)
+    global _clock
+    _clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
     report = {
+        "clock": args.clock,
         "load": os.getloadavg(),
         "steps": step_phases(args.workload, args.steps, args.shards, args.cap),
         "shard": shard_apply(args.workload, args.shards, args.cap, args.repeats),
