@@ -13,7 +13,7 @@ import torch
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
-from prefect_elastic.data_server.bucket_apply import sgd_into
+from prefect_elastic.data_server.bucket_apply import AdamState, adam_into, sgd_into
 
 # A shard's flat parameters cut into buckets of odd lengths (vectorized kernels treat tails apart, and a
 # bucket's tail lies inside the whole tensor's body).
@@ -112,3 +112,61 @@ def test_adam_bucket_by_bucket_over_views_gives_the_whole_shards_bits(amsgrad: b
                 [bucket_state["vmax"][a:z]], [torch.tensor(float(step))], **kwargs,
             )  # fmt: skip
         assert torch.equal(whole, buckets), step
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"lr": 1e-3},
+        {"lr": 1e-3, "weight_decay": 0.01, "amsgrad": True},
+        {"lr": 2e-3, "weight_decay": 0.01, "decoupled_weight_decay": True},  # AdamW
+        {"lr": 1e-3, "beta1": 0.8, "beta2": 0.99, "eps": 1e-6, "maximize": True, "amsgrad": True},
+    ],
+)
+def test_adam_into_the_other_copy_gives_torchs_bits_bucket_by_bucket(settings: dict[str, Any]) -> None:
+    params, grad, _ = tensors(3)
+    amsgrad = settings.get("amsgrad", False)
+    whole = params.clone()
+    whole_state = [torch.zeros_like(params) for _ in range(3)]
+    steps = [torch.tensor(0.0)]
+
+    def copy_of(p: torch.Tensor) -> tuple[torch.Tensor, AdamState]:
+        zeros = [torch.zeros_like(params) for _ in range(3)]
+        return p, AdamState(zeros[0], zeros[1], zeros[2] if amsgrad else None)
+
+    copies = [copy_of(params.clone()), copy_of(torch.zeros_like(params))]
+    published = 0
+    for step in range(1, 4):
+        g = grad * step
+        adam(
+            [whole], [g], [whole_state[0]], [whole_state[1]], [whole_state[2]], steps,
+            foreach=False, amsgrad=amsgrad, beta1=settings.get("beta1", 0.9),
+            beta2=settings.get("beta2", 0.999), lr=settings["lr"],
+            weight_decay=settings.get("weight_decay", 0.0), eps=settings.get("eps", 1e-8),
+            maximize=settings.get("maximize", False),
+            decoupled_weight_decay=settings.get("decoupled_weight_decay", False),
+        )  # fmt: skip
+        (src, src_state), (dst, dst_state) = copies[published], copies[1 - published]
+        before = src.clone()
+        for a, z in itertools.pairwise(CUTS):
+            adam_into(
+                src[a:z],
+                AdamState(*(t[a:z] if t is not None else None for t in vars(src_state).values())),
+                g[a:z],
+                dst[a:z],
+                AdamState(*(t[a:z] if t is not None else None for t in vars(dst_state).values())),
+                step=step,
+                **settings,
+            )
+        assert torch.equal(src, before)
+        published = 1 - published
+        new, new_state = copies[published]
+        assert torch.equal(new, whole), step
+        assert torch.equal(new_state.exp_avg, whole_state[0]) and torch.equal(
+            new_state.exp_avg_sq, whole_state[1]
+        )
+        if amsgrad:
+            assert new_state.max_exp_avg_sq is not None and torch.equal(
+                new_state.max_exp_avg_sq, whole_state[2]
+            )
+    assert not torch.equal(whole, params)
