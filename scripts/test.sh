@@ -7,12 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-bash scripts/install-browser.sh  # headless Chromium for the Prefect UI test
-# The services the tests start themselves: SLURM (a controller and two nodes on 127.0.0.1) and PostgreSQL
-# (a Prefect server on it), from Debian's packages.
-bash scripts/install-slurm.sh
-bash scripts/apt-install.sh postgresql-15 iptables iproute2  # iptables and ip: the network-partition tests
+# mypy takes most of a minute on a clean checkout (no cache yet): it runs while apt fetches the services.
+.venv/bin/mypy >.venv/mypy.log 2>&1 &
+mypy=$!
+# The services the tests start themselves, from Debian's packages, in one apt run: SLURM (a controller and
+# two nodes on 127.0.0.1: what scripts/install-slurm.sh installs), PostgreSQL (a Prefect server on it),
+# headless Chromium (the Prefect UI test; scripts/install-browser.sh), iptables and ip (the network
+# partitions).
+bash scripts/apt-install.sh slurmctld slurmd slurm-client munge postgresql-15 chromium iptables iproute2
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-.venv/bin/mypy
+wait "$mypy" || { cat .venv/mypy.log; exit 1; }
+cat .venv/mypy.log
 exec .venv/bin/python -m pytest "$@"

@@ -33,6 +33,7 @@ more tests on PostgreSQL should make its own module-scoped fixture rather than p
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 
@@ -40,6 +41,7 @@ import httpx
 import pytest
 
 from prefect_elastic.local import processes
+from prefect_elastic.local.forkserver import fork_server_wanted, shared_fork_server
 from prefect_elastic.local.postgres import LocalPostgres
 from prefect_elastic.local.prefect_server import PrefectServer, free_port
 
@@ -84,6 +86,10 @@ class KillablePrefectServer(PrefectServer):
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    if fork_server_wanted(None):
+        # The flows and commands that Prefect tests run in subprocesses fork their workers from this
+        # process's fork server (they connect to it): started here, if no cluster has started it yet.
+        shared_fork_server(dict(os.environ), os.getcwd())
     with PrefectServer(tmp_path_factory.mktemp("prefect-home")) as server:
         yield server
 

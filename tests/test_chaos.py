@@ -159,15 +159,15 @@ def stall_lines(result: TrainResult, log: list[FaultRecord]) -> list[str]:
 
 def soak_processes(marker: str, since: float) -> list[psutil.Process]:
     """Every live process started for the soak's cluster. Those started as commands carry `marker` in their
-    environment; those forked from the test session's fork server (`local.forkserver`) show the server's
-    environment instead, and are found as this process's descendants started at `since` or later. The fork
-    server itself serves the whole session, and is left out."""
+    environment; those forked from the test session's fork server (`local.forkserver_process`) show the
+    server's environment instead, and are found as this process's descendants started at `since` or later.
+    The fork server itself serves the whole session, and is left out."""
     me = psutil.Process()
     descendants = me.children(recursive=True)
     found = {}
     for proc in [*psutil.process_iter(), *descendants]:
         try:
-            if proc.ppid() == me.pid and "prefect_elastic.local.forkserver" in proc.cmdline():
+            if proc.ppid() == me.pid and "prefect_elastic.local.forkserver_process" in proc.cmdline():
                 continue
             if proc.environ().get("ELASTIC_TESTS_SOAK") == marker or (
                 proc.create_time() >= since and proc in descendants

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -140,3 +142,43 @@ def test_python_runs_as_it_would_from_the_command_line(tmp_path: Path) -> None:
     child = server.spawn(["echo_args", "x", "y"], env=env, log=log, cwd=str(tmp_path))
     assert child.wait(timeout=30) == 7
     assert "args ['x', 'y'] __main__" in log.read_text()
+
+
+# A flow or command a test runs in a subprocess: its cluster's processes, and a module run to its end.
+_SUBPROCESS = """
+import os, sys, time
+from prefect_elastic.local.cluster import LocalElasticCluster
+from prefect_elastic.local.forkserver import shared_fork_server
+server = shared_fork_server({}, os.getcwd())
+echo = server.spawn(["echo_args"], env=dict(os.environ), log=sys.argv[1], cwd=os.path.dirname(sys.argv[1]))
+cluster = LocalElasticCluster(0, 1, fork_server=True).start()
+print(server.pid, echo.wait(timeout=30), cluster._processes.scheduler.pid, cluster.worker_pid("elastic-0"),
+      flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_subprocess_forks_from_the_sessions_server_and_its_forks_end_with_it(tmp_path: Path) -> None:
+    """A process started from one that has a fork server connects to it (no imports of its own); what it
+    forked there is reported to it, and ends when it is SIGKILLed."""
+    session = forkserver.shared_fork_server({}, os.getcwd())
+    (tmp_path / "echo_args.py").write_text("import sys\nsys.exit(7)\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    assert env[forkserver.FORK_SERVER_SOCKET_ENV] == str(session.socket_path)
+    with subprocess.Popen(
+        [sys.executable, "-c", _SUBPROCESS, str(tmp_path / "echo.log")],
+        stdout=subprocess.PIPE, text=True, env=env, cwd=os.getcwd(),
+    ) as child:  # fmt: skip
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        assert line, "the subprocess ended before its cluster started"
+        server_pid, echo_code, scheduler_pid, worker_pid = map(int, line.split())
+        assert server_pid == session.pid
+        assert echo_code == 7
+        for pid in (scheduler_pid, worker_pid):
+            assert session.pid in [p.pid for p in psutil.Process(pid).parents()]
+        child.kill()
+        child.wait(timeout=30)
+        _wait_gone(scheduler_pid)
+        _wait_gone(worker_pid)

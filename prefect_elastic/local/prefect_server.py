@@ -72,8 +72,10 @@ def _drain_prefect_workers() -> None:
 
 
 def _clean_environ() -> dict[str, str]:
-    """The inherited environment without any PREFECT_* setting (a developer's profile must not leak in)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    """The inherited environment without any PREFECT_* setting (a developer's profile must not leak in).
+    This package's own variables (PREFECT_ELASTIC_*, such as the fork server's) are not Prefect's: kept."""
+    ours = "PREFECT_ELASTIC_"
+    return {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") or k.startswith(ours)}
 
 
 def check_database_url(url: str) -> str:
