@@ -3,6 +3,8 @@
     ElasticError
     +-- RecoverableError          the step in flight is dropped here; training goes on
     |   +-- StaleGenerationError  a message of an older generation, refused, never applied
+    |   +-- StepPassed            a push or pull of a step the shard applied already (a straggler's)
+    |   +-- BackupWanted          a step's micro-batches are missing: train them for the silent member
     +-- FatalError                the job stops; the controller raises it with a message a user can act on
     |   +-- TrainingFailedError   the model raised, or the loss was not finite (names step and batch)
     |   +-- NotEnoughWorkersError fewer than min_workers for longer than min_workers_timeout
@@ -46,6 +48,34 @@ class StaleGenerationError(RecoverableError):
     def __reduce__(self) -> tuple[Any, ...]:
         # Errors cross processes (actor calls); keep the constructor arguments, not just the message.
         return (type(self), (self.got, self.current, self.what))
+
+
+class StepPassed(RecoverableError):
+    """A shard refused a push or a pull of `step`: it stands at `version`, past it (the step was applied
+    without this worker, from another member's backup of its share: `stragglers.py`)."""
+
+    def __init__(self, step: int, version: int, index: int = -1) -> None:
+        super().__init__(f"step {step}, but shard {index} is at step {version}")
+        self.step = step
+        self.version = version
+        self.index = index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.step, self.version, self.index))
+
+
+class BackupWanted(RecoverableError):
+    """A shard's answer to a pull that waited for `step` to be applied: the step stood open too long, and
+    `batch_ids` of it are missing. The loop trains its part of them (`stragglers.backup_share`) and pulls
+    again."""
+
+    def __init__(self, step: int, batch_ids: tuple[int, ...]) -> None:
+        super().__init__(f"step {step} lacks batch ids {list(batch_ids)}: train them as a backup")
+        self.step = step
+        self.batch_ids = batch_ids
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.step, self.batch_ids))
 
 
 class FatalError(ElasticError):

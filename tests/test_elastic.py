@@ -522,8 +522,66 @@ def test_frozen_worker_leaves_the_membership_and_its_stale_messages_are_refused(
     assert [e for e in result.membership_events() if frozen in e.joined and e.time > left.time], (
         "woken, it joined again"
     )
-    # The step it froze in was trained by the others: what it pushed on waking was refused.
-    assert all(e.worker != frozen for e in result.ledger if e.step == left.step)
+    # The steps after the one it froze in, until it left, were trained by the others (from backups of its
+    # share): what it pushed on waking was refused.
+    assert all(e.worker != frozen for e in result.ledger if faults.log[0].step < e.step < left.step)
+
+
+def test_a_frozen_members_steps_are_finished_by_the_others_and_woken_it_trains_beside_them_again(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """A SIGSTOPped member whose silence survival detection does not act on yet (a liveness interval
+    longer than the run) holds no step up: the shards ask the members that pushed for its micro-batches
+    (a backup, `stragglers.py`), and the steps commit without it, bit for bit. Woken, its push of the step
+    it froze in is refused (the shards went past it), it goes on beside the others, and no batch id is
+    committed twice. No membership change at all."""
+    top_up(cluster, 3)
+    job = make_job(
+        digits_url,
+        "rollback",
+        model="tests.models:gated_slow_mlp",
+        liveness_interval=600.0,
+        epochs=3,
+        job_id="backup",
+    )
+    faults = FaultSchedule(seed=8).freeze_worker(at_step=6)
+    seen: dict[str, int] = {}
+
+    def freeze_then_wake(p: Progress) -> None:
+        # From step 6 the model waits in its forward pass until the freeze is recorded: the frozen worker
+        # is then in the middle of its share of a step.
+        if p.committed_steps >= 6 and not faults.log:
+            GATE.touch()
+            return
+        GATE.unlink(missing_ok=True)
+        if faults.log and "woken" not in seen:
+            seen.setdefault("frozen", p.committed_steps)
+            if p.committed_steps >= seen["frozen"] + 10:  # ten steps committed without it: wake it
+                seen["woken"] = p.committed_steps
+                cluster.kill_worker(faults.log[0].target, sig=signal.SIGCONT)
+
+    try:
+        result = train(job, cluster=cluster, faults=faults, on_progress=freeze_then_wake)
+    finally:
+        GATE.unlink(missing_ok=True)
+        faults.thaw()
+    assert [r.kind for r in faults.log] == ["freeze"] and "woken" in seen
+    frozen = faults.log[0].target
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    assert [e.kind for e in result.membership_events()] == [EventKind.START], "it never left"
+    assert result.steps_lost == 0
+    # Its share of every step committed while it was frozen was trained by the others (the step it froze
+    # in and the one before the wake may hold its own gradient: it had pushed, or pushed on waking).
+    (start,) = result.membership_events()
+    rank = start.workers.index(frozen)
+    while_frozen = range(seen["frozen"] + 1, seen["woken"] - 1)
+    backed_up = [
+        e for e in result.ledger if e.step in while_frozen and e.batch_id % job.micro_batches % 3 == rank
+    ]
+    assert backed_up and all(e.worker not in ("", frozen) for e in backed_up), backed_up
+    assert sum(loop.backups for loop in result.loops) >= len(backed_up)
+    assert [e for e in result.ledger if e.worker == frozen and e.step > seen["woken"]], "it trains again"
 
 
 def test_batchnorm_buffers_stay_equal(

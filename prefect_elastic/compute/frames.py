@@ -43,10 +43,17 @@ class Ahead:
         parts: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
         xs: dict[int, torch.Tensor] = {}
         ys: dict[int, torch.Tensor] = {}
+        backups = [e for f in self.frames if (e := f.header.get("next_error")) and e["error"] == "backup"]
         for frame in self.frames:
             error = frame.header.get("next_error")
-            if error is not None:
+            if error is not None and error["error"] != "backup":
                 raise_error(error)
+        if backups:
+            # Every shard that asked for a backup, as one: two may lack different batch ids (a straggler's
+            # push reached one of them only).
+            missing = sorted({int(b) for e in backups for b in e["batch_ids"]})
+            raise_error({**backups[0], "batch_ids": missing})
+        for frame in self.frames:
             split = split_pieces(plan, frame.header.get("shard"))
             held = {**shapes, **{n: torch.Size([p.numel]) for n, p in split.items()}} if split else shapes
             found: Tensors = {}

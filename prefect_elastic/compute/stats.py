@@ -30,6 +30,8 @@ class LoopStats:
     # shard refused as too stale.
     candidate_steps: int = 0
     refused: int = 0
+    # Sync mode: micro-batches trained as a backup for a member that did not push them (`stragglers.py`).
+    backups: int = 0
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds

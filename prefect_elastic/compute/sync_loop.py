@@ -7,6 +7,12 @@ request for the next step's parameters (`MicroBatchTrainer.step`). The shard tha
 gradients applies the step and answers, so the only wait between two steps is the round trip and the
 apply.
 
+A step that stood open too long with another member's micro-batches missing (a paused member, a cut
+link) is finished by the members that pushed theirs: the shard answers the pull of the next step with the
+batch ids it lacks (`BackupWanted`), each member trains its part of them (`stragglers.backup_share`) and
+pushes them as a backup, then goes on. A loop whose push or pull the shards went past (`StepPassed`: it was
+the straggler) goes on from where they are (`stragglers.catch_up`).
+
 A stale generation sends the loop back to the coordinator for its new role; another recoverable error
 retries the step; a `FatalError` from a shard ends the loop at once; a model that raises or a loss that is
 not finite is reported to the coordinator as a failure that ends the job, naming the step and the batch.
@@ -19,8 +25,16 @@ import time
 from dataclasses import dataclass
 
 from ..allocator import freeze_startup_objects
-from ..errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
+from ..errors import (
+    BackupWanted,
+    FatalError,
+    ModelFailure,
+    RecoverableError,
+    StaleGenerationError,
+    StepPassed,
+)
 from ..messages import Role
+from ..stragglers import backup_share, catch_up
 from ..wire import unread_answers_dropped
 from .frames import Ahead
 from .loop import MAX_CONSECUTIVE_CALL_ERRORS, LoopContext, ask_role, reconnect
@@ -45,6 +59,7 @@ class SyncLoop:
         retries = 0
         ahead: Ahead | None = None
         resume = (-1, 0)  # (generation, step) to go on from if the coordinator gives the same role again
+        backup: tuple[int, tuple[int, ...]] | None = None  # (step, batch ids) to train for a silent member
         unreachable: list[float] = []  # when each failed connection to a shard since the last step failed
         while wanted():
             if role is None or step >= schedule.total_steps:
@@ -61,21 +76,40 @@ class SyncLoop:
                 else:
                     role, known, step, ahead, retries = got, got.generation, got.start_step, None, 0
                     errors = 0
-                resume = (-1, 0)
+                resume, backup = (-1, 0), None
                 log.debug("compute %s: rank %d of %d from step %d", address, role.rank, role.size, step)
                 continue
-            share = schedule.share(step, role.rank, role.size)
+            # A backup of the step before this one (its answers are this step's), else this step's share.
+            at, share = backup or (step, schedule.share(step, role.rank, role.size))
+            backup = None
             if not share:
                 step += 1  # more members than micro-batches in this step
                 continue
             try:
                 with unread_answers_dropped(shards):
-                    ahead = trainer.step(role, step, share, shards, schedule, stats, ahead, pushes)
+                    ahead = trainer.step(
+                        role, at, share, shards, schedule, stats, ahead, pushes, backup=at != step
+                    )
+                if at != step:
+                    stats.backups += len(share)
+                    continue
                 stats.trained()
                 freeze_startup_objects()  # (once per process, after its first step: see allocator.py)
                 step += 1
                 errors = retries = 0
                 unreachable.clear()
+            except BackupWanted as asked:
+                # The step before stands open, a member's micro-batches missing: train this loop's part of
+                # them, then this step (whose answers the backup's push asks for). Asked once a step.
+                ahead = None
+                if asked.step == step - 1:
+                    batches = schedule.step_batches(asked.step)
+                    mine = backup_share(asked.batch_ids, batches, role.rank, role.size)
+                    backup = (asked.step, mine) if mine else None
+            except StepPassed as passed:
+                # This loop was the straggler: the step was applied from the others' backup of its share.
+                ahead = None
+                step = min(catch_up(step, passed.version), schedule.total_steps)
             except ModelFailure as failure:
                 coordinator.report_failure(
                     role.generation, address, failure.step, failure.batch_id, "model", str(failure)

@@ -105,25 +105,45 @@ class MicroBatchTrainer:
         self.pull_wait = min(PULL_WAIT_SECONDS, spec.call_timeout / 2)
 
     def then(
-        self, role: Role, step: int, schedule: Schedule, params: bool = True, batches: bool = True
+        self,
+        role: Role,
+        step: int,
+        schedule: Schedule,
+        params: bool = True,
+        batches: bool = True,
+        share: tuple[int, ...] | None = None,
     ) -> list[dict[str, Any] | None]:
         """What to ask every shard for `step`: its parameters (the shard waits until it has applied the
-        step before) and the batches of this worker's share that it holds. None where there is nothing
-        to ask (past the last step, no batch of the share there)."""
+        step before, or asks this worker for a backup of it: `stragglers.py`) and the batches of this
+        worker's share (`share`, where not its own) that it holds. None where there is nothing to ask
+        (past the last step, no batch of the share there)."""
         if step >= schedule.total_steps:
             return [None] * len(self.plan)
-        share = schedule.share(step, role.rank, role.size) if batches else ()
+        if share is None:
+            share = schedule.share(step, role.rank, role.size)
+        wanted = share if batches else ()
+        worker = role.members[role.rank]
         asks: list[dict[str, Any] | None] = []
         for i in range(len(self.plan)):
-            held = [b for b in share if schedule.server_of(b) == i]
-            if params or held:
-                asks.append({"step": step if params else None, "wait": self.pull_wait, "batches": held})
+            held = [b for b in wanted if schedule.server_of(b) == i]
+            if params:
+                asks.append({"step": step, "wait": self.pull_wait, "batches": held, "worker": worker})
+            elif held:
+                asks.append({"step": None, "wait": self.pull_wait, "batches": held})
             else:
                 asks.append(None)
         return asks
 
-    def fetch(self, role: Role, step: int, shards: list[ShardLink], schedule: Schedule) -> Ahead:
-        """Ask every shard for `step` alone (a loop's first step in a generation, or after a failure)."""
+    def fetch(
+        self,
+        role: Role,
+        step: int,
+        shards: list[ShardLink],
+        schedule: Schedule,
+        share: tuple[int, ...] | None = None,
+    ) -> Ahead:
+        """Ask every shard for `step` alone (a loop's first step in a generation, after a failure, or a
+        backup of another member's share: `share`)."""
         if any(link.pending for link in shards):
             # A stateless data server's answer to the last push of a step or generation that ended: what
             # became of that push no longer matters (a fence voided it, or the run ended).
@@ -135,7 +155,7 @@ class MicroBatchTrainer:
         # computes the step again for the shards that lack them.
         frames = [
             Frame({"op": "pull", "generation": role.generation, "then": then and {**then, "copy": True}})
-            for then in self.then(role, step, schedule)
+            for then in self.then(role, step, schedule, share=share)
         ]
         return Ahead(role.generation, step, exchange(shards, frames, self.spec.call_timeout))
 
@@ -149,9 +169,11 @@ class MicroBatchTrainer:
         stats: LoopStats,
         ahead: Ahead | None,
         pushes: StepPush = PIPELINED,
+        backup: bool = False,
     ) -> Ahead | None:
-        """Train this worker's share of `step` and push it (`pushes`); returns the answers for its next
-        step, where the push asked for them."""
+        """Train this worker's share of `step` (`backup`: batch ids of it that another member did not
+        push, `stragglers.py`) and push it (`pushes`); returns the answers for its next step (`step + 1`
+        in either case), where the push asked for them."""
         timeout = self.spec.call_timeout
         clock = time.perf_counter()
 
@@ -163,7 +185,7 @@ class MicroBatchTrainer:
 
         gen = role.generation
         if ahead is None or (ahead.generation, ahead.step) != (gen, step):
-            ahead = self.fetch(role, step, shards, schedule)
+            ahead = self.fetch(role, step, shards, schedule, share)
         state, batches = ahead.unpack(self.shapes, self.plan)
         del ahead
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
@@ -188,6 +210,7 @@ class MicroBatchTrainer:
                     "losses": {},
                     "then": None if stateless else then,
                     "order": names,  # the parameters a packed gradient covers (`gradient_entries`)
+                    "backup": backup,
                 }
             )
             for then, names, stateless in zip(following, self.shard_params, self.stateless, strict=True)

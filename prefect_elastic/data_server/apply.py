@@ -14,13 +14,15 @@ asks which it has. Both act on the shard's `ShardState` and keep its records; th
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Protocol
 
-from ..errors import FatalError, RecoverableError
+from ..errors import BackupWanted, FatalError, RecoverableError, StepPassed
 from ..messages import StepRecord, Tensors
 from ..schedule import Schedule
 from ..shard_optimizer import Gradient
+from ..stragglers import RECENT_STEPS, backup_after, backup_due_in
 from .hooks import ServerHooks
 from .records import OpenStep, async_verdict, push_refusal, replicas_kept_async, replicas_kept_sync
 from .state import ShardState
@@ -37,11 +39,15 @@ class StepApplies(Protocol):
         grads: dict[int, Gradient],
         buffers: dict[int, Tensors],
         losses: dict[int, float],
+        backup: bool = False,
     ) -> None:
-        """The gradients, buffers and losses of some batch ids of step `step` (sync mode)."""
+        """The gradients, buffers and losses of some batch ids of step `step` (sync mode); `backup`: trained
+        for a member that did not push them (`stragglers.py`)."""
 
-    async def pull(self, generation: int, step: int, wait: float) -> Tensors:
-        """The parameters and buffers as of `step`, waiting up to `wait` s for them (sync mode)."""
+    async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
+        """The parameters and buffers as of `step`, waiting up to `wait` s for them (sync mode). `asker`:
+        the worker that asks, which may be asked instead to train the micro-batches the step before lacks
+        (`BackupWanted`); None: never."""
 
     async def apply_one(
         self,
@@ -93,6 +99,11 @@ class ApplyMode(Protocol):
     ) -> StepApplies: ...
 
 
+# How often a pull that waits looks again whether a backup is due, while a member is behind (a push does
+# not wake it).
+BACKUP_LOOK_SECONDS = 0.02
+
+
 class SyncCommits:
     """Sync mode: the push that completes a step applies it."""
 
@@ -105,6 +116,10 @@ class SyncCommits:
         self._later: dict[int, OpenStep] = {}
         self._advancing = False  # `advance` under way
         self._step_applied: asyncio.Future[None] | None = None  # done when the last `_apply_step` ends
+        # When the last steps were applied (monotonic), the pace a backup waits on (`stragglers.py`).
+        self._applied_at: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS + 1)
+        # The positions in a step (micro-batch `j`) that the last step applied got from a backup.
+        self._behind: set[int] = set()
 
     async def push(
         self,
@@ -114,45 +129,91 @@ class SyncCommits:
         grads: dict[int, Gradient],
         buffers: dict[int, Tensors],
         losses: dict[int, float],
+        backup: bool = False,
     ) -> None:
         """The push that completes step `step` applies it."""
         state = self._state
         state.check(generation, "push")
+        if step < state.version or (step == state.version and state.applying):
+            # Applied (or being applied) without this push: its batch ids came from a backup.
+            raise StepPassed(step, state.version + state.applying, state.index)
         refusal = push_refusal(state.index, step, state.version, state.applying, state.stateless)
         if refusal is not None:
             raise RecoverableError(refusal)
         opened = self._open if step == state.version else self._later.setdefault(step, OpenStep())
+        if opened.opened is None:
+            opened.opened = time.monotonic()
         for batch_id in losses:
             if self._schedule.step_of(batch_id) != step:
                 raise FatalError(f"gradient of batch {batch_id} pushed for step {step}")
             opened.take(
-                batch_id, worker, grads.get(batch_id, {}), buffers.get(batch_id, {}), losses[batch_id]
+                batch_id,
+                worker,
+                grads.get(batch_id, {}),
+                buffers.get(batch_id, {}),
+                losses[batch_id],
+                backup,
             )
         await self.advance()
 
-    async def pull(self, generation: int, step: int, wait: float) -> Tensors:
+    async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         """A worker asks for the next step's parameters right after pushing this step's gradients; the call
         waits (up to `wait` seconds) until the shard has applied the step before, so the answer leaves the
-        moment the parameters exist. It fails when the generation changes or the wait runs out."""
+        moment the parameters exist. It fails when the generation changes or the wait runs out, and asks
+        `asker` for a backup (once a step) when the step before stood open too long with micro-batches
+        missing (`stragglers.py`)."""
         state = self._state
         state.check(generation, "pull")
-        if (state.version < step or state.applying) and not state.held(step):
-            await state.wait_for_version(generation, step, wait)
+        deadline = time.monotonic() + wait
+        while (state.version < step or state.applying) and not state.held(step):
+            now = time.monotonic()
+            due = self._backup_due_in(step, asker, now)
+            if due <= 0.0:
+                raise self._backup_wanted(step - 1, asker)
+            remaining = deadline - now
+            if remaining <= 0.0:
+                break
+            # (A push does not end this wait: while a member is behind, the shard looks again soon.)
+            look_again = BACKUP_LOOK_SECONDS if self._behind else remaining
+            await state.wait_for_version(generation, step, min(remaining, due, look_again))
         if state.held(step):  # (also a hold that came while this pull waited)
             raise RecoverableError(
                 f"shard {state.index} holds at step {state.hold} (a static worker retires)"
             )
+        if state.version > step:
+            raise StepPassed(step, state.version, state.index)
         if state.applying or state.version != step:
             raise RecoverableError(
                 f"pull for step {step}, but shard {state.index} is at step {state.version}"
             )
         # No copy: the tensors are serialized as this reply is sent, or read in place by a loop on this
         # machine while it computes (`wire/published.py`). The shard changes them only when it applies this
-        # step, which needs the gradient of every worker that computes with them (a worker computes a
-        # step only when its share of it is not empty, and is done with them before its push). A reply
-        # still on the wire to a worker declared dead, or a loop of that worker reading in place, may see
-        # a restore; that worker's generation is refused anyway.
+        # step, which needs the gradient of every batch id of it: from the workers that compute with them
+        # (each is done with them before its push), or from a backup of a silent one's share. A straggler
+        # still reading them then computes on parameters that moved, but its push of a step applied already
+        # is refused (`StepPassed`). A reply still on the wire to a worker declared dead, or a loop of that
+        # worker reading in place, may see a restore; that worker's generation is refused anyway.
         return state.live()
+
+    def _backup_due_in(self, step: int, asker: str | None, now: float) -> float:
+        """Seconds until a pull of `step` by `asker` asks it for a backup of the open step (`inf`: never)."""
+        state, opened = self._state, self._open
+        if asker is None or opened.opened is None:
+            return float("inf")
+        if state.applying or step != state.version + 1 or state.version >= self._schedule.total_steps:
+            return float("inf")
+        batches = self._schedule.step_batches(state.version)
+        missing = [b - batches.start for b in opened.missing(batches)]
+        times = self._applied_at
+        after = backup_after(
+            [later - earlier for earlier, later in zip(times, list(times)[1:], strict=False)]
+        )
+        return backup_due_in(now, opened.opened, after, missing, self._behind, opened.told.get(asker))
+
+    def _backup_wanted(self, step: int, asker: str | None) -> BackupWanted:
+        if asker is not None:
+            self._open.told[asker] = time.monotonic()
+        return BackupWanted(step, tuple(self._open.missing(self._schedule.step_batches(step))))
 
     async def apply_one(
         self,
@@ -208,6 +269,9 @@ class SyncCommits:
             state.applying = False
             done.set_result(None)
         state.version += 1
+        self._applied_at.append(time.monotonic())
+        first = self._schedule.step_batches(step).start
+        self._behind = {b - first for b in opened.backed_up}
         # (Before any await: a push of the new step may come in at the next one.)
         self._open = self._later.pop(state.version, self._open)
         state.records.add(opened.record(step, state.generation, time.time()))
@@ -228,6 +292,7 @@ class SyncCommits:
     def drop_open(self) -> None:
         self._open = OpenStep()
         self._later.clear()
+        self._behind = set()  # (a new generation's ranks hold other positions)
 
     def reset(self) -> None:
         self.drop_open()
@@ -261,11 +326,12 @@ class AsyncApplies:
         grads: dict[int, Gradient],
         buffers: dict[int, Tensors],
         losses: dict[int, float],
+        backup: bool = False,
     ) -> None:
         self._state.check(generation, "push")
         raise FatalError(f"shard {self._state.index} got a sync push in an async job")
 
-    async def pull(self, generation: int, step: int, wait: float) -> Tensors:
+    async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         self._state.check(generation, "pull")
         raise FatalError(f"shard {self._state.index} got a pull of step {step} in an async job")
 

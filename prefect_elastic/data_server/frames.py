@@ -66,7 +66,13 @@ class ShardFrames:
                 target.setdefault(entry.batch_id, {})[entry.name] = tensor
             losses = {int(b): float(v) for b, v in header["losses"].items()}
             await self._applies.push(
-                generation, int(header["step"]), str(header["worker"]), grads, buffers, losses
+                generation,
+                int(header["step"]),
+                str(header["worker"]),
+                grads,
+                buffers,
+                losses,
+                bool(header.get("backup")),
             )
         then = header.get("then")
         if then is None:
@@ -87,7 +93,8 @@ class ShardFrames:
     async def _params_for_answer(
         self, generation: int, then: dict[str, Any], answer: dict[str, Any]
     ) -> list[tuple[Entry, torch.Tensor]]:
-        state = await self._applies.pull(generation, int(then["step"]), float(then["wait"]))
+        asker = then.get("worker")  # (a loop that may be asked for a backup instead: `stragglers.py`)
+        state = await self._applies.pull(generation, int(then["step"]), float(then["wait"]), asker)
         tensors: list[tuple[Entry, torch.Tensor]] = []
         optimizer = self._shard.optimizer
         if optimizer is not None and optimizer.flat is not None:

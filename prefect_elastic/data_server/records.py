@@ -26,12 +26,29 @@ class OpenStep:
     buffers: dict[int, Tensors] = field(default_factory=dict)  # batch id -> buffers after its forward
     losses: dict[int, float] = field(default_factory=dict)
     workers: dict[int, str] = field(default_factory=dict)
+    opened: float | None = None  # (monotonic) when its first push came in
+    backed_up: set[int] = field(default_factory=set)  # batch ids whose gradient came from a backup
+    told: dict[str, float] = field(default_factory=dict)  # worker -> when it was asked for a backup of it
+    duplicates: int = 0  # later copies of a batch id's gradient, dropped
 
-    def take(self, batch_id: int, worker: str, grads: Gradient, buffers: Tensors, loss: float) -> None:
+    def take(
+        self, batch_id: int, worker: str, grads: Gradient, buffers: Tensors, loss: float, backup: bool = False
+    ) -> None:
+        """The gradient of `batch_id`, unless one is held already: a backup and the straggler it stood in
+        for computed the same bits (`stragglers.py`), and the first copy is the one kept."""
+        if batch_id in self.grads:
+            self.duplicates += 1
+            return
         self.grads[batch_id] = grads
         self.buffers[batch_id] = buffers
         self.losses[batch_id] = loss
         self.workers[batch_id] = worker
+        if backup:
+            self.backed_up.add(batch_id)
+
+    def missing(self, batches: range) -> list[int]:
+        """Of the step's `batches`, the batch ids whose gradient is not here."""
+        return [b for b in batches if b not in self.grads]
 
     def complete(self, batches: int) -> bool:
         """Whether it holds the gradient of each of the step's `batches` batch ids."""

@@ -74,6 +74,8 @@ def finish(run: TrainingRun, progress: Progress) -> TrainResult:
             "loop_failures": run.loop_failures,
             "candidate_steps": sum(loop.candidate_steps for loop in run.loop_stats),
             "stale_refusals": sum(loop.refused for loop in run.loop_stats),
+            # Sync mode: micro-batches trained for a member that had not pushed them (`stragglers.py`).
+            "backups": sum(loop.backups for loop in run.loop_stats),
         },
         elapsed=time.monotonic() - run.started,
         total_steps=run.schedule.total_steps,

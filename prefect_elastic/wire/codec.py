@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import FatalError, RecoverableError, StaleGenerationError
+from ..errors import BackupWanted, FatalError, RecoverableError, StaleGenerationError, StepPassed
 from .inbox import SharedBodies
 
 _LENGTH = struct.Struct("!I")  # a frame's header length, before the header
@@ -193,6 +193,10 @@ def _referred(
 def error_header(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, StaleGenerationError):
         return {"error": "stale", "got": exc.got, "current": exc.current, "what": exc.what}
+    if isinstance(exc, StepPassed):
+        return {"error": "passed", "step": exc.step, "version": exc.version, "index": exc.index}
+    if isinstance(exc, BackupWanted):
+        return {"error": "backup", "step": exc.step, "batch_ids": list(exc.batch_ids)}
     if isinstance(exc, RecoverableError):
         return {"error": "recoverable", "message": str(exc)}
     if isinstance(exc, FatalError):
@@ -206,6 +210,10 @@ def raise_error(header: dict[str, Any]) -> None:
         return
     if kind == "stale":
         raise StaleGenerationError(int(header["got"]), int(header["current"]), str(header["what"]))
+    if kind == "passed":
+        raise StepPassed(int(header["step"]), int(header["version"]), int(header["index"]))
+    if kind == "backup":
+        raise BackupWanted(int(header["step"]), tuple(int(b) for b in header["batch_ids"]))
     if kind == "recoverable":
         raise RecoverableError(str(header["message"]))
     if kind == "fatal":
