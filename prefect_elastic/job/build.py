@@ -116,6 +116,22 @@ def build_optimizer(optimizer: dict[str, Any], params: list[torch.Tensor]) -> to
     return OPTIMIZERS[name](params, **options)
 
 
+class _Unregistered(torch.optim.Optimizer):
+    """An optimizer base that keeps its defaults and registers no parameters (`check_optimizer_options`)."""
+
+    def __init__(self, params: Any, defaults: dict[str, Any]) -> None:
+        self.defaults = defaults
+
+
+def check_optimizer_options(optimizer: type[torch.optim.Optimizer], options: dict[str, Any]) -> None:
+    """Raise what ``optimizer(params, **options)`` raises for its options (a TypeError for an unknown one, a
+    ValueError or RuntimeError for a bad value), without building one: the optimizer's own constructor runs,
+    checks and all, over a base that registers no parameters. Registering them imports torch._dynamo, 1.7 s
+    of CPU that the process that prepares a job (it never steps an optimizer) would pay only to check."""
+    probe = type(f"Checked{optimizer.__name__}", (optimizer, _Unregistered), {})
+    probe([torch.zeros(1, requires_grad=True)], **options)
+
+
 def splits_tensors(optimizer: type[torch.optim.Optimizer], asked: bool | None) -> bool:
     """Whether a job's tensors larger than a data server's share are split across data servers: as
     `asked` (the job's `split_tensors`), else (None) whenever `optimizer` is known to update elementwise.

@@ -22,7 +22,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from ..dataset import DatasetInfo
 from ..errors import JobConfigError
-from .build import LOSSES, OPTIMIZERS, LossFn, StateLayout, build_model, splits_tensors, state_layout
+from .build import (
+    LOSSES,
+    OPTIMIZERS,
+    LossFn,
+    StateLayout,
+    build_model,
+    check_optimizer_options,
+    splits_tensors,
+    state_layout,
+)
 from .inputs import check_dataset
 from .loading import config_error, read_settings, yaml_of
 from .specs import CheckpointSpec, LoopSpec, ModelSpec, RoleSpecs, ShardSpec
@@ -316,7 +325,7 @@ class ElasticJob(BaseModel):
             # YAML gives a list; torch wants a tuple, and the dict must compare equal after a round trip.
             options["betas"] = tuple(betas)
         try:
-            OPTIMIZERS[name]([torch.nn.Parameter(torch.zeros(1))], **options)
+            check_optimizer_options(OPTIMIZERS[name], options)
         except (TypeError, ValueError, RuntimeError) as exc:
             # A TypeError would escape pydantic unwrapped, so turn every refusal into a ValueError.
             raise ValueError(

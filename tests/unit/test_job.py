@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -202,6 +203,20 @@ def test_optimizer_accepted(optimizer: dict[str, Any]) -> None:
 )
 def test_optimizer_refused(optimizer: dict[str, Any], words: list[str]) -> None:
     _refused("optimizer", optimizer, *words)
+
+
+def test_optimizer_options_are_checked_without_importing_torch_dynamo() -> None:
+    """Checking a job's optimizer runs the optimizer's own checks but builds none: a built one imports
+    torch._dynamo (1.7 s of CPU) in the process that prepares the job, which never steps an optimizer."""
+    code = (
+        "import sys; from prefect_elastic.job import ElasticJob; "
+        "ElasticJob(job_id='j', model='m:f', dataset='file:///tmp/x', "
+        "optimizer={'name': 'adamw', 'lr': 0.01, 'betas': [0.9, 0.99], 'fused': False}); "
+        "print('torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
 
 
 def test_build_optimizer_steps_params() -> None:
