@@ -18,6 +18,10 @@ import pytest
 from benchmarks.elastic import fixed_cost, longest_gap, snapshot_excess
 from benchmarks.report import END, START, figures
 from benchmarks.run import GROUPS
+from benchmarks.scaling import END as SCALING_END
+from benchmarks.scaling import START as SCALING_START
+from benchmarks.scaling_model import config_figures, fit_fixed_cost, predict, samples_for, shard_load_mb
+from prefect_elastic.schedule import Schedule
 
 from .conftest import rotated
 
@@ -298,3 +302,79 @@ def test_a_baseline_commit_that_is_not_in_the_history_is_named(tmp_path: Path) -
     with pytest.raises(ValueError, match=r"'no-such-commit'.*name a commit of its history"):
         extract("no-such-commit", tmp_path)
     assert not list(tmp_path.iterdir()), "nothing extracted"
+
+
+def test_a_scaling_run_has_whole_batches_on_every_data_server_for_its_steps() -> None:
+    for steps, workers, servers in [(12, 1, 1), (12, 2, 4), (30, 4, 4), (13, 8, 2), (30, 1, 4)]:
+        samples = samples_for(steps, workers, servers, batch=32)
+        assert samples % (servers * 32) == 0, "equal partitions of whole batches"
+        schedule = Schedule((samples // servers,) * servers, 32, workers, epochs=1, seed=0)
+        assert steps <= schedule.total_steps < steps + servers, (steps, workers, servers)
+
+
+def test_the_fixed_cost_model_recovers_a_line_and_predicts_from_it() -> None:
+    param_bytes = 45_000_000
+    # Fixed costs of exactly 10 ms + 0.5 ms per MB a data server takes in a step.
+    configs = [(n, s) for n in (1, 2, 4) for s in (1, 2, 4)]
+    points = [
+        (shard_load_mb(n, s, param_bytes), 10 + 0.5 * shard_load_mb(n, s, param_bytes)) for n, s in configs
+    ]
+    model = fit_fixed_cost(points)
+    assert model.base_ms == pytest.approx(10) and model.per_mb_ms == pytest.approx(0.5)
+    assert model.points == 9
+    at64 = predict(model, compute_ms=100, workers=64, servers=4, param_bytes=param_bytes, batch=32)
+    assert at64.fixed_ms == pytest.approx(10 + 0.5 * 64 * 45 / 4)
+    assert at64.step_ms == pytest.approx(100 + at64.fixed_ms)
+    assert at64.samples_per_s == pytest.approx(64 * 32 / (at64.step_ms / 1000))
+    # Efficiency: 64 workers' throughput over 64 times one worker's, both from the model.
+    assert at64.efficiency == pytest.approx((100 + 10 + 0.5 * 45 / 4) / at64.step_ms)
+    # More data servers take the load off each: the same 64 workers scale better.
+    at64_wider = predict(model, compute_ms=100, workers=64, servers=16, param_bytes=param_bytes, batch=32)
+    assert at64_wider.efficiency > at64.efficiency
+    with pytest.raises(ValueError, match="at least two loads"):
+        fit_fixed_cost([(45.0, 12.0), (45.0, 14.0)])
+
+
+def test_a_configurations_row_is_measured_against_one_worker_and_the_plain_loop() -> None:
+    one = {"workers": 1, "samples_per_s": 100.0, "step_ms": 320.0, "compute_ms": 290.0}
+    two = {"workers": 2, "samples_per_s": 180.0, "step_ms": 355.0, "compute_ms": 300.0}
+    plain = {"samples_per_s": 110.0, "step_ms": 290.0}
+    row = config_figures(two, one, plain)
+    assert row["efficiency"] == pytest.approx(0.9)
+    assert row["over_plain"] == pytest.approx(180 / 220)
+    assert row["fixed_over_plain_ms"] == pytest.approx(65.0) and row["fixed_ms"] == pytest.approx(55.0)
+    assert config_figures(one, one, plain)["efficiency"] == pytest.approx(1.0)
+    assert config_figures(two, None, plain)["efficiency"] is None, "no one-worker run: no efficiency"
+
+
+@pytest.mark.cluster
+@pytest.mark.heavy  # (under a minute on a quiet machine: one cluster, two short jobs of the mlp)
+@pytest.mark.timeout(600)
+def test_the_scaling_benchmark_writes_its_table_plot_and_prediction(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(
+        f"# Benchmarks\n\nintro kept\n\n{SCALING_START}\nold table\n{SCALING_END}\n\nanalysis kept\n"
+    )
+    raw = tmp_path / "benchmarks" / "scaling.json"
+    args = ["--workload", "mlp", "--workers", "1,2", "--data-servers", "2", "--steps", "12"]
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scaling", *args,
+         "--data-dir", str(tmp_path / "data"), "--raw", str(raw), "--docs", str(docs)],
+        cwd=ROOT, capture_output=True, text=True, timeout=540,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    r = json.loads(raw.read_text())
+    assert [(c["servers"], c["workers"]) for c in r["configs"]] == [(2, 1), (2, 2)]
+    for c in r["configs"]:
+        f = c["figures"]
+        assert f["samples_per_s"] > 0 and f["plain_step_ms"] > 0 and math.isfinite(f["fixed_ms"]), f
+        assert c["devices"] == ["cpu"] and len(c["runs"][0]["shard_ms"]) == 2, (
+            "both data servers hold parameters"
+        )
+    assert r["configs"][0]["figures"]["efficiency"] == pytest.approx(1.0)
+    assert r["model"] is not None, r.get("model_error")
+    assert {p["workers"] for p in r["predictions"]} == {64}
+    text = docs.read_text()
+    assert "intro kept" in text and "analysis kept" in text and "old table" not in text
+    assert "| 2 | 2 |" in text and "| predicted: data servers" in text
+    assert (tmp_path / "img" / "bench-scaling.png").stat().st_size > 10_000
