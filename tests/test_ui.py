@@ -46,17 +46,16 @@ def test_flow_run_page_shows_the_progress_artifact(
     progress = next(a for k, a in run.artifacts().items() if k.endswith("-progress"))
 
     page = f"{prefect_server.ui_url}/runs/flow-run/{run.id}"
-    dom = chromium(page, tmp_path, "--dump-dom")
+    # One browser run each page, for its DOM and its screenshot: the run graph on this page draws the
+    # artifact (a canvas: the screenshot shows it, the DOM cannot).
+    dom = chromium(page, tmp_path, "--dump-dom", f"--screenshot={screenshots / 'flow-run.png'}")
     assert flow_run["name"] in dom and "Completed" in dom and "Artifacts" in dom, (
         "the flow run's page rendered"
     )
-    # The run graph on this page draws the artifact (a canvas: the screenshot shows it, the DOM cannot).
-    chromium(page, tmp_path, f"--screenshot={screenshots / 'flow-run.png'}")
 
     # The "latest" listing gives the artifact key's collection; its latest_id is the artifact itself.
     artifact = f"{prefect_server.ui_url}/artifacts/artifact/{progress['latest_id']}"
-    dom = chromium(artifact, tmp_path, "--dump-dom")
+    dom = chromium(artifact, tmp_path, "--dump-dom", f"--screenshot={screenshots / 'progress-artifact.png'}")
     assert progress["key"] in dom and "Progress: 100%" in dom, "the progress artifact shows 100%"
     assert flow_run["name"] in dom, "and links the flow run it belongs to"
-    chromium(artifact, tmp_path, f"--screenshot={screenshots / 'progress-artifact.png'}")
     assert (screenshots / "flow-run.png").stat().st_size > 10_000
