@@ -151,36 +151,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         plains.append(plain)
                         runs.append(run)
                 if runs:
-                    configs.append(summarize(servers, workers, runs, plains))
-    param_bytes = WORKLOADS[workload].param_bytes()
-    for c in configs:
-        c["load_mb"] = scaling_model.shard_load_mb(c["workers"], c["servers"], param_bytes)
-        one = next((o for o in configs if o["servers"] == c["servers"] and o["workers"] == 1), None)
-        c["figures"] = scaling_model.config_figures(c, one, c["plain"])
+                    configs.append(
+                        {"servers": servers, "workers": workers, "runs": runs, "plain_runs": plains}
+                    )
     configs.sort(key=lambda c: (c["servers"], c["workers"]))
-    return {"configs": configs, "errors": errors, "param_bytes": param_bytes}
+    return {"configs": configs, "errors": errors, "param_bytes": WORKLOADS[workload].param_bytes()}
 
 
-def summarize(
-    servers: int, workers: int, runs: list[dict[str, Any]], plains: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """A configuration's figures: the medians over its repeats, and every run."""
-
-    def median(rows: list[dict[str, Any]], key: str) -> float | None:
-        values = [r[key] for r in rows if r.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    return {
-        "servers": servers,
-        "workers": workers,
-        "samples_per_s": median(runs, "samples_per_s"),
-        "step_ms": median(runs, "step_ms"),
-        "compute_ms": median(runs, "compute_ms"),
-        "plain": {"samples_per_s": median(plains, "samples_per_s"), "step_ms": median(plains, "step_ms")},
-        "devices": sorted({d for r in runs for d in r["devices"]}),
-        "runs": runs,
-        "plain_runs": plains,
-    }
+def derive(r: dict[str, Any]) -> None:
+    """Each configuration's row from its runs, then the model and its predictions (again from the raw runs
+    where `--report-only` asks)."""
+    for c in r["configs"]:
+        # The repeat of the median step, whole, with the plain loop measured next to it: a row's figures
+        # come from one moment of the machine (a mean of two repeats' rates is no rate of their steps).
+        pick = scaling_model.median_repeat([run["step_ms"] for run in c["runs"]])
+        run, plain = c["runs"][pick], c["plain_runs"][pick]
+        c.update({k: run[k] for k in ("samples_per_s", "step_ms", "compute_ms")})
+        c["plain"] = {k: plain[k] for k in ("samples_per_s", "step_ms")}
+        c["devices"] = sorted({d for x in c["runs"] for d in x["devices"]})
+        c["load_mb"] = scaling_model.shard_load_mb(c["workers"], c["servers"], r["param_bytes"])
+    for c in r["configs"]:
+        one = next((o for o in r["configs"] if o["servers"] == c["servers"] and o["workers"] == 1), None)
+        c["figures"] = scaling_model.config_figures(c, one, c["plain"])
+    r["devices"] = sorted({d for c in r["configs"] for d in c["devices"]})
+    model_and_predictions(r, r["predict"])
 
 
 def model_and_predictions(r: dict[str, Any], predict: int) -> None:
@@ -265,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--steps must be at least {2 * SKIP + 2}: the first {SKIP} are not counted")
     raw, docs = Path(args.raw), Path(args.docs)
     if args.report_only:
-        write(json.loads(raw.read_text()), raw, docs)
+        stored = json.loads(raw.read_text())
+        stored.setdefault("predict", args.predict)
+        derive(stored)
+        raw.write_text(json.dumps(stored, indent=1, default=str))
+        write(stored, raw, docs)
         return 0
     load_before = os.getloadavg()
     started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -281,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "repeats": args.repeats,
         "liveness_interval": args.liveness_interval,
-        "devices": sorted({d for c in measured["configs"] for d in c["devices"]}),
+        "predict": args.predict,
         **measured,
     }
-    model_and_predictions(r, args.predict)
+    derive(r)
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_text(json.dumps(r, indent=1, default=str))
     print(write(r, raw, docs))

@@ -40,6 +40,13 @@ def samples_for(steps: int, workers: int, servers: int, batch: int) -> int:
     return servers * per_server * batch
 
 
+def median_repeat(steps_ms: list[float]) -> int:
+    """The index of the repeat whose step is the median one (of two middle ones, the faster: the one the
+    machine's other work disturbed less)."""
+    order = sorted(range(len(steps_ms)), key=lambda i: steps_ms[i])
+    return order[(len(order) - 1) // 2]
+
+
 @dataclass(frozen=True)
 class FixedCostModel:
     """fixed(N, S) = base_ms + per_mb_ms * N * P / S (P in MB): see the module's docstring."""
@@ -212,6 +219,7 @@ def plot(r: dict[str, Any], path: Path) -> None:
                 right.plot(c["load_mb"], c["figures"]["fixed_ms"], "o", color=colors(i))
                 right.annotate(f"N={c['workers']}", (c["load_mb"], c["figures"]["fixed_ms"]), fontsize=7,
                                xytext=(3, 3), textcoords="offset points")  # fmt: skip
+    left.set_xticks(sorted({c["workers"] for c in r["configs"]}))
     left.set_xlabel("compute workers (N)")
     left.set_ylabel("samples/s (dotted: N x one worker's)")
     left.set_title(f"Throughput, {r['workload']}")

@@ -20,7 +20,14 @@ from benchmarks.report import END, START, figures
 from benchmarks.run import GROUPS
 from benchmarks.scaling import END as SCALING_END
 from benchmarks.scaling import START as SCALING_START
-from benchmarks.scaling_model import config_figures, fit_fixed_cost, predict, samples_for, shard_load_mb
+from benchmarks.scaling_model import (
+    config_figures,
+    fit_fixed_cost,
+    median_repeat,
+    predict,
+    samples_for,
+    shard_load_mb,
+)
 from prefect_elastic.schedule import Schedule
 
 from .conftest import rotated
@@ -345,6 +352,9 @@ def test_a_configurations_row_is_measured_against_one_worker_and_the_plain_loop(
     assert row["fixed_over_plain_ms"] == pytest.approx(65.0) and row["fixed_ms"] == pytest.approx(55.0)
     assert config_figures(one, one, plain)["efficiency"] == pytest.approx(1.0)
     assert config_figures(two, None, plain)["efficiency"] is None, "no one-worker run: no efficiency"
+    # Of repeats, the one of the median step stands for the configuration (of two, the faster).
+    assert median_repeat([900.0, 300.0, 450.0]) == 2
+    assert median_repeat([900.0, 300.0]) == 1 and median_repeat([300.0]) == 0
 
 
 @pytest.mark.cluster
