@@ -100,14 +100,17 @@ class SyncLoop:
                 unreachable.clear()
             except BackupWanted as asked:
                 # The step before stands open, a member's micro-batches missing: train this loop's part of
-                # them, then this step (whose answers the backup's push asks for). Asked once a step.
+                # them, then this step (whose answers the backup's push asks for). (Asked again, if the ids
+                # are still missing, only a wait later.)
                 ahead = None
                 if asked.step == step - 1:
                     batches = schedule.step_batches(asked.step)
                     mine = backup_share(asked.batch_ids, batches, role.rank, role.size)
                     backup = (asked.step, mine) if mine else None
             except StepPassed as passed:
-                # This loop was the straggler: the step was applied from the others' backup of its share.
+                # The shards went past the step this loop pushed or pulled: it was the straggler (the step
+                # was applied from the others' backup of its share), or its backup came after the step
+                # was applied.
                 ahead = None
                 step = min(catch_up(step, passed.version), schedule.total_steps)
             except ModelFailure as failure:
