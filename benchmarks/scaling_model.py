@@ -147,7 +147,7 @@ def markdown(r: dict[str, Any], plot: str | None) -> str:
     m = r["machine"]
     load = r["load"]
     lines = [
-        f"Made by `{r['command']}` on {r['started']}; raw figures in [`{r['raw_rel']}`]({r['raw_rel']}).",
+        f"Made by `{r['command']}`; raw figures in [`{r['raw_rel']}`]({r['raw_rel']}).",
         "",
         f"Machine: {m['cpus']} cores ({m['cpu_model']}), {m['memory_gib']:.0f} GiB, {m['device']}; "
         f"Python {m['python']}, torch {m['torch']}. Load averages (1, 5, 15 min) before the run "
