@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 # headless Chromium (the Prefect UI test; scripts/install-browser.sh), iptables and ip (the network
 # partitions).
 logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
 bash scripts/apt-install.sh slurmctld slurmd slurm-client munge postgresql-15 chromium iptables iproute2 \
   >"$logs/apt.log" 2>&1 &
 apt=$!
