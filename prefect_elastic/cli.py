@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefect-elastic", description="Elastic PyTorch training on Dask.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train on a local cluster while a worker is killed and one joins")
-    demo.add_argument("--policy", choices=["rollback", "reassign"], default="rollback")
+    demo.add_argument("--policy", choices=["rollback", "reassign"], default="reassign")
     demo.add_argument("--epochs", type=int, default=20)
     demo.add_argument(
         "--keep-server", action="store_true", help="keep the local Prefect server up at the end"

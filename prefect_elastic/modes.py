@@ -47,6 +47,9 @@ class Mode:
     # Gradients may be applied to newer parameters than they were computed on (the flow's summary shows
     # how stale, and how many candidate steps the workers took).
     stale_gradients: bool
+    # A micro-batch's gradients may leave in buckets during backward (`ElasticJob.overlap_push`): a shard
+    # sums them as they come and applies at the step's seals. Async mode applies each micro-batch whole.
+    overlaps_push: bool
 
     def describe(self, job: ElasticJob, schedule: Schedule, lease: int) -> str:
         """What the run is, as its start logs it."""
@@ -84,6 +87,7 @@ SYNC = Mode(
     shards_apart=False,
     coordinator_kept_while_silent=False,
     stale_gradients=False,
+    overlaps_push=True,
 )
 ASYNC = Mode(
     name="async",
@@ -95,6 +99,7 @@ ASYNC = Mode(
     shards_apart=True,
     coordinator_kept_while_silent=True,
     stale_gradients=True,
+    overlaps_push=False,
 )
 MODES = {m.name: m for m in (SYNC, ASYNC)}
 
@@ -105,3 +110,16 @@ def mode_of(name: str) -> Mode:
         return MODES[name]
     except KeyError:
         raise JobConfigError("mode", name, f"give one of {sorted(MODES)}") from None
+
+
+def mode_of_job(job: ElasticJob) -> Mode:
+    """The job's `Mode`, once its settings that only one mode has are checked against it."""
+    mode = mode_of(job.mode)
+    if job.overlap_push and not mode.overlaps_push:
+        raise JobConfigError(
+            "overlap_push",
+            True,
+            f"gradients leave during backward in sync mode only ({mode.name} mode applies each "
+            "micro-batch whole as it arrives): set mode='sync', or leave overlap_push off",
+        )
+    return mode

@@ -68,6 +68,11 @@ class ShardOptimizer:
         return [part.view(shape) for part, shape in zip(flat.split(self._sizes), self._shapes, strict=True)]
 
     @property
+    def numel(self) -> int:
+        """The elements of the shard's parameters, all together."""
+        return sum(self._sizes)
+
+    @property
     def flat(self) -> torch.Tensor | None:
         """The parameters as one flat tensor, in `names`' order (None where they are not held so)."""
         return self._flat

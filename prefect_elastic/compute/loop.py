@@ -124,6 +124,7 @@ def run_loop(
         with registered(spec.job_id, context.shards, context.data), dask_profiler_paused(worker):
             return loop.run(context)
     finally:
+        trainer.close()
         for link in (*context.shards, *context.data):
             link.close()
 

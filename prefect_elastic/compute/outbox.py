@@ -8,7 +8,7 @@ seals: a shard commits a step once every id of it is sealed, so no seal may leav
 step is still queued for any shard; else a kill could leave one shard with all its seals and another
 without a part, a version apart.
 
-Not wired into the loops yet: `write` is the link's (a frame written to its shard).
+Used by `bucket_push.py` where a job sets `overlap_push`; each writer posts a frame to its shard.
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ class Outbox(Generic[Item]):
                 self._lock.wait(left)
             if self._error is not None:
                 raise self._error
+
+    def reset(self) -> None:
+        """Forget the error a writer raised (the step it failed is over): the next step's items go out.
+        Items still queued are written first (`drain` before: none is, after an error)."""
+        with self._lock:
+            self._error = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the threads once what they are writing is written; the rest is dropped."""

@@ -32,6 +32,8 @@ class LoopStats:
     refused: int = 0
     # Sync mode: micro-batches trained as a backup for a member that did not push them (`stragglers.py`).
     backups: int = 0
+    # Sync mode with `overlap_push`: buckets of gradients sent during backward (`bucket_push.py`).
+    parts: int = 0
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds

@@ -23,6 +23,7 @@ from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
 from ..wire import Entry, Frame, ShardLink
+from .bucket_push import bucket_push_for
 from .device import micro_batch_seed, straggle
 from .frames import (
     PACK_BYTES,
@@ -103,6 +104,13 @@ class MicroBatchTrainer:
         # push instead of waiting for it (see `step`).
         self.stateless = [not pieces for pieces in self.plan]
         self.pull_wait = min(PULL_WAIT_SECONDS, spec.call_timeout / 2)
+        # Where the job asks for it, gradients leave bucket by bucket during backward (`bucket_push.py`).
+        self.bucket_push = bucket_push_for(spec.overlap_push, self.plan, meta)
+
+    def close(self) -> None:
+        """The loop ended: stop the threads that send buckets."""
+        if self.bucket_push is not None:
+            self.bucket_push.close()
 
     def then(
         self,
@@ -200,6 +208,7 @@ class MicroBatchTrainer:
         buffers = {n: t for n, t in state.items() if n not in params}
 
         following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
+        parted = self.bucket_push.gets_parts if self.bucket_push else [False] * len(self.plan)
         frames = [
             Frame(
                 {
@@ -211,30 +220,47 @@ class MicroBatchTrainer:
                     "then": None if stateless else then,
                     "order": names,  # the parameters a packed gradient covers (`gradient_entries`)
                     "backup": backup,
+                    "bucketed": bucketed,  # its gradients went before, in parts: this push seals them
                 }
             )
-            for then, names, stateless in zip(following, self.shard_params, self.stateless, strict=True)
+            for then, names, stateless, bucketed in zip(
+                following, self.shard_params, self.stateless, parted, strict=True
+            )
         ]
-        for b in share:
-            x, y = batches[b]
-            began = time.perf_counter()
-            loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
-            self.slow_down(time.perf_counter() - began)
-            # Every shard hears of every batch id (the losses name them), also a shard that holds no
-            # parameters or no buffers: each applies the step when it holds all of its batch ids.
-            for frame in frames:
-                frame.header["losses"][str(b)] = loss
-            # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
-            # takes them as one flat gradient without a copy (`shard_optimizer.py`).
-            for i in range(len(self.plan)):
-                pieces = self.pieces[i]
-                frames[i].tensors += gradient_entries(
-                    b, [(n, part(g[n], pieces[n])) for n in self.shard_params[i]], self.packed[i]
-                )
-                frames[i].tensors += [
-                    (Entry("buffer", b, n), part(bufs[n], pieces[n])) for n in self.buffer_order[i]
-                ]
-            lap("compute")
+        hooks = self.bucket_push.start(shards, gen, step, params) if self.bucket_push else None
+        try:
+            for b in share:
+                x, y = batches[b]
+                began = time.perf_counter()
+                if self.bucket_push is not None:
+                    self.bucket_push.micro_batch(b)
+                loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
+                if hooks is not None:
+                    # (The buckets backward did not reach go now: zeros, as `materialize_grads` gives.)
+                    stats.parts += len(hooks.finish())
+                self.slow_down(time.perf_counter() - began)
+                # Every shard hears of every batch id (the losses name them), also a shard that holds no
+                # parameters or no buffers: each applies the step when it holds all of its batch ids.
+                for frame in frames:
+                    frame.header["losses"][str(b)] = loss
+                # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
+                # takes them as one flat gradient without a copy (`shard_optimizer.py`).
+                for i in range(len(self.plan)):
+                    pieces = self.pieces[i]
+                    if not parted[i]:
+                        frames[i].tensors += gradient_entries(
+                            b, [(n, part(g[n], pieces[n])) for n in self.shard_params[i]], self.packed[i]
+                        )
+                    frames[i].tensors += [
+                        (Entry("buffer", b, n), part(bufs[n], pieces[n])) for n in self.buffer_order[i]
+                    ]
+                lap("compute")
+            if self.bucket_push is not None:
+                self.bucket_push.drain(timeout)  # every part written before any seal leaves
+        finally:
+            if hooks is not None and self.bucket_push is not None:
+                hooks.remove()
+                self.bucket_push.settle(timeout)
         del state, params, buffers, batches
         answers = pushes.deliver(
             shards, frames, gen, step, self.push_order, self.stateless, self.pull_wait, timeout

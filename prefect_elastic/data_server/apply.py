@@ -18,11 +18,14 @@ import collections
 import time
 from typing import Protocol
 
+import torch
+
 from ..errors import BackupWanted, FatalError, RecoverableError, StepPassed
 from ..messages import StepRecord, Tensors
 from ..schedule import Schedule
 from ..shard_optimizer import Gradient
 from ..stragglers import RECENT_STEPS, backup_after, backup_due_in
+from .bucketed import OpenBuckets
 from .hooks import ServerHooks
 from .records import OpenStep, async_verdict, push_refusal, replicas_kept_async, replicas_kept_sync
 from .state import ShardState
@@ -40,9 +43,23 @@ class StepApplies(Protocol):
         buffers: dict[int, Tensors],
         losses: dict[int, float],
         backup: bool = False,
+        bucketed: bool = False,
     ) -> None:
         """The gradients, buffers and losses of some batch ids of step `step` (sync mode); `backup`: trained
-        for a member that did not push them (`stragglers.py`)."""
+        for a member that did not push them (`stragglers.py`); `bucketed`: their gradients came before, in
+        parts (`part`), and this push seals them."""
+
+    async def part(
+        self,
+        generation: int,
+        step: int,
+        batch_id: int,
+        bucket: int,
+        bounds: list[list[int]],
+        run: torch.Tensor,
+    ) -> None:
+        """One micro-batch's gradient of one bucket of the shard's flat parameters (`bounds`: every
+        bucket's range), sent during backward (sync mode, `overlap_push`); never answered."""
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         """The parameters and buffers as of `step`, waiting up to `wait` s for them (sync mode). `asker`:
@@ -120,6 +137,7 @@ class SyncCommits:
         self._applied_at: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS + 1)
         # The positions in a step (micro-batch `j`) that the last step applied got from a backup.
         self._behind: set[int] = set()
+        self._parts = OpenBuckets(state.index)  # the open step's gradients where they come in parts
 
     async def push(
         self,
@@ -130,10 +148,13 @@ class SyncCommits:
         buffers: dict[int, Tensors],
         losses: dict[int, float],
         backup: bool = False,
+        bucketed: bool = False,
     ) -> None:
         """The push that completes step `step` applies it."""
         state = self._state
         state.check(generation, "push")
+        if self._parts.error is not None:
+            raise self._parts.error
         if step < state.version or (step == state.version and state.applying):
             # Applied (or being applied) without this push: its batch ids came from a backup.
             raise StepPassed(step, state.version + state.applying, state.index)
@@ -143,6 +164,9 @@ class SyncCommits:
         opened = self._open if step == state.version else self._later.setdefault(step, OpenStep())
         if opened.opened is None:
             opened.opened = time.monotonic()
+        if bucketed:
+            self._parts.check_sealed(generation, step, [int(b) for b in losses])
+            opened.bucketed = True
         for batch_id in losses:
             if self._schedule.step_of(batch_id) != step:
                 raise FatalError(f"gradient of batch {batch_id} pushed for step {step}")
@@ -155,6 +179,23 @@ class SyncCommits:
                 backup,
             )
         await self.advance()
+
+    async def part(
+        self,
+        generation: int,
+        step: int,
+        batch_id: int,
+        bucket: int,
+        bounds: list[list[int]],
+        run: torch.Tensor,
+    ) -> None:
+        """Summed into the open step's book; dropped when of another generation or step (`bucketed.py`)."""
+        state = self._state
+        # (Another generation's or step's is dropped: the seal after it on its connection is refused.)
+        if generation == state.generation and step == state.version and not state.applying:
+            numel = state.optimizer.numel if state.optimizer is not None else None
+            batches = self._schedule.step_batches(step)
+            self._parts.take(generation, step, batches, batch_id, bucket, bounds, numel, run)
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         """A worker asks for the next step's parameters right after pushing this step's gradients; the call
@@ -251,15 +292,20 @@ class SyncCommits:
             self._advancing = False
 
     def _open_step_complete(self) -> bool:
-        step = self._state.version
-        return step < self._schedule.total_steps and self._open.complete(
-            len(self._schedule.step_batches(step))
+        state = self._state
+        step = state.version
+        return (
+            step < self._schedule.total_steps
+            and self._open.complete(len(self._schedule.step_batches(step)))
+            and (not self._open.bucketed or self._parts.whole(state.generation, step))
         )
 
     async def _apply_step(self, step: int) -> None:
         state = self._state
         opened, self._open = self._open, OpenStep()
         _, grads, buffers = opened.in_order()
+        if opened.bucketed:
+            grads = [self._parts.mean()]  # (one gradient: `ShardOptimizer.step` takes it as the mean)
         state.applying = True
         done = self._step_applied = asyncio.get_running_loop().create_future()
         try:
@@ -291,6 +337,7 @@ class SyncCommits:
 
     def drop_open(self) -> None:
         self._open = OpenStep()
+        self._parts.drop()
         self._later.clear()
         self._behind = set()  # (a new generation's ranks hold other positions)
 
@@ -327,9 +374,22 @@ class AsyncApplies:
         buffers: dict[int, Tensors],
         losses: dict[int, float],
         backup: bool = False,
+        bucketed: bool = False,
     ) -> None:
         self._state.check(generation, "push")
         raise FatalError(f"shard {self._state.index} got a sync push in an async job")
+
+    async def part(
+        self,
+        generation: int,
+        step: int,
+        batch_id: int,
+        bucket: int,
+        bounds: list[list[int]],
+        run: torch.Tensor,
+    ) -> None:
+        self._state.check(generation, "push")
+        raise FatalError(f"shard {self._state.index} got a gradient in parts in an async job")
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         self._state.check(generation, "pull")

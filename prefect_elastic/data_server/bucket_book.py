@@ -154,6 +154,10 @@ class BucketBook:
         entry.applied = True
         entry.total = None
 
+    def missing_parts(self, batch_id: int) -> list[int]:
+        """The buckets of which no part of `batch_id` came."""
+        return [b for b, entry in enumerate(self._sums) if batch_id not in entry.taken]
+
     def seal(self, generation: int, step: int, batch_id: int, seal: Seal) -> bool:
         """A micro-batch's last frame here: every part of it came before it on the same connection (or
         from another member, for a duplicate id). False: that id was sealed already (a duplicate)."""
@@ -161,7 +165,7 @@ class BucketBook:
         if batch_id in self.sealed:
             self.duplicates += 1
             return False
-        missing = [b for b, entry in enumerate(self._sums) if batch_id not in entry.taken]
+        missing = self.missing_parts(batch_id)
         if missing:
             raise FatalError(f"batch {batch_id} sealed at shard {self.shard} without its buckets {missing}")
         self.sealed[batch_id] = seal

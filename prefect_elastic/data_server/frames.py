@@ -55,6 +55,18 @@ class ShardFrames:
             # Each tensor's place in the outline (`replica_outline`) goes as the entry's batch id.
             _, held = split_tensors(self._replicas.replica(int(header["source"]), int(header["version"])))
             return Frame({"ok": True}, [(Entry("replica", place, ""), t) for place, t in held], True)
+        if header["op"] == "part":
+            # A bucket of one micro-batch's gradient, sent during backward (quiet: nothing is answered).
+            ((_, run),) = frame.tensors
+            await self._applies.part(
+                generation,
+                int(header["step"]),
+                int(header["batch"]),
+                int(header["bucket"]),
+                header["bounds"],
+                run,
+            )
+            return Frame({"ok": True})
         if header["op"] == "push":
             grads: dict[int, Gradient] = {}
             buffers: dict[int, Tensors] = {}
@@ -73,6 +85,7 @@ class ShardFrames:
                 buffers,
                 losses,
                 bool(header.get("backup")),
+                bool(header.get("bucketed")),
             )
         then = header.get("then")
         if then is None:

@@ -30,6 +30,7 @@ class OpenStep:
     backed_up: set[int] = field(default_factory=set)  # batch ids whose gradient came from a backup
     told: dict[str, float] = field(default_factory=dict)  # worker -> when it was asked for a backup of it
     duplicates: int = 0  # later copies of a batch id's gradient, dropped
+    bucketed: bool = False  # its gradients came in parts, during the senders' backward (`bucketed.py`)
 
     def take(
         self, batch_id: int, worker: str, grads: Gradient, buffers: Tensors, loss: float, backup: bool = False

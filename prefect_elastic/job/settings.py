@@ -83,7 +83,9 @@ class ElasticJob(BaseModel):
     min_workers: int = 1
     min_workers_timeout: float = 60.0
     threads_per_worker: int = 1
-    on_membership_change: Literal["rollback", "reassign"] = "rollback"
+    # What a loss costs in sync mode: `reassign` trains the step in flight again, `rollback` (the classic
+    # rule) every step since the last snapshot. Both end with the same parameters; `reassign` loses less.
+    on_membership_change: Literal["rollback", "reassign"] = "reassign"
     seed: int = 0
     job_id: str = "prefect-elastic"
     call_timeout: float = 30.0
@@ -124,6 +126,10 @@ class ElasticJob(BaseModel):
     # elementwise (every built-in one does: `job.build.ELEMENTWISE_OPTIMIZERS`); True under another is
     # refused; False keeps every tensor whole. The trained numbers are the same either way.
     split_tensors: bool | None = None
+    # Sync mode: each micro-batch's gradients leave for the shards bucket by bucket while backward still
+    # runs, and each shard sums them as they come; the step commits when every micro-batch is sealed, as
+    # before (docs/design/overlapped-step.md). The trained numbers are the same either way.
+    overlap_push: bool = False
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -438,6 +444,7 @@ class ElasticJob(BaseModel):
             self.liveness_interval,
             self.threads_per_worker,
             self.micro_batches,
+            self.overlap_push,
         )
 
     @property

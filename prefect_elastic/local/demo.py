@@ -106,7 +106,7 @@ class ProgressLine:
 
 
 def run_demo(
-    policy: str = "rollback", epochs: int = 20, keep_server: bool = False, out: TextIO = sys.stdout
+    policy: str = "reassign", epochs: int = 20, keep_server: bool = False, out: TextIO = sys.stdout
 ) -> bool:
     def say(text: str) -> None:
         out.write(text + "\n")
@@ -225,7 +225,7 @@ def prefect_api(say: Callable[[str], None], keep: bool) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefect-elastic demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policy", choices=["rollback", "reassign"], default="rollback")
+    parser.add_argument("--policy", choices=["rollback", "reassign"], default="reassign")
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument(
         "--keep-server", action="store_true", help="keep the local Prefect server up at the end"

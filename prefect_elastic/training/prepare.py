@@ -14,7 +14,7 @@ from ..errors import (
     JobConfigError,
 )
 from ..job import ElasticJob, RoleSpecs
-from ..modes import Mode, mode_of
+from ..modes import Mode, mode_of_job
 from ..schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def prepare(job: ElasticJob | str | os.PathLike[str]) -> Prepared:
     if not isinstance(job, ElasticJob):
         job = ElasticJob.from_yaml(Path(job))
     dataset = job.check_inputs()
-    mode = mode_of(job.mode)
+    mode = mode_of_job(job)
     schedule = build_schedule(job, dataset, mode)
     layout, initial = job.initial_tensors()
     specs = job.role_specs

@@ -171,6 +171,17 @@ class ShardLink:
             self.close()
             raise
 
+    def post(self, frame: Frame) -> None:
+        """Send a frame the shard does not answer (its header says `quiet`): a bucket of gradients that
+        leaves during backward. What became of it, the frame after it on this connection says."""
+        if not frame.header.get("quiet"):
+            raise ValueError("post sends quiet frames only: the shard answers every other frame")
+        try:
+            _send_all(self._connected(), encode(frame, self.shared))
+        except BaseException:
+            self.close()
+            raise
+
     def receive(self, timeout: float | None = None, huge_pages: bool = True) -> Frame:
         """The answer to the last `send`; raises what the shard raised (stale generation, not ready,
         fatal) as the same error type. `huge_pages=False`: read it into memory of 4 KiB pages (a one-off
@@ -353,6 +364,12 @@ class ShardServer:
                 if frame is None:
                     return
                 began = time.perf_counter()
+                if frame.header.get("quiet"):
+                    # Unanswered (`ShardLink.post`): the handler keeps what went wrong for the next frame.
+                    with contextlib.suppress(Exception):
+                        await self.handler(frame)
+                    self.phases["handle"] += time.perf_counter() - began
+                    continue
                 try:
                     answer = await self.handler(frame)
                 except Exception as exc:

@@ -55,7 +55,7 @@ def test_defaults() -> None:
     assert (job.batch_size, job.micro_batches, job.epochs, job.data_servers) == (32, 4, 1, 2)
     assert (job.liveness_interval, job.min_workers, job.min_workers_timeout) == (1.0, 1, 60.0)
     assert job.threads_per_worker == 1
-    assert job.on_membership_change == "rollback"
+    assert job.on_membership_change == "reassign"
     assert job.seed == 0
     assert job.job_id == "prefect-elastic"
     assert job.call_timeout == 30.0

@@ -12,7 +12,8 @@ from prefect_elastic.coordinator import SyncCommits as SyncBook
 from prefect_elastic.data_server import AsyncApplies
 from prefect_elastic.data_server import SyncCommits as SyncApplies
 from prefect_elastic.errors import JobConfigError
-from prefect_elastic.modes import ASYNC, SYNC, mode_of
+from prefect_elastic.job import ElasticJob
+from prefect_elastic.modes import ASYNC, SYNC, mode_of, mode_of_job
 
 
 def test_each_mode_hands_every_role_its_part() -> None:
@@ -42,3 +43,11 @@ def test_the_controllers_own_decisions_differ_as_the_modes_do() -> None:
     assert SYNC.snapshot_every_checks(5, checkpointed=True, replicas=True) == 0
     assert ASYNC.shards_apart and not SYNC.shards_apart
     assert ASYNC.coordinator_kept_while_silent and not SYNC.coordinator_kept_while_silent
+
+
+def test_gradients_in_parts_are_refused_in_async_mode_naming_the_setting() -> None:
+    sync = ElasticJob(model="tests.models:mlp", dataset="file:///x.npz", overlap_push=True)
+    assert mode_of_job(sync) is SYNC
+    assert mode_of_job(sync.model_copy(update={"overlap_push": False, "mode": "async"})) is ASYNC
+    with pytest.raises(JobConfigError, match=r"overlap_push=True: .*sync mode only.*set mode='sync'"):
+        mode_of_job(sync.model_copy(update={"mode": "async"}))

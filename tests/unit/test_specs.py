@@ -39,6 +39,7 @@ FROM_THE_JOB: dict[type, dict[str, Any]] = {
         "liveness_interval": lambda j: j.liveness_interval,
         "threads_per_worker": lambda j: j.threads_per_worker,
         "micro_batches": lambda j: j.micro_batches,
+        "overlap_push": lambda j: j.overlap_push,
     },
     CheckpointSpec: {
         "job_id": lambda j: j.job_id,
@@ -75,6 +76,7 @@ def unusual_job(tmp_path: Path) -> ElasticJob:
         peer_replicas=False,
         mode="async",
         max_staleness=2,
+        overlap_push=True,  # (refused when the job is prepared: async mode pushes whole)
     )
 
 

@@ -1,0 +1,99 @@
+"""A sync step's gradients leaving bucket by bucket during backward (`ElasticJob.overlap_push`).
+
+`BucketPush` arms the backward hooks (`buckets.BucketHooks`) on the step's parameters; each bucket whose
+gradients are all in goes to its shard as a quiet frame (op `part`: the generation, the step, the batch
+id, the bucket and every bucket's range of the shard's flat parameters), written by the link's sender
+thread (`outbox.Outbox`) while backward goes on. The shard sums the parts in batch-id order as they come
+(`data_server/bucketed.py`). The step's push to each shard then carries no gradient: it seals the share's
+micro-batches (their losses and buffers, as before), and leaves only once every part is written (`drain`),
+so a shard never holds every seal of a step while another still misses a part (the step stays atomic
+across shards: docs/design/overlapped-step.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..data_server.bucket_plan import Bucket, plan_buckets
+from ..data_server.plan import Piece
+from ..wire import Entry, Frame, ShardLink
+from .buckets import BucketHooks
+from .outbox import Outbox
+
+
+class BucketPush:
+    """The parts of one compute loop's steps: `plan`, every shard's buckets (`plan_buckets`)."""
+
+    def __init__(self, plan: list[list[Bucket]]) -> None:
+        self.plan = plan
+        self.bounds = [[[b.start, b.stop] for b in buckets] for buckets in plan]
+        self.gets_parts = [bool(buckets) for buckets in plan]  # (a shard without parameters gets seals only)
+        self._links: list[ShardLink] = []
+        self._outbox: Outbox[Frame] | None = None
+        self._head: dict[str, Any] = {}
+        self._batch = -1
+
+    def start(
+        self, links: list[ShardLink], generation: int, step: int, leaves: Mapping[str, torch.Tensor]
+    ) -> BucketHooks:
+        """Arm the hooks on the step's `leaves` (the parameters gradients are taken of); `links`: the
+        connections to the shards, in shard order."""
+        self._links = links
+        if self._outbox is None:
+            self._outbox = Outbox([self._writer(i) for i in range(len(self.plan))], name="bucket-push")
+        self._head = {"op": "part", "quiet": True, "generation": generation, "step": step}
+        return BucketHooks(self.plan, leaves, self._send)
+
+    def micro_batch(self, batch_id: int) -> None:
+        """The micro-batch whose backward comes next."""
+        self._batch = batch_id
+
+    def drain(self, timeout: float) -> None:
+        """Wait until every part is written (raises a writer's error: the step failed)."""
+        assert self._outbox is not None
+        self._outbox.drain(timeout)
+
+    def settle(self, timeout: float) -> None:
+        """After a step, whatever became of it: no part is left being written (a loop that goes on to
+        another call on the same connections must be their only user), and a failed write is forgotten."""
+        if self._outbox is not None:
+            with contextlib.suppress(Exception):  # (the step failed already: its error is the one raised)
+                self._outbox.drain(timeout)
+            self._outbox.reset()
+
+    def close(self) -> None:
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
+
+    def _writer(self, shard: int) -> Any:
+        def write(frame: Frame) -> None:
+            self._links[shard].post(frame)
+
+        return write
+
+    def _send(self, bucket: Bucket, run: torch.Tensor) -> None:
+        assert self._outbox is not None
+        if run.device.type != "cpu":
+            run = run.cpu()  # (a GPU's buckets are copied out on a stream of their own: later)
+        header = {**self._head, "batch": self._batch, "bucket": bucket.index}
+        header["bounds"] = self.bounds[bucket.shard]
+        self._outbox.put(bucket.shard, Frame(header, [(Entry("part", self._batch, ""), run)]))
+
+
+def bucket_push_for(
+    overlap: bool, plan: Sequence[Sequence[Piece]], params: Mapping[str, torch.Tensor]
+) -> BucketPush | None:
+    """The loop's `BucketPush` where the job asks for it (`overlap`) and every shard's parameters are of
+    one dtype (a shard sums its parts into one flat run; a model of mixed dtypes pushes whole, as
+    before). `plan`: every shard's pieces; `params`: the model's parameters by name (meta tensors)."""
+    if not overlap:
+        return None
+    held = [[p for p in pieces if p.name in params] for pieces in plan]
+    if any(len({params[p.name].dtype for p in pieces}) > 1 for pieces in held):
+        return None
+    return BucketPush(plan_buckets(plan, params))
