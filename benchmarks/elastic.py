@@ -33,6 +33,7 @@ def make_job(
     policy: str = "rollback",
     job_id: str = "bench",
     mode: str = "sync",
+    overlap_push: bool = False,
 ) -> ElasticJob:
     # batch_size is per micro-batch: one micro-batch (128 unless the workload says otherwise) is exactly the
     # plain loop's step.
@@ -50,6 +51,7 @@ def make_job(
         threads_per_worker=THREADS,
         min_workers=1,
         mode=mode,
+        overlap_push=overlap_push,
     )
 
 
@@ -257,6 +259,7 @@ def steady(
     epochs: int,
     liveness_interval: float,
     workers: int = 1,
+    overlap_push: bool = False,
 ) -> dict[str, Any]:
     """`workers` compute workers, sync mode, one micro-batch (of the workload's batch) per worker and step.
     With one worker, the step of the plain loop, plus the framework; with two, the step of DDP with two
@@ -264,7 +267,7 @@ def steady(
     with pool.elastic(workers) as cluster:
         job = make_job(
             workload, data, micro_batches=workers, epochs=epochs, liveness_interval=liveness_interval,
-            job_id=f"steady-{workers}",
+            job_id=f"steady-{workers}", overlap_push=overlap_push,
         )  # fmt: skip
         result, wall = run(cluster, job)
     cost = fixed_cost(result)
@@ -274,6 +277,7 @@ def steady(
         "workers": workers,
         "micro_batches": job.micro_batches,
         "liveness_interval": liveness_interval,
+        "overlap_push": overlap_push,
         "steps": result.steps,
         "samples_per_s": steady_throughput(result),
         "snapshots": result.counters.get("snapshots", 0),

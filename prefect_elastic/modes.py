@@ -19,8 +19,9 @@ from .compute.sync_loop import SyncLoop
 from .coordinator.async_leases import AsyncLeases
 from .coordinator.commit_book import CommitBook
 from .coordinator.sync_commits import SyncCommits
-from .data_server.apply import ApplyMode, AsyncApplies
+from .data_server.apply import AsyncApplies
 from .data_server.apply import SyncCommits as SyncApplies
+from .data_server.step_applies import ApplyMode
 from .errors import JobConfigError
 from .job import ElasticJob
 from .schedule import Schedule

@@ -176,6 +176,36 @@ def gated_slow_mlp() -> nn.Module:
     return _GatedSlowMlp(*mlp())
 
 
+def waiting_marks() -> list[Path]:
+    """The marks of the processes waiting in `second_forward_gated_mlp`'s gate, one per process."""
+    return sorted(GATE.parent.glob(f"{GATE.name}.waiting-*"))
+
+
+class _SecondForwardGated(nn.Sequential):
+    # Forwards of this process so far: with two micro-batches a share, every second one is a share's last.
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        if type(self).calls % 2 == 0 and GATE.exists():
+            # The share's first micro-batch went through backward (its gradients left, where they leave
+            # during backward): say so with a mark named by this process, and wait.
+            mark = GATE.with_name(f"{GATE.name}.waiting-{os.getpid()}")
+            mark.touch()
+            try:
+                _wait_at_gate()
+            finally:
+                mark.unlink(missing_ok=True)
+        time.sleep(0.004)
+        return super().forward(x)
+
+
+def second_forward_gated_mlp() -> nn.Module:
+    """The mlp, waiting at the gate in every second forward of its process: with a share of two
+    micro-batches a step, the gate holds each member between its two micro-batches."""
+    return _SecondForwardGated(*mlp())
+
+
 class _EnvPacedMlp(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _wait_at_gate()

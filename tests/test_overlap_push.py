@@ -5,11 +5,15 @@ run bit for bit, with workers killed and joining, and every batch id once (docs/
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from prefect_elastic import train
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
+from prefect_elastic.messages import Progress
 
 from .conftest import (
     References,
@@ -18,6 +22,7 @@ from .conftest import (
     make_job,
     top_up,
 )
+from .models import GATE, waiting_marks
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 POLICIES = ["rollback", "reassign"]
@@ -37,3 +42,44 @@ def test_a_run_whose_gradients_leave_during_backward_gives_the_whole_push_runs_p
     # Every step's gradients went in parts, a bucket or more to each of the 2 shards (the loops that lived
     # to the end say so).
     assert result.loops and all(loop.parts >= 2 * loop.steps > 0 for loop in result.loops), result.loops
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_worker_killed_between_its_buckets_leaves_no_shard_committed(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    """Two members of two micro-batches a step each; from step 6 each waits between its two (the first
+    one's buckets sent to both shards, the second not computed) and one is SIGKILLed there. Every shard
+    holds parts of the open step and no seal of the killed member, so none commits it; the fence drops the
+    parts, and the members left train the step again: the whole-push run's parameters, bit for bit, and
+    every batch id once."""
+    top_up(cluster, 2)
+    job = make_job(
+        digits_url, policy, model="tests.models:second_forward_gated_mlp", overlap_push=True,
+        job_id=f"between-{policy}",
+    )  # fmt: skip
+    killed: dict[str, int] = {}
+
+    def kill_between_buckets(p: Progress) -> None:
+        if "pid" in killed or p.committed_steps < 6:
+            return
+        GATE.touch()
+        marks = waiting_marks()
+        if len(marks) == 2 and len(p.workers) == 2:  # both wait between their two micro-batches
+            killed.update(pid=int(marks[0].name.rsplit("-", 1)[1]), step=p.committed_steps)
+            os.kill(killed["pid"], signal.SIGKILL)
+            GATE.unlink()
+
+    try:
+        result = train(job, cluster=cluster, on_progress=kill_between_buckets)
+    finally:
+        GATE.unlink(missing_ok=True)
+        for mark in waiting_marks():
+            mark.unlink(missing_ok=True)
+    assert "pid" in killed, "both members waited between their micro-batches"
+    assert_same_parameters(result, reference(job.model_copy(update={"overlap_push": False})))
+    assert_ledger_exactly_once(result)
+    assert [e for e in result.membership_events() if e.left], "the killed member left"
+    dropped = sum(shard.get("parts_dropped", 0) for shard in result.shard_phases)
+    assert dropped >= 2, "each shard held parts of the open step, dropped by the fence"
+    assert all(shard["parts"] > 0 for shard in result.shard_phases), "both shards took parts"

@@ -15,11 +15,12 @@
 from __future__ import annotations
 
 from .actor import DataServer
-from .apply import ApplyMode, AsyncApplies, StepApplies, SyncCommits
+from .apply import AsyncApplies, SyncCommits
 from .hooks import NoHooks, ServerHooks
 from .plan import Piece, plan_pieces, plan_shards
 from .replicas import join_tensors, split_tensors, warm_standby
 from .state import INLINE_APPLY_ELEMENTS
+from .step_applies import ApplyMode, StepApplies
 
 __all__ = [
     "INLINE_APPLY_ELEMENTS",

@@ -46,12 +46,12 @@ from ..messages import ShardStatus, SnapshotInfo, Tensors
 from ..schedule import Schedule
 from ..shard_optimizer import Gradient, ShardOptimizer
 from ..wire import ChannelAddress, Frame, ShardServer, worker_tls
-from .apply import ApplyMode
 from .frames import ShardFrames
 from .hooks import hooks_of_this_worker
 from .partition import Partition
 from .replicas import Replicas, fetch_replica, split_tensors
 from .state import ShardState
+from .step_applies import ApplyMode
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,8 @@ class DataServer:
         `send`, and `apply` (the optimizer step within `handle`); `frames` counts the frames answered,
         `bodies_shared` and `bodies_socket` the frames with tensors by the way they came (`wire/inbox.py`),
         `params_in_place` the answers whose parameters a loop read in this shard's memory
-        (`wire/published.py`)."""
+        (`wire/published.py`); `parts` the buckets of gradients taken during the senders' backward, and
+        `parts_dropped` those a fence dropped with the open step (`bucketed.py`)."""
         server = self._server
         return {
             **(server.phases if server is not None else {}),
@@ -152,6 +153,8 @@ class DataServer:
             "bodies_shared": float(server.bodies["shared"] if server is not None else 0),
             "bodies_socket": float(server.bodies["socket"] if server is not None else 0),
             "params_in_place": float(server.bodies.get("referenced", 0) if server is not None else 0),
+            "parts": float(self.applies.parts_taken),
+            "parts_dropped": float(self.applies.parts_dropped),
         }
 
     async def close_channel(self) -> None:

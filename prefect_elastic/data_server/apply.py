@@ -1,4 +1,4 @@
-"""The step's apply on a shard, in its two modes: one Protocol (`StepApplies`), two implementations.
+"""The step's apply on a shard, in its two modes: two implementations of `StepApplies` (`step_applies.py`).
 
 - `SyncCommits` (sync mode): a step's gradients are collected from every worker's push, and the push that
   completes the step applies it, summed in batch-id order: the shard is a commit point of its own, with no
@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import Protocol
 
 import torch
 
@@ -29,92 +28,6 @@ from .bucketed import OpenBuckets
 from .hooks import ServerHooks
 from .records import OpenStep, async_verdict, push_refusal, replicas_kept_async, replicas_kept_sync
 from .state import ShardState
-
-
-class StepApplies(Protocol):
-    """How a shard takes gradients and applies them, and what that means for a fence and its replicas."""
-
-    async def push(
-        self,
-        generation: int,
-        step: int,
-        worker: str,
-        grads: dict[int, Gradient],
-        buffers: dict[int, Tensors],
-        losses: dict[int, float],
-        backup: bool = False,
-        bucketed: bool = False,
-    ) -> None:
-        """The gradients, buffers and losses of some batch ids of step `step` (sync mode); `backup`: trained
-        for a member that did not push them (`stragglers.py`); `bucketed`: their gradients came before, in
-        parts (`part`), and this push seals them."""
-
-    async def part(
-        self,
-        generation: int,
-        step: int,
-        batch_id: int,
-        bucket: int,
-        bounds: list[list[int]],
-        run: torch.Tensor,
-    ) -> None:
-        """One micro-batch's gradient of one bucket of the shard's flat parameters (`bounds`: every
-        bucket's range), sent during backward (sync mode, `overlap_push`); never answered."""
-
-    async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
-        """The parameters and buffers as of `step`, waiting up to `wait` s for them (sync mode). `asker`:
-        the worker that asks, which may be asked instead to train the micro-batches the step before lacks
-        (`BackupWanted`); None: never."""
-
-    async def apply_one(
-        self,
-        generation: int,
-        worker: str,
-        batch_id: int,
-        computed_on: int,
-        grads: Tensors,
-        buffers: Tensors,
-        loss: float,
-    ) -> tuple[str, int]:
-        """One micro-batch's gradient, applied at once (async mode): the outcome and its staleness."""
-
-    async def current(self, generation: int) -> tuple[int, Tensors]:
-        """The version and a copy of the parameters and buffers as they are now (async mode)."""
-
-    async def current_for_answer(self, generation: int) -> tuple[int, Tensors]:
-        """`current`, for a frame's answer (no copy where that is safe)."""
-
-    async def advance(self) -> None:
-        """Apply what is complete and no hold keeps (after a hold is lifted or raised)."""
-
-    async def settle(self) -> int:
-        """For a fence: the apply under way ends, the gradients held of unapplied steps are dropped;
-        returns how many of the open step's there were."""
-
-    def drop_open(self) -> None:
-        """A restore: the gradients held of unapplied steps are dropped."""
-
-    def reset(self) -> None:
-        """The shard took a whole new state (a promotion): nothing held of the old one counts."""
-
-    @property
-    def pending(self) -> int:
-        """The micro-batches of the open step whose gradients the shard holds."""
-
-    def applied_from(self, first: int) -> tuple[int, ...] | None:
-        """The batch ids applied here from `first` on, for a rebuilt coordinator (None: not kept)."""
-
-    def replicas_kept(self, versions: list[int], keep: int) -> set[int]:
-        """Of the copies of the peer's snapshots (by version), the ones to keep."""
-
-
-class ApplyMode(Protocol):
-    """What a mode gives a data server (`Mode.applies`): makes the apply of one shard."""
-
-    def __call__(
-        self, state: ShardState, schedule: Schedule, hooks: ServerHooks, max_staleness: int
-    ) -> StepApplies: ...
-
 
 # How often a pull that waits looks again whether a backup is due, while a member is behind (a push does
 # not wake it).
@@ -348,6 +261,14 @@ class SyncCommits:
     def pending(self) -> int:
         return len(self._open.grads)
 
+    @property
+    def parts_taken(self) -> int:
+        return self._parts.taken
+
+    @property
+    def parts_dropped(self) -> int:
+        return self._parts.dropped
+
     def applied_from(self, first: int) -> tuple[int, ...] | None:
         return None  # (the steps' records say what was applied)
 
@@ -490,6 +411,8 @@ class AsyncApplies:
     @property
     def pending(self) -> int:
         return 0
+
+    parts_taken = parts_dropped = 0  # (gradients never come in parts in async mode)
 
     def applied_from(self, first: int) -> tuple[int, ...] | None:
         # (Async commits run close to the lowest open id: few ids lie above it.)

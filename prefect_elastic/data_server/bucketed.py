@@ -47,6 +47,8 @@ class OpenBuckets:
         self.book: BucketBook | None = None
         self._bounds: list[list[int]] = []
         self.error: FatalError | None = None  # a part that did not fit, raised at the next push
+        self.taken = 0  # parts taken into a step's sums (duplicates left out)
+        self.dropped = 0  # parts dropped with an open step (a fence, a restore)
 
     def take(
         self,
@@ -71,7 +73,8 @@ class OpenBuckets:
                 self._bounds = bounds
             elif bounds != self._bounds:
                 raise FatalError(f"a part of shard {self.shard} with buckets {bounds}, not {self._bounds}")
-            self.book.take(generation, step, batch_id, bucket, run)
+            if self.book.take(generation, step, batch_id, bucket, run) != "duplicate":
+                self.taken += 1
         except FatalError as exc:
             self.error = self.error or exc
 
@@ -105,4 +108,7 @@ class OpenBuckets:
         return runs[0] if len(runs) == 1 else torch.cat(runs)
 
     def drop(self) -> None:
+        """A fence or a restore: the open step's parts are dropped (its seals, if any, with it)."""
+        if self.book is not None:
+            self.dropped += self.book.parts_held
         self.book = None

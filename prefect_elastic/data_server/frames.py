@@ -17,9 +17,9 @@ from ..errors import FatalError
 from ..messages import Tensors
 from ..shard_optimizer import Gradient
 from ..wire import Entry, Frame, error_header
-from .apply import StepApplies
 from .replicas import Replicas, split_tensors
 from .state import ShardState
+from .step_applies import StepApplies
 
 BatchReader = Callable[[int, int], Awaitable[tuple[torch.Tensor, torch.Tensor]]]
 

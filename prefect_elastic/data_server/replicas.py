@@ -23,8 +23,8 @@ from ..errors import FatalError
 from ..job import ShardSpec
 from ..messages import direct
 from ..wire import ChannelAddress, Frame, ShardLink, worker_tls
-from .apply import StepApplies
 from .state import ShardState, Snapshot
+from .step_applies import StepApplies
 
 log = logging.getLogger(__name__)
 

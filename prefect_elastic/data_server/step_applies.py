@@ -1,0 +1,108 @@
+"""What a shard's apply is to the rest of the data server (`StepApplies`), whichever mode's it is
+(`apply.py`: `SyncCommits` in sync mode, `AsyncApplies` in async mode), and what makes one (`ApplyMode`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..messages import Tensors
+from ..schedule import Schedule
+from ..shard_optimizer import Gradient
+from .hooks import ServerHooks
+from .state import ShardState
+
+
+class StepApplies(Protocol):
+    """How a shard takes gradients and applies them, and what that means for a fence and its replicas."""
+
+    async def push(
+        self,
+        generation: int,
+        step: int,
+        worker: str,
+        grads: dict[int, Gradient],
+        buffers: dict[int, Tensors],
+        losses: dict[int, float],
+        backup: bool = False,
+        bucketed: bool = False,
+    ) -> None:
+        """The gradients, buffers and losses of some batch ids of step `step` (sync mode); `backup`: trained
+        for a member that did not push them (`stragglers.py`); `bucketed`: their gradients came before, in
+        parts (`part`), and this push seals them."""
+
+    async def part(
+        self,
+        generation: int,
+        step: int,
+        batch_id: int,
+        bucket: int,
+        bounds: list[list[int]],
+        run: torch.Tensor,
+    ) -> None:
+        """One micro-batch's gradient of one bucket of the shard's flat parameters (`bounds`: every
+        bucket's range), sent during backward (sync mode, `overlap_push`); never answered."""
+
+    async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
+        """The parameters and buffers as of `step`, waiting up to `wait` s for them (sync mode). `asker`:
+        the worker that asks, which may be asked instead to train the micro-batches the step before lacks
+        (`BackupWanted`); None: never."""
+
+    async def apply_one(
+        self,
+        generation: int,
+        worker: str,
+        batch_id: int,
+        computed_on: int,
+        grads: Tensors,
+        buffers: Tensors,
+        loss: float,
+    ) -> tuple[str, int]:
+        """One micro-batch's gradient, applied at once (async mode): the outcome and its staleness."""
+
+    async def current(self, generation: int) -> tuple[int, Tensors]:
+        """The version and a copy of the parameters and buffers as they are now (async mode)."""
+
+    async def current_for_answer(self, generation: int) -> tuple[int, Tensors]:
+        """`current`, for a frame's answer (no copy where that is safe)."""
+
+    async def advance(self) -> None:
+        """Apply what is complete and no hold keeps (after a hold is lifted or raised)."""
+
+    async def settle(self) -> int:
+        """For a fence: the apply under way ends, the gradients held of unapplied steps are dropped;
+        returns how many of the open step's there were."""
+
+    def drop_open(self) -> None:
+        """A restore: the gradients held of unapplied steps are dropped."""
+
+    def reset(self) -> None:
+        """The shard took a whole new state (a promotion): nothing held of the old one counts."""
+
+    @property
+    def pending(self) -> int:
+        """The micro-batches of the open step whose gradients the shard holds."""
+
+    @property
+    def parts_taken(self) -> int:
+        """Buckets of gradients taken during the senders' backward (`bucketed.py`)."""
+
+    @property
+    def parts_dropped(self) -> int:
+        """Of those, the ones a fence or a restore dropped with their open step."""
+
+    def applied_from(self, first: int) -> tuple[int, ...] | None:
+        """The batch ids applied here from `first` on, for a rebuilt coordinator (None: not kept)."""
+
+    def replicas_kept(self, versions: list[int], keep: int) -> set[int]:
+        """Of the copies of the peer's snapshots (by version), the ones to keep."""
+
+
+class ApplyMode(Protocol):
+    """What a mode gives a data server (`Mode.applies`): makes the apply of one shard."""
+
+    def __call__(
+        self, state: ShardState, schedule: Schedule, hooks: ServerHooks, max_staleness: int
+    ) -> StepApplies: ...
