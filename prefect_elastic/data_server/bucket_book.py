@@ -39,6 +39,7 @@ class _BucketSum:
     held: dict[int, torch.Tensor] = field(default_factory=dict)  # parts of ids past those, by id
     taken: set[int] = field(default_factory=set)  # every id whose part came (folded or held)
     applied: bool = False
+    out: torch.Tensor | None = None  # where the sum goes, if the shell gave the book a flat tensor
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,29 @@ class BucketBook:
     step's `batch_ids`."""
 
     def __init__(
-        self, shard: int, sizes: Sequence[int], generation: int, step: int, batch_ids: Sequence[int]
+        self,
+        shard: int,
+        sizes: Sequence[int],
+        generation: int,
+        step: int,
+        batch_ids: Sequence[int],
+        out: torch.Tensor | None = None,
     ) -> None:
+        """`out`: a flat tensor of all the buckets' elements, in order, that the sums are written into
+        (the first part of each bucket copied there rather than cloned): the buckets' means then lie
+        back to back in it, and a part is let go of as soon as it is summed (a part may be a view of
+        memory its sender waits to reuse: `wire/inbox.py`)."""
         if not batch_ids or len(set(batch_ids)) != len(batch_ids):
             raise FatalError(f"step {step} of batch ids {list(batch_ids)}")
+        if out is not None and (out.dim() != 1 or out.numel() != sum(sizes)):
+            raise FatalError(f"a sum of {tuple(out.shape)} elements for buckets of {sum(sizes)}")
         self.shard = shard
         self.sizes = tuple(sizes)
         self.generation = generation
         self.step = step
         self.ids = tuple(sorted(batch_ids))
-        self._sums = [_BucketSum() for _ in self.sizes]
+        runs = out.split(self.sizes) if out is not None else [None] * len(self.sizes)
+        self._sums = [_BucketSum(out=run) for run in runs]
         self.sealed: dict[int, Seal] = {}
         self.duplicates = 0  # parts and seals of an id that came already (another member's copy of it)
 
@@ -119,7 +133,10 @@ class BucketBook:
         while entry.folded < count and self.ids[entry.folded] in entry.held:
             part = entry.held.pop(self.ids[entry.folded])
             if entry.total is None:
-                entry.total = part if count == 1 else part.clone()
+                if entry.out is not None:
+                    entry.total = entry.out.copy_(part)
+                else:
+                    entry.total = part if count == 1 else part.clone()
             else:
                 entry.total.add_(part)
             entry.folded += 1
@@ -204,7 +221,7 @@ class BucketBook:
             self.parts_held,
             tuple(sorted(self.sealed)),
         )
-        self._sums = [_BucketSum() for _ in self.sizes]
+        self._sums = [_BucketSum(out=entry.out) for entry in self._sums]
         self.sealed = {}
         return undone
 

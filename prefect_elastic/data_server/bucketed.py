@@ -47,6 +47,9 @@ class OpenBuckets:
         self.book: BucketBook | None = None
         self._bounds: list[list[int]] = []
         self.error: FatalError | None = None  # a part that did not fit, raised at the next push
+        # The sums of every open step, one after the other: a step's parts come only once the step before
+        # is applied (they need its parameters), so its gradient is never read after that.
+        self._out: torch.Tensor | None = None
         self.taken = 0  # parts taken into a step's sums (duplicates left out)
         self.dropped = 0  # parts dropped with an open step (a fence, a restore)
 
@@ -67,9 +70,10 @@ class OpenBuckets:
             if numel is None:
                 raise FatalError(f"a gradient in parts for shard {self.shard}, which holds no parameters")
             if self.book is None or (self.book.generation, self.book.step) != (generation, step):
-                self.book = BucketBook(
-                    self.shard, bucket_sizes(bounds, numel, self.shard), generation, step, batch_ids
-                )
+                sizes = bucket_sizes(bounds, numel, self.shard)
+                if self._out is None or self._out.dtype != run.dtype or self._out.numel() != numel:
+                    self._out = torch.empty(numel, dtype=run.dtype)
+                self.book = BucketBook(self.shard, sizes, generation, step, batch_ids, self._out)
                 self._bounds = bounds
             elif bounds != self._bounds:
                 raise FatalError(f"a part of shard {self.shard} with buckets {bounds}, not {self._bounds}")
@@ -105,6 +109,10 @@ class OpenBuckets:
         if book is None:
             raise FatalError(f"shard {self.shard} applies a step whose gradients came in parts, but has none")
         runs = [book.gradient(k) for k in range(len(book.sizes))]
+        if self._out is not None and all(
+            r.data_ptr() == o.data_ptr() for r, o in zip(runs, self._out.split(book.sizes), strict=True)
+        ):
+            return self._out  # (the sums lie back to back in it: no copy)
         return runs[0] if len(runs) == 1 else torch.cat(runs)
 
     def drop(self) -> None:
