@@ -33,7 +33,7 @@ def make_job(
     policy: str = "rollback",
     job_id: str = "bench",
     mode: str = "sync",
-    overlap_push: bool = False,
+    overlap_push: bool | None = None,
 ) -> ElasticJob:
     # batch_size is per micro-batch: one micro-batch (128 unless the workload says otherwise) is exactly the
     # plain loop's step.
@@ -259,7 +259,7 @@ def steady(
     epochs: int,
     liveness_interval: float,
     workers: int = 1,
-    overlap_push: bool = False,
+    overlap_push: bool | None = None,
 ) -> dict[str, Any]:
     """`workers` compute workers, sync mode, one micro-batch (of the workload's batch) per worker and step.
     With one worker, the step of the plain loop, plus the framework; with two, the step of DDP with two

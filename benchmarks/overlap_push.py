@@ -53,6 +53,10 @@ def measure(pool: elastic.ClusterPool, workload: str, workdir: Path, repeats: in
                 fixed[kind].append(run.get("fixed_ms") or float("nan"))
             got[kind].append(run["samples_per_s"])
             print(f"{workload} #{i} {kind}: {run['samples_per_s']:.1f} samples/s", flush=True)
+            if kind != "plain":  # (where the step's time went: the loop's phases and the shards', ms a step)
+                phases = {k: round(v, 1) for k, v in run.get("phase_ms", {}).items()}
+                shards = [{k: round(v, 1) for k, v in s.items()} for s in run.get("shard_ms", [])]
+                print(f"  step {run.get('step_ms', 0):.1f} ms; loop {phases}; shards {shards}", flush=True)
     return {
         "workload": workload,
         "samples_per_s": {k: statistics.median(v) for k, v in got.items()},

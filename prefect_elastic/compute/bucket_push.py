@@ -24,6 +24,12 @@ from ..wire import Entry, Frame, ShardLink
 from .buckets import BucketHooks
 from .outbox import Outbox
 
+# Where `overlap_push` is left to the engine, a model of this many bytes of parameters or more sends its
+# gradients during backward. Measured side by side (docs/benchmarks.md, one worker): the 45 MB ResNet-18's
+# fixed cost a step went from 37.5 to 21.7 ms, while models of 3 MB and less paid 0.6 to 1.2 ms more a
+# step for the extra frames and the sender thread than the overlap saved.
+OVERLAP_MIN_BYTES = 16 * 2**20
+
 
 class BucketPush:
     """The parts of one compute loop's steps: `plan`, every shard's buckets (`plan_buckets`)."""
@@ -86,14 +92,16 @@ class BucketPush:
 
 
 def bucket_push_for(
-    overlap: bool, plan: Sequence[Sequence[Piece]], params: Mapping[str, torch.Tensor]
+    overlap: bool | None, plan: Sequence[Sequence[Piece]], params: Mapping[str, torch.Tensor]
 ) -> BucketPush | None:
-    """The loop's `BucketPush` where the job asks for it (`overlap`) and every shard's parameters are of
-    one dtype (a shard sums its parts into one flat run; a model of mixed dtypes pushes whole, as
-    before). `plan`: every shard's pieces; `params`: the model's parameters by name (meta tensors)."""
-    if not overlap:
-        return None
+    """The loop's `BucketPush` where the job asks for it (`overlap`; None: for a model of
+    `OVERLAP_MIN_BYTES` or more) and every shard's parameters are of one dtype (a shard sums its parts
+    into one flat run; a model of mixed dtypes pushes whole, as before). `plan`: every shard's pieces;
+    `params`: the model's parameters by name (meta tensors)."""
     held = [[p for p in pieces if p.name in params] for pieces in plan]
+    size = sum(p.numel * params[p.name].element_size() for pieces in held for p in pieces)
+    if overlap is False or (overlap is None and size < OVERLAP_MIN_BYTES):
+        return None
     if any(len({params[p.name].dtype for p in pieces}) > 1 for pieces in held):
         return None
     return BucketPush(plan_buckets(plan, params))

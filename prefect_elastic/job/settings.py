@@ -128,8 +128,10 @@ class ElasticJob(BaseModel):
     split_tensors: bool | None = None
     # Sync mode: each micro-batch's gradients leave for the shards bucket by bucket while backward still
     # runs, and each shard sums them as they come; the step commits when every micro-batch is sealed, as
-    # before (docs/design/overlapped-step.md). The trained numbers are the same either way.
-    overlap_push: bool = False
+    # before (docs/design/overlapped-step.md). The trained numbers are the same either way. None: on for a
+    # model of 16 MiB of parameters or more, where it pays (docs/benchmarks.md); a small model's step
+    # pays more for the extra frames than the overlap saves.
+    overlap_push: bool | None = None
 
     def __init__(self, **data: Any) -> None:
         try:

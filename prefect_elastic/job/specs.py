@@ -72,7 +72,7 @@ class LoopSpec:
     liveness_interval: float  # the pause before asking the coordinator for a role again after a failure
     threads_per_worker: int  # torch's threads in the loop's worker
     micro_batches: int  # async mode: the least batch ids a lease asks for
-    overlap_push: bool = False  # sync mode: gradients leave bucket by bucket during backward
+    overlap_push: bool | None = None  # sync mode: gradients leave in buckets during backward (None: if big)
 
 
 @dataclass(frozen=True)

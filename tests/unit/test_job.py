@@ -56,6 +56,7 @@ def test_defaults() -> None:
     assert (job.liveness_interval, job.min_workers, job.min_workers_timeout) == (1.0, 1, 60.0)
     assert job.threads_per_worker == 1
     assert job.on_membership_change == "reassign"
+    assert job.overlap_push is None  # (on for a model of 16 MiB or more)
     assert job.seed == 0
     assert job.job_id == "prefect-elastic"
     assert job.call_timeout == 30.0
