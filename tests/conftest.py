@@ -340,7 +340,7 @@ ROTATED_AXES: tuple[tuple[str, ...], ...] = (
     ("sync-rollback", "sync-reassign", "async-reassign"),
     ("rollback", "reassign"),
     ("data-server", "coordinator"),
-    ("gpu-check", "user-model"),
+    ("gpu-check", "user-model", "overlap-push"),
     ("no-nanny", "nanny"),  # ("-no-nanny-" holds "-nanny-": the longer first)
     ("sqlite", "postgres"),
 )

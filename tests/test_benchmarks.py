@@ -233,11 +233,30 @@ def test_smoke_run_of_one_group_writes_its_figures_into_the_stored_ones(tmp_path
 
 
 @pytest.mark.cluster
-@pytest.mark.heavy  # (a minute or two on 2 cores; one of the two a CI run, in turn: conftest.ROTATED_AXES)
+@pytest.mark.heavy  # (a minute or two on 2 cores; one of them a CI run, in turn: conftest.ROTATED_AXES)
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tool", ["gpu-check", "user-model"])
+@pytest.mark.parametrize("tool", ["gpu-check", "user-model", "overlap-push"])
 def test_a_benchmark_tool_runs(tmp_path: Path, tool: str) -> None:
-    {"gpu-check": check_the_gpu_check, "user-model": check_a_users_own_model}[tool](tmp_path)
+    checks = {"gpu-check": check_the_gpu_check, "user-model": check_a_users_own_model}
+    checks["overlap-push"] = check_the_overlap_push_benchmark
+    checks[tool](tmp_path)
+
+
+def check_the_overlap_push_benchmark(tmp_path: Path) -> None:
+    """`python -m benchmarks.overlap_push`: the whole push, the overlapped one and the plain loop side by
+    side, their row written between the marks of the docs it is given, the text around kept."""
+    from benchmarks.overlap_push import END, START, main
+
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"intro kept\n{START}\nold table\n{END}\nanalysis kept\n")
+    args = ["--smoke", "--workloads", "mlp", "--repeats", "1", "--docs", str(docs)]
+    assert main([*args, "--data-dir", str(tmp_path)]) == 0
+    text = docs.read_text()
+    assert "intro kept" in text and "analysis kept" in text and "old table" not in text
+    (row,) = [line for line in text.splitlines() if line.startswith("| mlp |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(float(c) > 0 for c in cells[1:7]), row  # samples/s and ratios of the three kinds
+    assert all(float(ms) > 0 for ms in cells[7].split(" / ")), row  # the fixed costs, whole and overlapped
 
 
 def check_the_gpu_check(tmp_path: Path) -> None:
