@@ -158,7 +158,7 @@ class Workload:
         torch.manual_seed(0)
         makers = {
             "cnn": cnn, "cnn-20": cnn20, "transformer": transformer, "mlp": mlp, "cnn-gpu": cnn_gpu,
-            "resnet18": resnet18,
+            "resnet18": resnet18, "mlp-50": mlp50,
         }  # fmt: skip
         return makers[self.name]()
 
@@ -180,6 +180,13 @@ def wide_mlp() -> nn.Module:
     )
 
 
+def mlp50() -> nn.Module:
+    """784-3200-3200-10: an MLP of 51 MB of parameters, where moving the bytes is most of a step's cost."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(784, 3200), nn.ReLU(), nn.Linear(3200, 3200), nn.ReLU(), nn.Linear(3200, 10)
+    )
+
+
 def wide_mlp_smoke() -> nn.Module:
     """784-1000-1000-10: `wide_mlp`'s shape with a shard of 8 MB, for the smoke run (`--smoke`)."""
     return nn.Sequential(
@@ -194,6 +201,7 @@ WORKLOADS = {
         "transformer", "benchmarks.workloads:transformer", "torch's TransformerEncoder, light compute"
     ),
     "mlp": Workload("mlp", "benchmarks.workloads:mlp", "communication-bound"),
+    "mlp-50": Workload("mlp-50", "benchmarks.workloads:mlp50", "an MLP of 51 MB, communication-bound"),
     "cnn-gpu": Workload("cnn-gpu", "benchmarks.workloads:cnn_gpu", "compute-bound on a GPU (GPU runs only)"),
     "resnet18": Workload(
         "resnet18",
