@@ -12,7 +12,6 @@ across shards: docs/design/overlapped-step.md).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,15 +62,25 @@ class BucketPush:
         assert self._outbox is not None
         self._outbox.drain(timeout)
 
-    def settle(self, timeout: float) -> None:
-        """After a step, whatever became of it: no part is left being written (a loop that goes on to
-        another call on the same connections must be their only user), and a failed write is forgotten."""
-        if self._outbox is not None:
-            with contextlib.suppress(Exception):  # (the step failed already: its error is the one raised)
-                self._outbox.drain(timeout)
-            self._outbox.reset()
+    def settle(self) -> None:
+        """After a step, whatever became of it: no part is left being written, since the loop goes on to
+        other calls on the same connections, whose only user it must then be. A step that ended with parts
+        queued or being written, or a write failed, leaves no sender behind: the connections that carried
+        parts are shut (a write blocked on one fails at once), the senders joined, their queues dropped,
+        and the connections closed, so the next call opens fresh ones."""
+        outbox = self._outbox
+        if outbox is None or not outbox.broken:
+            return
+        links = [link for link, parted in zip(self._links, self.gets_parts, strict=False) if parted]
+        for link in links:
+            link.interrupt()
+        outbox.close()
+        self._outbox = None
+        for link in links:
+            link.close()
 
     def close(self) -> None:
+        """The loop ended: stop the senders (`settle` left none writing)."""
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None

@@ -42,16 +42,21 @@ class Outbox(Generic[Item]):
             thread.start()
 
     def put(self, link: int, item: Item) -> None:
-        """Queue `item` for link `link`. Raises the error a writer raised before (the step has failed:
-        computing on would only queue what no shard will take)."""
+        """Queue `item` for link `link`. After a writer's error (the step has failed) or once closed, the
+        item is dropped: `put` runs inside backward (a hook), where an exception would be taken for the
+        model's; `drain` raises the writer's error once backward is over."""
         with self._lock:
-            if self._error is not None:
-                raise self._error
-            if self._closed:
-                raise RecoverableError("the outbox is closed")
+            if self._error is not None or self._closed:
+                return
             self._queues[link].append(item)
             self._pending += 1
             self._lock.notify_all()
+
+    @property
+    def broken(self) -> bool:
+        """Whether a writer raised, or items are still queued or being written."""
+        with self._lock:
+            return self._error is not None or self._pending > 0
 
     @property
     def pending(self) -> int:
@@ -71,12 +76,6 @@ class Outbox(Generic[Item]):
                 self._lock.wait(left)
             if self._error is not None:
                 raise self._error
-
-    def reset(self) -> None:
-        """Forget the error a writer raised (the step it failed is over): the next step's items go out.
-        Items still queued are written first (`drain` before: none is, after an error)."""
-        with self._lock:
-            self._error = None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the threads once what they are writing is written; the rest is dropped."""

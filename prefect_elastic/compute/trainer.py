@@ -260,7 +260,7 @@ class MicroBatchTrainer:
         finally:
             if hooks is not None and self.bucket_push is not None:
                 hooks.remove()
-                self.bucket_push.settle(timeout)
+                self.bucket_push.settle()
         del state, params, buffers, batches
         answers = pushes.deliver(
             shards, frames, gen, step, self.push_order, self.stateless, self.pull_wait, timeout

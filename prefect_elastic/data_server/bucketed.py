@@ -81,6 +81,10 @@ class OpenBuckets:
                 self.taken += 1
         except FatalError as exc:
             self.error = self.error or exc
+        except Exception as exc:  # (nothing answers a part: what went wrong is told at the next push)
+            self.error = self.error or FatalError(
+                f"a part of batch {batch_id} failed at shard {self.shard}: {type(exc).__name__}: {exc}"
+            )
 
     def check_sealed(self, generation: int, step: int, batch_ids: Sequence[int]) -> None:
         """A push seals `batch_ids`: every part of each came before it on the same connection (or from

@@ -77,6 +77,8 @@ class ShardFrames:
                 target: dict[int, Any] = grads if entry.kind == "grad" else buffers
                 target.setdefault(entry.batch_id, {})[entry.name] = tensor
             losses = {int(b): float(v) for b, v in header["losses"].items()}
+            if header.get("bucketed"):
+                self._check_order(header.get("order") or [])
             await self._applies.push(
                 generation,
                 int(header["step"]),
@@ -125,6 +127,16 @@ class ShardFrames:
                 tensors += [(Entry("buffers", k, ""), run) for k, (_, run) in enumerate(runs)]
                 state = {}
         return tensors + [(Entry("state", -1, name), t) for name, t in state.items()]
+
+    def _check_order(self, order: list[str]) -> None:
+        """Gradients that came in parts are runs of the shard's flat parameters, cut where the loop's plan
+        cuts them: the loop's order of the shard's parameters must be the shard's own."""
+        names = self._shard.optimizer.names if self._shard.optimizer is not None else []
+        if list(order) != names:
+            raise FatalError(
+                f"gradients in parts for data server {self._shard.index} in the order {order[:3]}..., "
+                f"which holds its parameters in the order {names[:3]}..."
+            )
 
     def _packed(self, order: list[str], flat: torch.Tensor) -> Gradient:
         if self._shard.optimizer is None:

@@ -177,7 +177,9 @@ class ShardLink:
         if not frame.header.get("quiet"):
             raise ValueError("post sends quiet frames only: the shard answers every other frame")
         try:
-            _send_all(self._connected(), encode(frame, self.shared))
+            sock = self._connected()
+            sock.settimeout(self.timeout)
+            _send_all(sock, encode(frame, self.shared))
         except BaseException:
             self.close()
             raise
