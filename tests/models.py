@@ -182,12 +182,11 @@ def waiting_marks() -> list[Path]:
 
 
 class _SecondForwardGated(nn.Sequential):
-    # Forwards of this process so far: with two micro-batches a share, every second one is a share's last.
-    calls = 0
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        type(self).calls += 1
-        if type(self).calls % 2 == 0 and GATE.exists():
+        # Forwards of this model so far (a compute loop builds its own for each job): with two micro-batches
+        # a share, every second one is a share's last.
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls % 2 == 0 and GATE.exists():
             # The share's first micro-batch went through backward (its gradients left, where they leave
             # during backward): say so with a mark named by this process, and wait.
             mark = GATE.with_name(f"{GATE.name}.waiting-{os.getpid()}")
@@ -201,7 +200,7 @@ class _SecondForwardGated(nn.Sequential):
 
 
 def second_forward_gated_mlp() -> nn.Module:
-    """The mlp, waiting at the gate in every second forward of its process: with a share of two
+    """The mlp, waiting at the gate in every second forward of each instance: with a share of two
     micro-batches a step, the gate holds each member between its two micro-batches."""
     return _SecondForwardGated(*mlp())
 

@@ -48,15 +48,16 @@ def test_a_run_whose_gradients_leave_during_backward_gives_the_whole_push_runs_p
 def test_a_worker_killed_between_its_buckets_leaves_no_shard_committed(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
 ) -> None:
-    """Two members of two micro-batches a step each; from step 6 each waits between its two (the first
-    one's buckets sent to both shards, the second not computed) and one is SIGKILLed there. Every shard
-    holds parts of the open step and no seal of the killed member, so none commits it; the fence drops the
+    """Members of two micro-batches a step each; from step 6 each waits between its two (the first one's
+    buckets sent to both shards, the second not computed) and one is SIGKILLed there. Every shard holds
+    parts of the open step and no seal of the killed member, so none commits it; the fence drops the
     parts, and the members left train the step again: the whole-push run's parameters, bit for bit, and
     every batch id once."""
     top_up(cluster, 2)
+    members = len(cluster.elastic_addresses())  # (two, or more that earlier tests of the session left)
     job = make_job(
         digits_url, policy, model="tests.models:second_forward_gated_mlp", overlap_push=True,
-        job_id=f"between-{policy}",
+        micro_batches=2 * members, job_id=f"between-{policy}",
     )  # fmt: skip
     killed: dict[str, int] = {}
 
@@ -65,7 +66,7 @@ def test_a_worker_killed_between_its_buckets_leaves_no_shard_committed(
             return
         GATE.touch()
         marks = waiting_marks()
-        if len(marks) == 2 and len(p.workers) == 2:  # both wait between their two micro-batches
+        if len(marks) == members == len(p.workers):  # each waits between its two micro-batches
             killed.update(pid=int(marks[0].name.rsplit("-", 1)[1]), step=p.committed_steps)
             os.kill(killed["pid"], signal.SIGKILL)
             GATE.unlink()
