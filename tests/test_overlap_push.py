@@ -40,8 +40,9 @@ def test_a_run_whose_gradients_leave_during_backward_gives_the_whole_push_runs_p
     assert_same_parameters(result, reference(job.model_copy(update={"overlap_push": False})))
     assert_ledger_exactly_once(result)
     # Every step's gradients went in parts, a bucket or more to each of the 2 shards (the loops that lived
-    # to the end say so).
-    assert result.loops and all(loop.parts >= 2 * loop.steps > 0 for loop in result.loops), result.loops
+    # to the end say so; one that joined as the job ended may have trained nothing).
+    assert any(loop.steps for loop in result.loops), result.loops
+    assert all(loop.parts >= 2 * loop.steps for loop in result.loops), result.loops
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -121,7 +121,14 @@ class BucketBook:
             return "duplicate"
         entry.taken.add(batch_id)
         entry.held[batch_id] = part
-        return "folded" if self._fold(entry) else "held"
+        if self._fold(entry):
+            return "folded"
+        if entry.out is not None:
+            # Held until the ids before it come: a copy of its own, so that memory its sender waits to
+            # reuse (an inbox slot: `wire/inbox.py`) is let go of at once. (A book without `out` keeps
+            # what it is given, as the pure tests hand it.)
+            entry.held[batch_id] = part.clone()
+        return "held"
 
     def _fold(self, entry: _BucketSum) -> int:
         """Sum the held parts that continue the ids' order; the mean once the last is in. The very

@@ -57,3 +57,18 @@ def test_a_seal_without_its_parts_and_a_part_that_does_not_fit() -> None:
     other = OpenBuckets(shard=0)
     other.take(1, 2, IDS, 8, 0, BOUNDS, None, torch.zeros(3))
     assert "holds no parameters" in str(other.error)
+
+
+def test_a_part_held_for_the_ids_before_it_is_a_copy_and_the_first_goes_into_the_sum() -> None:
+    """A part may be a view of memory its sender waits to reuse (an inbox slot): the shard keeps none."""
+    parts = OpenBuckets(shard=0)
+    later = torch.full((3,), 2.0)
+    parts.take(1, 2, IDS, 9, 0, BOUNDS, 11, later)  # held: id 8 has not come
+    assert parts.book is not None
+    held = parts.book._sums[0].held[9]
+    assert held is not later and held.data_ptr() != later.data_ptr() and torch.equal(held, later)
+    first = torch.full((3,), 4.0)
+    parts.take(1, 2, IDS, 8, 0, BOUNDS, 11, first)
+    total = parts.book._sums[0].total
+    assert total is not None and total.data_ptr() != first.data_ptr(), "copied into the shard's sum"
+    assert torch.equal(total, torch.full((3,), 6.0)) and not parts.book._sums[0].held
