@@ -228,13 +228,16 @@ class MicroBatchTrainer:
             )
         ]
         hooks = self.bucket_push.start(shards, gen, step, params) if self.bucket_push else None
+        # Whether a shard takes whole gradients from the push: if none does (all went in parts), they are
+        # not copied to the host again (on a GPU, a copy of every gradient).
+        whole_push = any(names and not p for names, p in zip(self.shard_params, parted, strict=True))
         try:
             for b in share:
                 x, y = batches[b]
                 began = time.perf_counter()
                 if self.bucket_push is not None:
                     self.bucket_push.micro_batch(b)
-                loss, g, bufs = self.gradient(params, buffers, x, y, step, b)
+                loss, g, bufs = self.gradient(params, buffers, x, y, step, b, host=whole_push)
                 if hooks is not None:
                     # (The buckets backward did not reach go now: zeros, as `materialize_grads` gives.)
                     stats.parts += len(hooks.finish())
@@ -294,9 +297,17 @@ class MicroBatchTrainer:
         return [g.detach().cpu() for g in grads]
 
     def gradient(
-        self, params: Tensors, buffers: Tensors, x: torch.Tensor, y: torch.Tensor, step: int, batch_id: int
+        self,
+        params: Tensors,
+        buffers: Tensors,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        step: int,
+        batch_id: int,
+        host: bool = True,
     ) -> tuple[float, Tensors, Tensors]:
-        """Loss, gradient and updated buffers of one micro-batch, all on the CPU."""
+        """Loss, gradient and updated buffers of one micro-batch, all on the CPU (the gradient left where
+        it was computed unless `host`)."""
         # Every micro-batch starts from the pulled buffers, so none depends on which ran first.
         bufs = {n: t.to(self.device).clone() for n, t in buffers.items()}
         tensors = {**params, **bufs}
@@ -351,6 +362,6 @@ class MicroBatchTrainer:
             ) from exc
         return (
             value,
-            dict(zip(params, self.to_host(grads), strict=True)),
+            dict(zip(params, self.to_host(grads) if host else grads, strict=True)),
             {n: t.detach().cpu() for n, t in bufs.items()},
         )
