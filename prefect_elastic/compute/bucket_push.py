@@ -12,7 +12,7 @@ across shards: docs/design/overlapped-step.md).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -85,7 +85,7 @@ class BucketPush:
             self._outbox.close()
             self._outbox = None
 
-    def _writer(self, shard: int) -> Any:
+    def _writer(self, shard: int) -> Callable[[Frame], None]:
         def write(frame: Frame) -> None:
             self._links[shard].post(frame)
 

@@ -106,6 +106,12 @@ class MicroBatchTrainer:
         self.pull_wait = min(PULL_WAIT_SECONDS, spec.call_timeout / 2)
         # Where the job asks for it, gradients leave bucket by bucket during backward (`bucket_push.py`).
         self.bucket_push = bucket_push_for(spec.overlap_push, self.plan, meta)
+        # Which shards get each micro-batch's gradients in parts, and whether any still takes them whole
+        # from the push: if none does, they are not copied to the host again (on a GPU, a copy of each).
+        self.parted = self.bucket_push.gets_parts if self.bucket_push else [False] * len(self.plan)
+        self.whole_push = any(
+            names and not p for names, p in zip(self.shard_params, self.parted, strict=True)
+        )
 
     def close(self) -> None:
         """The loop ended: stop the threads that send buckets."""
@@ -208,7 +214,7 @@ class MicroBatchTrainer:
         buffers = {n: t for n, t in state.items() if n not in params}
 
         following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
-        parted = self.bucket_push.gets_parts if self.bucket_push else [False] * len(self.plan)
+        parted = self.parted
         frames = [
             Frame(
                 {
@@ -228,16 +234,13 @@ class MicroBatchTrainer:
             )
         ]
         hooks = self.bucket_push.start(shards, gen, step, params) if self.bucket_push else None
-        # Whether a shard takes whole gradients from the push: if none does (all went in parts), they are
-        # not copied to the host again (on a GPU, a copy of every gradient).
-        whole_push = any(names and not p for names, p in zip(self.shard_params, parted, strict=True))
         try:
             for b in share:
                 x, y = batches[b]
                 began = time.perf_counter()
                 if self.bucket_push is not None:
                     self.bucket_push.micro_batch(b)
-                loss, g, bufs = self.gradient(params, buffers, x, y, step, b, host=whole_push)
+                loss, g, bufs = self.gradient(params, buffers, x, y, step, b, host=self.whole_push)
                 if hooks is not None:
                     # (The buckets backward did not reach go now: zeros, as `materialize_grads` gives.)
                     stats.parts += len(hooks.finish())

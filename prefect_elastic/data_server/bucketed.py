@@ -112,12 +112,10 @@ class OpenBuckets:
         book, self.book = self.book, None
         if book is None:
             raise FatalError(f"shard {self.shard} applies a step whose gradients came in parts, but has none")
-        runs = [book.gradient(k) for k in range(len(book.sizes))]
-        if self._out is not None and all(
-            r.data_ptr() == o.data_ptr() for r, o in zip(runs, self._out.split(book.sizes), strict=True)
-        ):
-            return self._out  # (the sums lie back to back in it: no copy)
-        return runs[0] if len(runs) == 1 else torch.cat(runs)
+        for k in range(len(book.sizes)):
+            book.gradient(k)  # (raises unless every bucket is whole)
+        assert self._out is not None  # (every book is made with it: the sums lie back to back there)
+        return self._out
 
     def drop(self) -> None:
         """A fence or a restore: the open step's parts are dropped (its seals, if any, with it)."""
