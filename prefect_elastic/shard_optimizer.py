@@ -77,6 +77,31 @@ class ShardOptimizer:
         """The parameters as one flat tensor, in `names`' order (None where they are not held so)."""
         return self._flat
 
+    @property
+    def torch_optimizer(self) -> torch.optim.Optimizer:
+        """The job's optimizer over `flat` (or over the parameters one by one, where `flat` is None)."""
+        return self._optimizer
+
+    def publish(
+        self, flat: torch.Tensor, region: Published | None, state: dict[str, Any]
+    ) -> tuple[torch.Tensor, Published | None, dict[str, Any]]:
+        """Make `flat`, another copy of the same elements (the overlapped step's other copy:
+        `data_server/other_copy.py`), the parameters, with `state` its optimizer state and `region` the
+        published memory it lies in; returns the copy, region and state it replaces. `params` keeps its
+        names, each now a view of `flat`: whoever reads them afresh (an answer, a snapshot) reads it."""
+        old = self._flat
+        if old is None:
+            raise FatalError("a shard whose parameters are not one flat tensor has no other copy")
+        optimizer = self._optimizer
+        old_state = optimizer.state.pop(old, {})
+        optimizer.param_groups[0]["params"] = [flat]
+        if state:
+            optimizer.state[flat] = state
+        old_region, self._flat, self.region = self.region, flat, region
+        for name, view in zip(self.names, self._views(flat), strict=True):
+            self.params[name] = view
+        return old, old_region, old_state
+
     def packed(self, order: Sequence[str], flat: torch.Tensor) -> Gradient:
         """A micro-batch's gradient that came as one flat run over the parameters `order` names (a compute
         loop packs small gradients: `compute.gradient_entries`): the run itself where it follows this

@@ -205,6 +205,50 @@ def second_forward_gated_mlp() -> nn.Module:
     return _SecondForwardGated(*mlp())
 
 
+class _BackwardGate(torch.autograd.Function):
+    """The identity; its backward waits at the gate (with a mark, as `_SecondForwardGated`) where `wait`."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, wait: bool) -> torch.Tensor:
+        ctx.wait = wait  # type: ignore[attr-defined]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.wait and GATE.exists():  # type: ignore[attr-defined]
+            mark = GATE.with_name(f"{GATE.name}.waiting-{os.getpid()}")
+            mark.touch()
+            try:
+                _wait_at_gate()
+            finally:
+                mark.unlink(missing_ok=True)
+        return grad, None
+
+
+class _BackwardGatedMlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU())
+        # Nearly all the bytes (1.3 MB) lie past the gate: several buckets of each shard hold none of the
+        # first layer's parameters.
+        self.rest = nn.Sequential(
+            nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        time.sleep(0.004)
+        return self.rest(_BackwardGate.apply(self.first(x), self.calls % 2 == 0))
+
+
+def backward_gated_mlp() -> nn.Module:
+    """An mlp whose backward waits at the gate in every second micro-batch of each instance, after the
+    gradients of every layer but the first are computed: with a share of two micro-batches a step, each
+    member waits in its last backward with the buckets of the later layers sent."""
+    return _BackwardGatedMlp()
+
+
 class _EnvPacedMlp(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _wait_at_gate()

@@ -85,3 +85,45 @@ def test_a_worker_killed_between_its_buckets_leaves_no_shard_committed(
     dropped = sum(shard.get("parts_dropped", 0) for shard in result.shard_phases)
     assert dropped >= 2, "each shard held parts of the open step, dropped by the fence"
     assert all(shard["parts"] > 0 for shard in result.shard_phases), "both shards took parts"
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_buckets_applied_before_a_kill_are_dropped_with_their_step(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    """Members of two micro-batches a step each; from step 6 each waits in the backward of its second,
+    after every layer but the first has its gradients (`backward_gated_mlp`): those buckets are whole at
+    the shards, every micro-batch's part in, and applied into the copy the loops do not read. One member
+    is SIGKILLed there. The fence drops the applied buckets with their step (and under `rollback` the
+    shards go back to the snapshot): the whole-push run's parameters bit for bit, every batch id once."""
+    top_up(cluster, 2)
+    members = len(cluster.elastic_addresses())
+    job = make_job(
+        digits_url, policy, model="tests.models:backward_gated_mlp", overlap_push=True,
+        micro_batches=2 * members, job_id=f"applied-{policy}",
+    )  # fmt: skip
+    killed: dict[str, int] = {}
+
+    def kill_in_backward(p: Progress) -> None:
+        if "pid" in killed or p.committed_steps < 6:
+            return
+        GATE.touch()
+        marks = waiting_marks()
+        if len(marks) == members == len(p.workers):
+            killed.update(pid=int(marks[0].name.rsplit("-", 1)[1]), step=p.committed_steps)
+            os.kill(killed["pid"], signal.SIGKILL)
+            GATE.unlink()
+
+    try:
+        result = train(job, cluster=cluster, on_progress=kill_in_backward)
+    finally:
+        GATE.unlink(missing_ok=True)
+        for mark in waiting_marks():
+            mark.unlink(missing_ok=True)
+    assert "pid" in killed, "every member waited in its last backward"
+    assert_same_parameters(result, reference(job.model_copy(update={"overlap_push": False})))
+    assert_ledger_exactly_once(result)
+    phases = result.shard_phases
+    assert sum(shard.get("buckets_undone", 0) for shard in phases) >= 1, phases
+    # Every other step's buckets were applied before its commit, into the other copy.
+    assert all(shard["buckets_applied"] > 0 for shard in phases if shard["parts"]), phases

@@ -144,7 +144,10 @@ class DataServer:
         `bodies_shared` and `bodies_socket` the frames with tensors by the way they came (`wire/inbox.py`),
         `params_in_place` the answers whose parameters a loop read in this shard's memory
         (`wire/published.py`); `parts` the buckets of gradients taken during the senders' backward, and
-        `parts_dropped` those a fence dropped with the open step (`bucketed.py`)."""
+        `parts_dropped` those a fence dropped with the open step (`bucketed.py`), `buckets_applied` and
+        `apply_buckets` the buckets applied into the other copy before their step committed, and the
+        seconds (within `handle`, or in a thread) that took, `buckets_undone` those dropped with their
+        step (`other_copy.py`)."""
         server = self._server
         return {
             **(server.phases if server is not None else {}),
@@ -153,8 +156,7 @@ class DataServer:
             "bodies_shared": float(server.bodies["shared"] if server is not None else 0),
             "bodies_socket": float(server.bodies["socket"] if server is not None else 0),
             "params_in_place": float(server.bodies.get("referenced", 0) if server is not None else 0),
-            "parts": float(self.applies.parts_taken),
-            "parts_dropped": float(self.applies.parts_dropped),
+            **self.applies.parts_phases,
         }
 
     async def close_channel(self) -> None:
@@ -279,6 +281,7 @@ class DataServer:
     async def restore(self, generation: int, version: int) -> int:
         """Reload the snapshot of `version`; the records of the steps after it are dropped."""
         self.shard.check(generation, "restore")
+        await self.applies.settle()  # (an apply under way reads the tensors the restore writes)
         await self.shard.restore(version)
         self.applies.drop_open()
         await self.shard.announce_version()

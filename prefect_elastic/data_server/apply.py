@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 
 import torch
@@ -28,6 +29,8 @@ from .bucketed import OpenBuckets
 from .hooks import ServerHooks
 from .records import OpenStep, async_verdict, push_refusal, replicas_kept_async, replicas_kept_sync
 from .state import ShardState
+
+log = logging.getLogger(__name__)
 
 # How often a pull that waits looks again whether a backup is due, while a member is behind (a push does
 # not wake it).
@@ -109,6 +112,10 @@ class SyncCommits:
             numel = state.optimizer.numel if state.optimizer is not None else None
             batches = self._schedule.step_batches(step)
             self._parts.take(generation, step, batches, batch_id, bucket, bounds, numel, run)
+            # A bucket whole (every micro-batch's part in) is applied now, into the copy loops do not read.
+            copy = self._parts.other_copy(state.optimizer)
+            if copy is not None:
+                self._parts.apply_whole(copy, state.apply_inline)
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         """A worker asks for the next step's parameters right after pushing this step's gradients; the call
@@ -217,13 +224,22 @@ class SyncCommits:
         state = self._state
         opened, self._open = self._open, OpenStep()
         _, grads, buffers = opened.in_order()
-        if opened.bucketed:
+        # Gradients in parts: applied bucket by bucket into the other copy, published now; or (an optimizer
+        # without an out-of-place update) their mean, applied here as one gradient.
+        copy = self._parts.other_copy(state.optimizer) if opened.bucketed else None
+        if opened.bucketed and copy is None:
             grads = [self._parts.mean()]  # (one gradient: `ShardOptimizer.step` takes it as the mean)
         state.applying = True
         done = self._step_applied = asyncio.get_running_loop().create_future()
         try:
-            await state.snapshot_taken()  # a snapshot of this version still reads the tensors
-            await state.run_apply(grads, buffers)
+            # A snapshot of this version still reads the tensors (with two copies: the one this commit
+            # makes the next step's to write into).
+            await state.snapshot_taken()
+            if copy is not None:
+                await self._parts.finish(copy, state.apply_inline)
+                state.publish(copy.flip, buffers)
+            else:
+                await state.run_apply(grads, buffers)
         finally:
             state.applying = False
             done.set_result(None)
@@ -244,6 +260,11 @@ class SyncCommits:
             # the fence's answer says where the shard stands; else a restore would copy the snapshot into
             # tensors the thread is still changing, and the version would move after the answer.
             await asyncio.shield(self._step_applied)
+        try:
+            # (Likewise a bucket being applied into the other copy: it reads the published one.)
+            await self._parts.applies_done()
+        except Exception as exc:  # (its step is dropped here: what failed is of no step any more)
+            log.warning("shard %d: a bucket's apply failed before a fence: %r", self._state.index, exc)
         pending = self.pending
         self.drop_open()
         return pending
@@ -262,12 +283,16 @@ class SyncCommits:
         return len(self._open.grads)
 
     @property
-    def parts_taken(self) -> int:
-        return self._parts.taken
-
-    @property
-    def parts_dropped(self) -> int:
-        return self._parts.dropped
+    def parts_phases(self) -> dict[str, float]:
+        parts = self._parts
+        copy = parts.other_copy(self._state.optimizer)
+        return {
+            "parts": float(parts.taken),
+            "parts_dropped": float(parts.dropped),
+            "buckets_applied": float(copy.applied if copy is not None else 0),
+            "buckets_undone": float(parts.undone),
+            "apply_buckets": parts.apply_seconds,
+        }
 
     def applied_from(self, first: int) -> tuple[int, ...] | None:
         return None  # (the steps' records say what was applied)
@@ -412,7 +437,9 @@ class AsyncApplies:
     def pending(self) -> int:
         return 0
 
-    parts_taken = parts_dropped = 0  # (gradients never come in parts in async mode)
+    @property
+    def parts_phases(self) -> dict[str, float]:
+        return {}  # (gradients never come in parts in async mode)
 
     def applied_from(self, first: int) -> tuple[int, ...] | None:
         # (Async commits run close to the lowest open id: few ids lie above it.)

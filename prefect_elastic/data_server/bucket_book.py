@@ -196,9 +196,14 @@ class BucketBook:
         return True
 
     @property
+    def all_applied(self) -> bool:
+        """Every bucket applied (into the copy not published)."""
+        return all(entry.applied for entry in self._sums)
+
+    @property
     def committable(self) -> bool:
         """Every id sealed, every bucket applied: the shard may publish the step's result."""
-        return len(self.sealed) == len(self.ids) and all(entry.applied for entry in self._sums)
+        return len(self.sealed) == len(self.ids) and self.all_applied
 
     @property
     def parts_held(self) -> int:

@@ -8,6 +8,12 @@ shard's order: the very bits `ShardOptimizer.step` gives from whole gradients (e
 is elementwise). The commit itself is unchanged: the shard applies the step when every micro-batch of it is
 sealed (`SyncCommits`), and the seals leave a loop only after all its parts did.
 
+Where the shard's optimizer has an out-of-place update (`other_copy.py`), each bucket is applied as soon
+as it is whole, from the published copy into the other one, while the senders' backward still runs; the
+commit then only applies what is left (the last bucket, usually) and publishes that copy (`finish`).
+Small shards apply on the event loop; big ones in a thread, one bucket at a time, so the event loop goes
+on reading parts meanwhile.
+
 Nothing is answered to a part: one of another generation, or of a step the shard applied without it (a
 backup's copy came first), is dropped, and the seal after it on the same connection is refused for the
 same reason. A part that does not fit the shard is a bug of the sender, kept and raised at the next push.
@@ -15,12 +21,16 @@ same reason. A part that does not fit the shard is a bug of the sender, kept and
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 
 import torch
 
 from ..errors import FatalError
+from ..shard_optimizer import ShardOptimizer
 from .bucket_book import BucketBook
+from .other_copy import OtherCopy, copy_kind
 
 
 def bucket_sizes(bounds: Sequence[Sequence[int]], numel: int, shard: int) -> list[int]:
@@ -52,6 +62,13 @@ class OpenBuckets:
         self._out: torch.Tensor | None = None
         self.taken = 0  # parts taken into a step's sums (duplicates left out)
         self.dropped = 0  # parts dropped with an open step (a fence, a restore)
+        self.undone = 0  # buckets applied into the other copy, then dropped with their open step
+        # The other copy of the shard's parameters the buckets are applied into, and the optimizer it
+        # belongs to (a promotion makes a new one); None where that optimizer has no out-of-place update.
+        self._copy: OtherCopy | None = None
+        self._copy_of: ShardOptimizer | None = None
+        self._applying: asyncio.Future[None] | None = None  # buckets applied in a thread, one by one
+        self.apply_seconds = 0.0  # spent applying buckets before their step's commit
 
     def take(
         self,
@@ -117,8 +134,68 @@ class OpenBuckets:
         assert self._out is not None  # (every book is made with it: the sums lie back to back there)
         return self._out
 
+    def other_copy(self, optimizer: ShardOptimizer | None) -> OtherCopy | None:
+        """The copy the open step's buckets are applied into, made on first use for `optimizer`; None where
+        it has no out-of-place update (its steps are applied whole at the commit: `mean`)."""
+        if optimizer is not self._copy_of:
+            kind = copy_kind(optimizer) if optimizer is not None else None
+            self._copy = OtherCopy(optimizer, kind) if optimizer is not None and kind is not None else None
+            self._copy_of = optimizer
+        return self._copy
+
+    def apply_whole(self, copy: OtherCopy, inline: bool) -> None:
+        """Apply every bucket of the open step that is whole into `copy`: now (`inline`), or in a thread,
+        one bucket after another, while the event loop goes on (`applies_done` waits for them)."""
+        if self.book is None or not self.book.to_apply():
+            return
+        if inline:
+            self._apply_ready(self.book, copy)
+        elif self._applying is None or self._applying.done():
+            self._applying = asyncio.ensure_future(self._apply_in_thread(self.book, copy))
+
+    def _apply_ready(self, book: BucketBook, copy: OtherCopy) -> None:
+        began = time.perf_counter()
+        for k in book.to_apply():
+            start, stop = self._bounds[k]
+            copy.apply(int(start), int(stop), book.gradient(k))
+            book.applied(k)
+        self.apply_seconds += time.perf_counter() - began
+
+    async def _apply_in_thread(self, book: BucketBook, copy: OtherCopy) -> None:
+        # (Until the book is dropped: `settle` waits for this before a fence drops it.)
+        while self.book is book and (ready := book.to_apply()):
+            start, stop = (int(v) for v in self._bounds[ready[0]])
+            began = time.perf_counter()
+            await asyncio.to_thread(copy.apply, start, stop, book.gradient(ready[0]))
+            self.apply_seconds += time.perf_counter() - began
+            book.applied(ready[0])
+
+    async def applies_done(self) -> None:
+        """Until the buckets being applied in a thread are (what went wrong there is raised here)."""
+        applying, self._applying = self._applying, None
+        if applying is not None:
+            await applying
+
+    async def finish(self, copy: OtherCopy, inline: bool) -> None:
+        """The open step commits: its buckets not applied yet are (they are all whole), and the book is
+        emptied; the caller then publishes `copy` (`OtherCopy.flip`)."""
+        await self.applies_done()
+        book = self.book
+        if book is None:
+            raise FatalError(f"shard {self.shard} commits a step whose gradients came in parts, but has none")
+        if inline:
+            self._apply_ready(book, copy)
+        else:
+            await asyncio.to_thread(self._apply_ready, book, copy)
+        if not book.all_applied:
+            raise FatalError(f"shard {self.shard} commits step {book.step} with buckets not applied")
+        self.book = None
+
     def drop(self) -> None:
-        """A fence or a restore: the open step's parts are dropped (its seals, if any, with it)."""
+        """A fence or a restore: the open step's parts are dropped (its seals, if any, with it). A bucket
+        applied into the other copy is dropped with them: that copy is not published. (The caller waited
+        for the applies under way: `applies_done`.)"""
         if self.book is not None:
             self.dropped += self.book.parts_held
+            self.undone += len(self.book.drop().applied)
         self.book = None

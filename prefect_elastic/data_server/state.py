@@ -152,6 +152,15 @@ class ShardState:
             await asyncio.to_thread(self.apply, grads, buffers)
         self.apply_seconds += time.perf_counter() - began
 
+    def publish(self, flip: Callable[[], None], buffers: list[Tensors]) -> None:
+        """The overlapped step's commit, its buckets all applied into the other copy: `flip` publishes that
+        copy (`OtherCopy.flip`), and the buffers are updated as by `apply`. The caller marks the shard
+        `applying`."""
+        began = time.perf_counter()
+        flip()
+        self.buffer_runs.update(buffers)
+        self.apply_seconds += time.perf_counter() - began
+
     async def announce_version(self) -> None:
         if self._version_changed is not None:
             async with self._version_changed:

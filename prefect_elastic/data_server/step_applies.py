@@ -86,12 +86,11 @@ class StepApplies(Protocol):
         """The micro-batches of the open step whose gradients the shard holds."""
 
     @property
-    def parts_taken(self) -> int:
-        """Buckets of gradients taken during the senders' backward (`bucketed.py`)."""
-
-    @property
-    def parts_dropped(self) -> int:
-        """Of those, the ones a fence or a restore dropped with their open step."""
+    def parts_phases(self) -> dict[str, float]:
+        """Where gradients come in parts (`bucketed.py`): `parts` taken during the senders' backward,
+        `parts_dropped` those a fence or a restore dropped with their open step, `buckets_applied` the
+        buckets applied into the other copy before their step's commit (`buckets_undone`: of those, the
+        ones dropped with their step), and `apply_buckets` the seconds that took."""
 
     def applied_from(self, first: int) -> tuple[int, ...] | None:
         """The batch ids applied here from `first` on, for a rebuilt coordinator (None: not kept)."""

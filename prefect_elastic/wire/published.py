@@ -87,14 +87,19 @@ def flat_tensor(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torc
     be made (else None: plain memory, copied into every answer). Small ones too: the region costs a page
     more, and every shard then takes one path, the one the tests exercise. The caller
     keeps the region as long as it keeps the tensor: the region holds the descriptor a peer opens."""
-    numel = sum(p.numel() for p in parts)
-    nbytes = numel * dtype.itemsize
+    flat, region = empty_flat(sum(p.numel() for p in parts), dtype)
+    torch.cat([p.detach().reshape(-1) for p in parts], out=flat)
+    return flat, region
+
+
+def empty_flat(numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, Published | None]:
+    """A flat tensor of `numel` elements of `dtype`, not written yet, in a published region where memfds
+    can be made (else plain memory, and None): as `flat_tensor`, for a copy whose values come later."""
     region: Published | None = None
     if memfd.enabled():
         with contextlib.suppress(OSError):
-            region = Published(nbytes)
+            region = Published(numel * dtype.itemsize)
     flat = region.data.view(dtype) if region is not None else torch.empty(numel, dtype=dtype)
-    torch.cat([p.detach().reshape(-1) for p in parts], out=flat)
     return flat, region
 
 
