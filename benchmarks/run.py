@@ -71,8 +71,10 @@ class Sizes:
     # machine's noise of its 0.90 target (3 repeats gave cnn-20 0.88 in one run, 0.98 in another).
     light_repeats: int = 7
     light: tuple[str, ...] = ("cnn-20", "transformer")
-    # 2 compute workers against torchrun DDP with 2 processes: epochs of 64 steps of 2 x 128 samples.
+    # 2 compute workers against torchrun DDP with 2 processes: epochs of 64 steps of 2 x 128 samples (the
+    # resnet18, named with `--workloads`: 64 steps of 2 x 32 of `extra_samples` CIFAR-shaped samples).
     ddp_epochs: tuple[tuple[str, int], ...] = (("cnn-20", 8), ("cnn", 2))
+    extra_ddp_epochs: tuple[tuple[str, int], ...] = (("resnet18", 1),)
     ddp_repeats: int = 3
     kills: int = 5
     recovery_epochs: int = 8
@@ -318,15 +320,28 @@ def steady_figures(
 
 
 def ddp_figures(
-    results: dict[str, Any], pool: elastic.ClusterPool, data: str, workdir: Path, sizes: Sizes
+    results: dict[str, Any],
+    pool: elastic.ClusterPool,
+    data: str,
+    workdir: Path,
+    sizes: Sizes,
+    workloads: list[str] | None = None,
 ) -> None:
-    """2 compute workers (2 micro-batches of 128 a step: one each) against torchrun DDP with 2 processes
-    (128 samples each a step), the same global batch and number of steps, alternating, `ddp_repeats` times;
-    the ratio is the median of the repeats' ratios. The idle Dask cluster stays up during torchrun's runs."""
+    """2 compute workers (2 micro-batches of the workload's batch a step: one each) against torchrun DDP
+    with 2 processes (a batch each a step), the same global batch and number of steps, alternating,
+    `ddp_repeats` times; the ratio is the median of the repeats' ratios. The idle Dask cluster stays up
+    during torchrun's runs. On `workloads` if given (of `sizes.ddp_epochs` and `sizes.extra_ddp_epochs`),
+    else on those of `sizes.ddp_epochs`."""
     from . import torchrun_bench
 
-    for w, epochs in sizes.ddp_epochs:
-        steps = epochs * (sizes.samples // (2 * BATCH))
+    default, extra = dict(sizes.ddp_epochs), dict(sizes.extra_ddp_epochs)
+    for w in workloads or default:
+        if w in default:
+            epochs, shaped = default[w], data
+            steps = epochs * (sizes.samples // (2 * BATCH))
+        else:  # (its own shape: written beside the MNIST-shaped data)
+            epochs, shaped = extra[w], WORKLOADS[w].dataset(Path(data).parent, sizes.extra_samples)
+            steps = epochs * (sizes.extra_samples // (2 * WORKLOADS[w].batch))
         ours: list[float] = []
         theirs: list[float] = []
         runs: list[dict[str, Any]] = []
@@ -336,11 +351,12 @@ def ddp_figures(
             for kind in order:
                 if kind == "elastic":
                     got[kind] = attempt(
-                        results, f"elastic {w} x2 #{i}", elastic.steady, pool, w, data, epochs, 1.0, workers=2
-                    )
+                        results, f"elastic {w} x2 #{i}", elastic.steady, pool, w, shaped, epochs, 1.0,
+                        workers=2,
+                    )  # fmt: skip
                 else:
                     got[kind] = attempt(
-                        results, f"torchrun ddp {w} #{i}", torchrun_bench.steady, w, data,
+                        results, f"torchrun ddp {w} #{i}", torchrun_bench.steady, w, shaped,
                         workdir / "torchrun-ddp", steps=steps, limit=120.0 + 2.0 * steps,
                     )  # fmt: skip
             a, b = got["elastic"], got["ddp"]
@@ -606,7 +622,8 @@ def run_only(args: argparse.Namespace) -> int:
         pool = elastic.ClusterPool()
         try:
             if args.only == "ddp":
-                ddp_figures(results, pool, data, Path(args.data_dir), sizes)
+                workloads = args.workloads.split(",") if args.workloads else None
+                ddp_figures(results, pool, data, Path(args.data_dir), sizes, workloads)
             else:
                 recovery_figures(results, pool, data, sizes)
                 frozen_figures(results, pool, data, sizes)

@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nnodes=1:2 --nproc-per-node=2 ... benchmarks/torchrun_worker.py \\
         --workload cnn --data DATA.npz --log-file LOG.jsonl --checkpoint CKPT.pt --steps N
 
-Every rank trains 128 samples of each global step (global batch 128 * world) under DDP on gloo. Rank 0
+Every rank trains the workload's batch of each global step (128 samples, 32 for the ResNet-18: a global batch
+of that times world) under DDP on gloo. Rank 0
 checkpoints every `--checkpoint-every` steps; every (re)started rank resumes from that checkpoint, which is
 the only way a torchrun job recovers: a failure restarts all workers, and the steps since the last
 checkpoint are done again. Each rank appends JSON lines to `--log-file` so the driver can time steps and find
@@ -48,13 +49,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def batch_indices(step: int, rank: int, world: int, samples: int) -> torch.Tensor:
+def batch_indices(step: int, rank: int, world: int, samples: int, batch: int = BATCH) -> torch.Tensor:
     """This rank's share of global step `step`: a seeded permutation per epoch, cut into global batches
-    of BATCH * world and strided by rank, so any restart re-reads exactly the same samples."""
-    per_epoch = samples // (BATCH * world)
+    of `batch` * world and strided by rank, so any restart re-reads exactly the same samples."""
+    per_epoch = samples // (batch * world)
     epoch, offset = divmod(step, per_epoch)
     order = torch.randperm(samples, generator=torch.Generator().manual_seed(epoch))
-    global_batch = order[offset * BATCH * world : (offset + 1) * BATCH * world]
+    global_batch = order[offset * batch * world : (offset + 1) * batch * world]
     return global_batch[rank::world]
 
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
 
         while step < args.steps:
-            idx = batch_indices(step, rank, world, len(y))
+            idx = batch_indices(step, rank, world, len(y), WORKLOADS[args.workload].batch)
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(ddp(x[idx]), y[idx])
             loss.backward()  # DDP all-reduces (averages) the gradients across ranks here
