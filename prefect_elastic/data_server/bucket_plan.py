@@ -77,10 +77,13 @@ def plan_buckets(
     `bucket_bytes` of the shard's parameter bytes).
 
     Pieces are dealt in the shard's order into the open bucket until the next would take it past the cap,
-    or is of another dtype; a piece larger than the cap is a bucket of its own (a gradient is ready all at
-    once: cutting it would only add frames). The shard's first bucket is capped at `first_cap` too (DDP's
-    first bucket): it holds the parameters forward needs first and backward finishes last, so it is the
-    tail of the push after backward and the head of the pull before forward."""
+    or is of another dtype; a piece larger than the cap is cut into runs of the cap, each a bucket of its
+    own. Its gradient is ready all at once, but where it is the last backward makes (a model's first
+    layer: the 10 MB first weight of a 51 MB MLP) the runs pipeline what follows backward: the shard sums
+    and applies the first while the next is on its way, where one bucket would cross, then be summed,
+    then applied. The shard's first bucket is capped at `first_cap` too (DDP's first bucket): it holds the
+    parameters forward needs first and backward finishes last, so it is the tail of the push after
+    backward and the head of the pull before forward."""
     shards: list[list[Bucket]] = []
     for shard, pieces in enumerate(plan):
         held = [p for p in pieces if p.name in params]
@@ -95,16 +98,20 @@ def _cut(
 ) -> list[Bucket]:
     groups: list[list[Piece]] = []
     size = 0
-    for p in held:
-        nbytes = p.numel * params[p.name].dtype.itemsize
-        room = min(limit, first_cap) if len(groups) <= 1 else limit
-        current = groups[-1] if groups else None
-        if current is None or (size + nbytes > room or params[p.name].dtype != params[current[0].name].dtype):
-            groups.append([p])
-            size = nbytes
-        else:
-            current.append(p)
-            size += nbytes
+    for whole in held:
+        itemsize = params[whole.name].dtype.itemsize
+        for p in _runs(whole, itemsize, limit, first_cap if len(groups) <= 1 else limit):
+            nbytes = p.numel * itemsize
+            room = min(limit, first_cap) if len(groups) <= 1 else limit
+            current = groups[-1] if groups else None
+            if current is None or (
+                size + nbytes > room or params[p.name].dtype != params[current[0].name].dtype
+            ):
+                groups.append([p])
+                size = nbytes
+            else:
+                current.append(p)
+                size += nbytes
     buckets: list[Bucket] = []
     start = 0
     for index, group in enumerate(groups):
@@ -112,6 +119,21 @@ def _cut(
         buckets.append(Bucket(shard, index, tuple(group), start, stop, params[group[0].name].dtype))
         start = stop
     return buckets
+
+
+def _runs(piece: Piece, itemsize: int, limit: int, first: int) -> list[Piece]:
+    """`piece` as it is where it fits in `limit` bytes, else cut into runs of `limit` (the first of
+    `first`, where it opens the shard's first bucket)."""
+    if piece.numel * itemsize <= first:
+        return [piece]
+    runs: list[Piece] = []
+    at = piece.start
+    while at < piece.stop:
+        room = max(1, (first if not runs else limit) // itemsize)
+        stop = min(piece.stop, at + room)
+        runs.append(Piece(piece.name, at, stop, piece.size))
+        at = stop
+    return runs
 
 
 def ready_order(buckets: Iterable[Bucket], order: Sequence[str]) -> list[Bucket]:
