@@ -130,6 +130,9 @@ class ShardStatus:
     # id the caller named on, recorded or not. A shard that took its peer's replica of a snapshot holds
     # the applies of that snapshot and no record of them (its records start at the snapshot's version).
     applied: tuple[int, ...] = ()
+    # Sync mode with gradients in parts: the version this shard can step back to (the one before its own,
+    # still whole in its other copy), None where it cannot (`data_server/other_copy.py`).
+    kept: int | None = None
 
 
 @dataclass(frozen=True)

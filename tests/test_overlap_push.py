@@ -11,8 +11,10 @@ import signal
 import pytest
 
 from prefect_elastic import train
+from prefect_elastic.compute.pushes import PUSH_HOOK
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
+from prefect_elastic.local.push_faults import KillBetweenPushes
 from prefect_elastic.messages import Progress
 
 from .conftest import (
@@ -127,3 +129,28 @@ def test_buckets_applied_before_a_kill_are_dropped_with_their_step(
     assert sum(shard.get("buckets_undone", 0) for shard in phases) >= 1, phases
     # Every other step's buckets were applied before its commit, into the other copy.
     assert all(shard["buckets_applied"] > 0 for shard in phases if shard["parts"]), phases
+
+
+def test_a_worker_killed_between_its_seals_costs_no_rollback(
+    cluster: LocalElasticCluster, reference: References, digits_url: str
+) -> None:
+    """A member SIGKILLed after its seal to shard 0 (which then commits the step) and before its seal to
+    shard 1: the shards stand a version apart. Shard 0 still holds the version before whole in its other
+    copy, and steps back: no shard restores the snapshot and no committed step is lost (with gradients
+    pushed whole, every shard goes back to the snapshot: `test_elastic.py`). The whole-push run's
+    parameters bit for bit, every batch id once."""
+    top_up(cluster, 2)
+    job = make_job(digits_url, "reassign", overlap_push=True, job_id="between-seals")
+    target = cluster.elastic_addresses()[0]
+    with cluster.client() as client:
+        client.register_plugin(KillBetweenPushes(target, at_step=8), name=PUSH_HOOK)
+        try:
+            result = train(job, cluster=cluster)
+        finally:
+            client.unregister_worker_plugin(PUSH_HOOK)
+    assert_same_parameters(result, reference(job.model_copy(update={"overlap_push": False})))
+    assert_ledger_exactly_once(result)
+    assert (result.counters["inconsistent_fences"], result.counters["steps_back"]) == (1, 1)
+    (change,) = [e for e in result.membership_events() if target in e.left]
+    assert "stepped back to step" in change.reason, change.reason
+    assert change.steps_lost == 0 and change.step >= 8

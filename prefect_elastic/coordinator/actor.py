@@ -385,10 +385,8 @@ class Coordinator(StaticRoles):
                     reason="stopped by the controller",
                 )
                 fenced = await self._fence_shards(decision.generation)
-                plan = state.reconcile(decision, fenced)
-                if plan.restore_to is not None:
-                    target = plan.restore_to
-                    await self._on_shards(lambda s: s.restore(decision.generation, target))
+                plan = await self._to_one_version(decision, fenced)
+                if plan.restore_to is not None or plan.step_back_to is not None:
                     state.change_membership(decision, plan, fenced, "stop", time.time(), began)
                 else:
                     state.generation = decision.generation

@@ -23,11 +23,13 @@ from .record import CoordinatorRecord
 @dataclass(frozen=True)
 class Reconciliation:
     """How the shards come back to one version after a fence: restore the snapshot of `restore_to` on
-    every shard (None: they already agree), and what that undoes."""
+    every shard (None: they already agree), or the shards a step ahead step back to `step_back_to` (their
+    other copy still holds it: `data_server/other_copy.py`); and what that undoes."""
 
     restore_to: int | None
     versions: tuple[int, ...]
     consistent: bool  # the shards were at one version
+    step_back_to: int | None = None
 
 
 @dataclass(frozen=True)

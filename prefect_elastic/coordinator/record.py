@@ -75,6 +75,7 @@ class CoordinatorRecord:
             "reassigns": 0,
             "snapshots": 0,
             "inconsistent_fences": 0,  # membership changes that found the shards at two versions
+            "steps_back": 0,  # of those, the ones where the shards ahead stepped back (no restore)
             "promotions": 0,  # data servers that a standby static worker took over
             "coordinator_rebuilds": 0,  # coordinators rebuilt on another static worker (`rebuild`)
             "checkpoint_restores": 0,  # every shard back to a checkpoint: data servers lost with replicas

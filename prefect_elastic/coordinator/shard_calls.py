@@ -22,6 +22,7 @@ from ..dask_failures import actor_unreachable
 from ..errors import FatalError, RecoverableError
 from ..messages import EventKind, MembershipEvent, ShardStatus
 from ..survival import Decision
+from .commit_book import Reconciliation
 from .record import Failure
 from .state import CoordinatorState
 
@@ -173,11 +174,27 @@ class ShardCalls:
         # No role of the new generation goes out before `change_membership`: roles follow the state's
         # generation, which changes there (after the shards are fenced and brought to one version).
         fenced = await self._fence_shards(decision.generation)
+        plan = await self._to_one_version(decision, fenced)
+        self._take([state.change_membership(decision, plan, fenced, trigger, time.time(), began)])
+
+    async def _to_one_version(self, decision: Decision, fenced: list[ShardStatus]) -> Reconciliation:
+        """Bring the fenced shards to one version (`CoordinatorState.reconcile`): the shards ahead step
+        back, or every shard restores the snapshot (also where a step back was refused)."""
+        state = self._state
         plan = state.reconcile(decision, fenced)
+        if plan.step_back_to is not None:
+            back = plan.step_back_to
+            try:
+                await self._on_shards(lambda s: s.step_back(decision.generation, back))
+            except RecoverableError as exc:
+                log.warning(
+                    "a step back to step %d was refused (%s): every shard restores the snapshot", back, exc
+                )
+                plan = replace(plan, step_back_to=None, restore_to=state.ledger.snapshot_step)
         if plan.restore_to is not None:
             target = plan.restore_to
             await self._on_shards(lambda s: s.restore(decision.generation, target))
-        self._take([state.change_membership(decision, plan, fenced, trigger, time.time(), began)])
+        return plan
 
     async def _snapshot_committed(self, began: float) -> None:
         """Every shard snapshots the committed step, if they stand at one version and it is new."""

@@ -221,7 +221,15 @@ class CoordinatorState(CoordinatorRecord):
         elif decision.action is Action.REASSIGN:
             self.counters["reassigns"] += 1
         reason = f"{decision.reason} ({trigger})"
-        if not plan.consistent:
+        if not plan.consistent and plan.step_back_to is not None:
+            self.counters["inconsistent_fences"] += 1
+            self.counters["steps_back"] += 1
+            self.versions = dict.fromkeys(range(self.shards), plan.step_back_to)
+            reason += (
+                f"; shards were at versions {list(plan.versions)} (a worker died between its seals), "
+                f"the ones ahead stepped back to step {plan.step_back_to}"
+            )
+        elif not plan.consistent:
             self.counters["inconsistent_fences"] += 1
             reason += (
                 f"; shards were at versions {list(plan.versions)} (a worker died between its pushes), "

@@ -156,6 +156,12 @@ class SyncCommits:
         if held and max(held) - min(held) > 1:
             raise FatalError(f"shards at versions {versions}: more than one step apart, which cannot happen")
         restore_to: int | None = None
+        if decision.action is not Action.ROLLBACK and not consistent and held:
+            # A member died between its seals to two shards (gradients in parts): where every shard
+            # ahead still holds the version before whole, it steps back; nothing committed is lost.
+            low = min(held)
+            if all(s.version == low or (s.version == low + 1 and s.kept == low) for s in fenced):
+                return Reconciliation(None, versions, consistent, step_back_to=low)
         if decision.action is Action.ROLLBACK or not consistent:
             restore_to = self.state.ledger.snapshot_step
             if set(versions) == {restore_to}:

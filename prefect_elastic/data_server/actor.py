@@ -230,6 +230,7 @@ class DataServer:
             refused=shard.refused,
             replicas=tuple(sorted(replicas.held)),
             stateless=shard.stateless,
+            kept=shard.kept,
         )
 
     async def hold_at(self, generation: int, version: int, wait: float) -> int:
@@ -277,6 +278,15 @@ class DataServer:
         if applied is not None:
             status = replace(status, applied=applied)
         return replace(status, pending=pending)
+
+    async def step_back(self, generation: int, version: int) -> int:
+        """Come back to `version`: a shard there stays; one a step ahead steps back where its other copy
+        still holds that version (`SyncCommits.step_back`), else RecoverableError. Returns the version."""
+        self.shard.check(generation, "step back")
+        if self.shard.version == version:
+            return version
+        await self.applies.settle()  # (nothing is open after a fence; a restore waits the same way)
+        return await self.applies.step_back(version)
 
     async def restore(self, generation: int, version: int) -> int:
         """Reload the snapshot of `version`; the records of the steps after it are dropped."""

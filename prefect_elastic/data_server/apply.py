@@ -114,7 +114,8 @@ class SyncCommits:
             self._parts.take(generation, step, batches, batch_id, bucket, bounds, numel, run)
             # A bucket whole (every micro-batch's part in) is applied now, into the copy loops do not read.
             copy = self._parts.other_copy(state.optimizer)
-            if copy is not None:
+            if copy is not None and self._parts.ready():
+                state.kept = None  # (the other copy, which held the version before, is written now)
                 self._parts.apply_whole(copy, state.apply_inline)
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
@@ -268,6 +269,22 @@ class SyncCommits:
         pending = self.pending
         self.drop_open()
         return pending
+
+    async def step_back(self, version: int) -> int:
+        """Back to `version`, the one before this shard's, where its other copy still holds it whole
+        (`ShardState.kept`: a kill between a member's seals to two shards left this one a step ahead).
+        Raises RecoverableError where it cannot: the coordinator then restores the snapshot."""
+        state = self._state
+        copy = self._parts.other_copy(state.optimizer)
+        if state.version != version + 1 or state.kept != version or copy is None or state.applying:
+            raise RecoverableError(
+                f"shard {state.index} at step {state.version} cannot step back to {version} "
+                f"(it keeps {state.kept})"
+            )
+        await state.snapshot_taken()  # (a snapshot of the step undone still reads the parameters)
+        state.step_back(copy.flip_back)
+        await state.announce_version()
+        return state.version
 
     def drop_open(self) -> None:
         self._open = OpenStep()
@@ -423,6 +440,9 @@ class AsyncApplies:
 
     async def advance(self) -> None:
         return None  # (every gradient is applied as it arrives, or refused)
+
+    async def step_back(self, version: int) -> int:
+        raise FatalError(f"shard {self._state.index} of an async job was asked to step back")
 
     async def settle(self) -> int:
         return 0  # (the apply under way is waited for with every other turn: `ShardState.wait_turns`)

@@ -143,6 +143,10 @@ class OpenBuckets:
             self._copy_of = optimizer
         return self._copy
 
+    def ready(self) -> bool:
+        """Whether a bucket of the open step is whole and not applied yet."""
+        return self.book is not None and bool(self.book.to_apply())
+
     def apply_whole(self, copy: OtherCopy, inline: bool) -> None:
         """Apply every bucket of the open step that is whole into `copy`: now (`inline`), or in a thread,
         one bucket after another, while the event loop goes on (`applies_done` waits for them)."""

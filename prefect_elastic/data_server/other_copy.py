@@ -136,13 +136,30 @@ class OtherCopy:
     def flip(self) -> None:
         """The step commits: every bucket of it was applied here, so this copy is published, and the one
         the loops read until now becomes the copy the next step writes into."""
-        _, state, _ = self._published()
+        _, state, group = self._published()
         ours = dict(self._state)
         if self.kind == "adam":
             # (torch keeps the count as a float32 tensor of its own per parameter, and adds 1 in place.)
             ours["step"] = torch.tensor(float(self._step_number(state)), dtype=torch.float32)
-        elif self.optimizer.torch_optimizer.param_groups[0]["momentum"] == 0:
+        elif group["momentum"] == 0:
             ours = {}
+        self._swap(ours)
+
+    def flip_back(self) -> None:
+        """Undo the last `flip`: the copy published before it is published again, with its state. Only
+        while no bucket was applied since (it would have written into that copy: `ShardState.kept`)."""
+        _, state, group = self._published()
+        ours = dict(self._state)
+        if self.kind == "adam":
+            before = self._step_number(state) - 2  # (the published count, less the step undone)
+            ours = {**ours, "step": torch.tensor(float(before), dtype=torch.float32)} if before > 0 else {}
+        elif group["momentum"] == 0:
+            ours = {}
+        self._swap(ours)
+
+    def _swap(self, ours: dict[str, Any]) -> None:
+        """Publish this copy with `ours` for its optimizer state; the copy published until now becomes
+        this one, with its state."""
         old_flat, old_region, old_state = self.optimizer.publish(self._flat, self._region, ours)
         # (The region keeps its memory's descriptor open for the loops that map it: kept with the copy.)
         self._flat, self._region = old_flat, old_region

@@ -60,6 +60,10 @@ class ShardState:
         self.applying = False  # an optimizer step under way (it may be in a thread)
         self.apply_seconds = 0.0
         self.hold: int | None = None  # no step from this one on starts or is applied (`hold_at`)
+        # The version this shard can step back to: the one before `version`, whole in its other copy
+        # since the last commit published that copy, with the buffers as they were then (`step_back`).
+        self.kept: int | None = None
+        self.kept_buffers: Tensors = {}
         self.applied: set[int] = set(applied)  # batch ids applied here (async mode; a checkpoint's)
         self.snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
         self.snapshotting: asyncio.Task[None] | None = None
@@ -92,6 +96,7 @@ class ShardState:
         # A step small enough is applied on the event loop: a thread hand-off costs more than it does.
         self.apply_inline = sum(p.numel() for p in self.params.values()) < INLINE_APPLY_ELEMENTS
         self.version = version  # number of steps applied
+        self.kept = None
         self.snapshots: dict[int, Snapshot] = {}
         if not owned:
             first = self.copy_state()
@@ -146,6 +151,7 @@ class ShardState:
         """One optimizer step with these gradients (in order) and buffers: on the event loop for a small
         shard, else in a thread so heartbeats go on. The caller marks the shard `applying`."""
         began = time.perf_counter()
+        self.kept = None  # (applied in place: nothing to step back to)
         if self.apply_inline:
             self.apply(grads, buffers)
         else:
@@ -157,9 +163,25 @@ class ShardState:
         copy (`OtherCopy.flip`), and the buffers are updated as by `apply`. The caller marks the shard
         `applying`."""
         began = time.perf_counter()
+        # (The buffers of the version before, a few bytes a layer, for a step back.)
+        self.kept_buffers = {n: b.clone() for n, b in self.buffers.items()}
         flip()
         self.buffer_runs.update(buffers)
+        self.kept = self.version
         self.apply_seconds += time.perf_counter() - began
+
+    def step_back(self, flip_back: Callable[[], None]) -> None:
+        """Back to the version before (`kept`): `flip_back` publishes the other copy again, the buffers
+        are those of then, the records and snapshots of the step undone go. The caller checked `kept`."""
+        flip_back()
+        with torch.no_grad():
+            for name, b in self.buffers.items():
+                b.copy_(self.kept_buffers[name])
+        assert self.kept is not None
+        self.version, self.kept, self.kept_buffers = self.kept, None, {}
+        self.records.drop_from(self.version)
+        for version in [v for v in self.snapshots if v > self.version]:
+            del self.snapshots[version]
 
     async def announce_version(self) -> None:
         if self._version_changed is not None:
@@ -235,4 +257,5 @@ class ShardState:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(snap.optimizer)
         self.version = snap.version
+        self.kept = None
         self.records.drop_from(version)

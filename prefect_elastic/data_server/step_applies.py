@@ -71,6 +71,10 @@ class StepApplies(Protocol):
     async def advance(self) -> None:
         """Apply what is complete and no hold keeps (after a hold is lifted or raised)."""
 
+    async def step_back(self, version: int) -> int:
+        """Back to `version`, the one before this shard's, where that is possible (sync mode, the other
+        copy holding it); returns the version, or raises RecoverableError."""
+
     async def settle(self) -> int:
         """For a fence: the apply under way ends, the gradients held of unapplied steps are dropped;
         returns how many of the open step's there were."""

@@ -198,6 +198,37 @@ def test_shards_a_version_apart_go_back_to_the_snapshot_even_with_reassign() -> 
     assert role is not None and (role.rank, role.size, role.start_step) == (0, 1, 1)
 
 
+def test_a_shard_a_step_ahead_that_keeps_the_step_before_steps_back_instead_of_a_restore() -> None:
+    """Gradients in parts: a member died between its seals to two shards, shard 0 committed step 2 and
+    still holds step 2's parameters whole in its other copy (`kept`). Under `reassign` it steps back:
+    nothing committed is lost, no shard restores the snapshot. Under `rollback`, or where the shard ahead
+    cannot (it applied a bucket since, or holds one copy), every shard goes back to the snapshot."""
+    state = new_state("reassign")
+    admit(state, {"a", "b"})
+    state.absorb(status(0, 2))
+    state.absorb(status(1, 2))
+    assert state.committed_steps == 2
+    decision = survival_check(state.survival_state(), {"a"}, now=5.0)
+    fenced = [replace(status(0, 3, 2, since=2), kept=2), status(1, 2, 2, since=2)]
+    plan = state.reconcile(decision, fenced)
+    assert (plan.step_back_to, plan.restore_to, plan.consistent) == (2, None, False)
+    event = state.change_membership(decision, plan, fenced, "worker event", now=6.0, began=5.0)
+    assert event.kind is EventKind.REASSIGN and event.steps_lost == 0 and event.step == 2
+    assert "stepped back to step 2" in event.reason
+    assert state.committed_steps == 2 and state.counters["steps_back"] == 1
+    assert state.counters["inconsistent_fences"] == 1
+    # Not where the shard ahead cannot, nor under `rollback`.
+    for kept, policy in ((None, "reassign"), (1, "reassign"), (2, "rollback")):
+        other = new_state(policy)
+        admit(other, {"a", "b"})
+        other.absorb(status(0, 2))
+        other.absorb(status(1, 2))
+        check = survival_check(other.survival_state(), {"a"}, now=5.0)
+        ahead = replace(status(0, 3, 2, since=2), kept=kept)
+        plan = other.reconcile(check, [ahead, status(1, 2, 2, since=2)])
+        assert plan.step_back_to is None and plan.restore_to == 0, (kept, policy)
+
+
 def test_reassign_with_shards_that_agree_loses_no_committed_step() -> None:
     state = new_state("reassign")
     admit(state, {"a", "b"})

@@ -132,3 +132,29 @@ def test_optimizers_without_an_out_of_place_update_have_no_other_copy() -> None:
     assert copy_kind(ShardOptimizer(model_spec({"name": "adam", "lr": 1e-3}), params)) == "adam"
     mixed = {**params, "e": torch.zeros(3, dtype=torch.float64)}  # (two dtypes: no flat tensor)
     assert copy_kind(ShardOptimizer(model_spec(OPTIMIZERS[0]), mixed)) is None
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: "-".join(f"{v}" for v in o.values()))
+def test_a_step_back_publishes_the_copy_before_and_its_state_again(optimizer: dict[str, Any]) -> None:
+    """A shard a step ahead of a peer steps back (`flip_back`): the parameters and the optimizer state are
+    the version before bit for bit, from the first step on, and training from there gives the bits of a
+    run that never took the step undone."""
+    spec = model_spec(optimizer)
+    whole = ShardOptimizer(spec, shard_params(4))
+    buckets = ShardOptimizer(spec, shard_params(4))
+    copy = OtherCopy(buckets, copy_kind(buckets) or "sgd")
+    steps = gradients(4)
+    for k, gradient in enumerate(steps[:3]):
+        before = ({n: t.clone() for n, t in buckets.params.items()}, state_of(buckets))
+        for start, stop in itertools.pairwise(CUTS):
+            copy.apply(start, stop, gradient[start:stop] * 3)  # (a step that will be undone)
+        copy.flip()
+        copy.flip_back()
+        assert all(torch.equal(t, before[0][n]) for n, t in buckets.params.items()), k
+        assert same_state(state_of(buckets), before[1]), k
+        whole.step([gradient])
+        for start, stop in itertools.pairwise(CUTS):
+            copy.apply(start, stop, gradient[start:stop])
+        copy.flip()
+        assert all(torch.equal(t, whole.params[n]) for n, t in buckets.params.items()), k
+        assert same_state(state_of(buckets), state_of(whole)), k
