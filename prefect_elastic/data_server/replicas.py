@@ -104,15 +104,16 @@ class Replicas:
         peer, fenced too, refused that generation); answer once the copy is whole where the shard stands
         at this version (the job waits or ends), so that the snapshot counts at once."""
         state = self._state
-        if (
-            self.enabled
-            and version in state.snapshots
-            and version not in self.replicated
-            and version not in self.replicating
-        ):
-            self.replicate(state.snapshots[version])
-        copying = self.replicating.get(version)
-        if copying is not None and state.version == version:
+        # Twice at most: a copy still in flight may be the one the fence's generation will refuse (taken
+        # just before the fence), and only once it has failed can the copy of this generation start.
+        for _ in range(2):
+            if not self.enabled or version not in state.snapshots or version in self.replicated:
+                return
+            if version not in self.replicating:
+                self.replicate(state.snapshots[version])
+            copying = self.replicating.get(version)
+            if copying is None or state.version != version:
+                return
             await asyncio.shield(copying)
 
     def hold(self, generation: int, source: int, replica: dict[str, Any]) -> None:
