@@ -538,10 +538,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.workloads is not None:
-        known = dict(Sizes().steady_epochs) | dict(Sizes().extra_steady_epochs)
-        unknown = [w for w in args.workloads.split(",") if w not in known]
-        if args.only != "steady" or unknown:
-            parser.error(f"--workloads goes with --only steady, of {', '.join(known)} (unknown: {unknown})")
+        sizes = Sizes()
+        known = {
+            "steady": dict(sizes.steady_epochs) | dict(sizes.extra_steady_epochs),
+            "ddp": dict(sizes.ddp_epochs) | dict(sizes.extra_ddp_epochs),
+        }
+        of = known.get(args.only or "", {})
+        unknown = [w for w in args.workloads.split(",") if w not in of]
+        if not of or unknown:
+            parser.error(
+                "--workloads goes with --only steady (of "
+                f"{', '.join(known['steady'])}) or --only ddp (of {', '.join(known['ddp'])}); "
+                f"unknown here: {unknown or args.workloads}"
+            )
     if args.report_only:
         stored: dict[str, Any] = json.loads(Path(args.raw).read_text())
         report.write(stored, Path(args.docs), Path(args.docs).parent / "img")
