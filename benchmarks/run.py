@@ -526,8 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--workloads",
-        help="with --only steady: these workloads (comma-separated) instead of the default ones; "
-        f"of {', '.join(dict(Sizes().steady_epochs) | dict(Sizes().extra_steady_epochs))}",
+        help="with --only steady or --only ddp: these workloads (comma-separated) instead of the default "
+        f"ones; of {', '.join(dict(Sizes().steady_epochs) | dict(Sizes().extra_steady_epochs))} "
+        f"(steady) and {', '.join(dict(Sizes().ddp_epochs) | dict(Sizes().extra_ddp_epochs))} (ddp)",
     )
     parser.add_argument(
         "--baseline",
