@@ -1,7 +1,8 @@
 """Run the benchmark suite: `python -m benchmarks.run [--smoke]`.
 
 `python -m benchmarks.run --only steady --workloads resnet18` measures transformers' ResNet-18 (the bench
-extra: `pip install -e ".[bench]"`) against the plain loop; the suite leaves it out unless it is named.
+extra: `pip install -e ".[bench]"`) against the plain loop, and `--only ddp --workloads resnet18` two
+compute workers on it against torchrun DDP; the suite leaves it out unless it is named.
 
 Every figure of docs/benchmarks.md, measured in this one invocation on this machine: the plain PyTorch
 loop, prefect-elastic, torchrun DDP and torchrun elastic on the same workloads (benchmarks/workloads.py).
