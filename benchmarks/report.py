@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
+from .workloads import WORKLOADS
+
 Results = dict[str, Any]
 
 
@@ -28,6 +30,8 @@ def _verdict(ok: bool | None) -> str:
 STEADY_TARGETS = {"cnn-20": 0.90, "transformer": 0.90, "cnn": 0.95, "mlp": 0.60, "resnet18": 0.90}
 FIXED_COST_TARGET_MS = 3.0
 DDP_AIM = 0.9  # 2 workers over torchrun DDP with 2 processes: reported, with this aim
+# ... and the ResNet-18's target (issue 37: the overlapped step), where the step moves 45 MB each way.
+DDP_TARGETS = {"resnet18": 1.0}
 # The last run before the step path of issue 9 (docs/benchmarks.md of 2026-11-21, 2 cores): recovery and
 # scale-up must be no worse than these. Judged against them only when the run has no side-by-side
 # comparison with that code (`recovery_baseline`, benchmarks/baseline.py): the machine's speed drifts by half.
@@ -373,9 +377,10 @@ def figures(r: Results) -> list[tuple[str, str, str, str]]:
             (
                 f"steady throughput, 2 compute workers over torchrun DDP with 2 processes, gloo ({w})",
                 f"{d['ratio']:.2f} (median of the repeats' ratios; median samples/s {d['elastic']:.0f} and "
-                f"{d['ddp']:.0f}; {d['steps']} steps of 2 x 128)" + _spread(d.get("pair_ratios", [])),
-                f"reported; aim ≥ {DDP_AIM:.1f}",
-                _verdict(d["ratio"] >= DDP_AIM),
+                f"{d['ddp']:.0f}; {d['steps']} steps of 2 x {WORKLOADS[w].batch})"
+                + _spread(d.get("pair_ratios", [])),
+                f"≥ {DDP_TARGETS[w]:.1f}" if w in DDP_TARGETS else f"reported; aim ≥ {DDP_AIM:.1f}",
+                _verdict(d["ratio"] >= DDP_TARGETS.get(w, DDP_AIM)),
             )
         )
     rec = r["recovery"].get("reassign")
@@ -618,7 +623,7 @@ def plot_ratios(r: Results, path: Path) -> None:
     for w, d in r.get("ddp", {}).items():
         labels.append(f"2 workers\n/ DDP x2\n({w})")
         values.append(d["ratio"])
-        targets.append(DDP_AIM)
+        targets.append(DDP_TARGETS.get(w, DDP_AIM))
     for w, v in r["snapshot"].items():
         if "in_run" in v:
             labels.append(f"kept with\nsnapshots\n({w})")

@@ -275,7 +275,7 @@ class SyncCommits:
         (`ShardState.kept`: a kill between a member's seals to two shards left this one a step ahead).
         Raises RecoverableError where it cannot: the coordinator then restores the snapshot."""
         state = self._state
-        copy = self._parts.other_copy(state.optimizer)
+        copy = self._parts.made_copy(state.optimizer)
         if state.version != version + 1 or state.kept != version or copy is None or state.applying:
             raise RecoverableError(
                 f"shard {state.index} at step {state.version} cannot step back to {version} "
@@ -302,7 +302,7 @@ class SyncCommits:
     @property
     def parts_phases(self) -> dict[str, float]:
         parts = self._parts
-        copy = parts.other_copy(self._state.optimizer)
+        copy = parts.made_copy(self._state.optimizer)
         return {
             "parts": float(parts.taken),
             "parts_dropped": float(parts.dropped),

@@ -77,13 +77,14 @@ def plan_buckets(
     `bucket_bytes` of the shard's parameter bytes).
 
     Pieces are dealt in the shard's order into the open bucket until the next would take it past the cap,
-    or is of another dtype; a piece larger than the cap is cut into runs of the cap, each a bucket of its
-    own. Its gradient is ready all at once, but where it is the last backward makes (a model's first
-    layer: the 10 MB first weight of a 51 MB MLP) the runs pipeline what follows backward: the shard sums
-    and applies the first while the next is on its way, where one bucket would cross, then be summed,
-    then applied. The shard's first bucket is capped at `first_cap` too (DDP's first bucket): it holds the
-    parameters forward needs first and backward finishes last, so it is the tail of the push after
-    backward and the head of the pull before forward."""
+    or is of another dtype; a piece larger than the cap is a bucket of its own (its gradient is ready all
+    at once: cut, it would only cost more frames while backward still runs). The shard's first bucket is
+    capped at `first_cap` too (DDP's first bucket): it holds the parameters forward needs first and
+    backward finishes last, so it is the tail of the push after backward and the head of the pull before
+    forward. So a piece that opens the shard larger than that cap (the 10 MB first weight of a 51 MB MLP)
+    is cut: a first run of `first_cap`, then runs of the cap, a bucket each. They pipeline what follows
+    backward: the shard sums and applies one while the next is on its way, where one bucket would cross,
+    then be summed, then be applied."""
     shards: list[list[Bucket]] = []
     for shard, pieces in enumerate(plan):
         held = [p for p in pieces if p.name in params]
@@ -100,7 +101,7 @@ def _cut(
     size = 0
     for whole in held:
         itemsize = params[whole.name].dtype.itemsize
-        for p in _runs(whole, itemsize, limit, first_cap if len(groups) <= 1 else limit):
+        for p in _runs(whole, itemsize, limit, first_cap) if not groups else [whole]:
             nbytes = p.numel * itemsize
             room = min(limit, first_cap) if len(groups) <= 1 else limit
             current = groups[-1] if groups else None
@@ -122,8 +123,8 @@ def _cut(
 
 
 def _runs(piece: Piece, itemsize: int, limit: int, first: int) -> list[Piece]:
-    """`piece` as it is where it fits in `limit` bytes, else cut into runs of `limit` (the first of
-    `first`, where it opens the shard's first bucket)."""
+    """The piece that opens a shard: as it is where it fits in `first` bytes, else cut into a run of
+    `first` and runs of `limit`."""
     if piece.numel * itemsize <= first:
         return [piece]
     runs: list[Piece] = []

@@ -143,6 +143,11 @@ class OpenBuckets:
             self._copy_of = optimizer
         return self._copy
 
+    def made_copy(self, optimizer: ShardOptimizer | None) -> OtherCopy | None:
+        """The other copy made for `optimizer` so far, if any (none is made here: a job that never sent
+        parts pays nothing for it)."""
+        return self._copy if optimizer is not None and optimizer is self._copy_of else None
+
     def ready(self) -> bool:
         """Whether a bucket of the open step is whole and not applied yet."""
         return self.book is not None and bool(self.book.to_apply())

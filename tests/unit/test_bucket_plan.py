@@ -56,16 +56,15 @@ def joined(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
-def test_a_tensor_larger_than_the_cap_goes_in_runs_the_first_one_of_the_first_buckets_cap() -> None:
-    params = {"first.weight": torch.zeros(1000), "first.bias": torch.zeros(10), "last": torch.zeros(2500)}
+def test_the_piece_that_opens_a_shard_goes_in_runs_where_it_is_larger_than_the_first_buckets_cap() -> None:
+    params = {"first.weight": torch.zeros(2000), "first.bias": torch.zeros(10), "last": torch.zeros(2500)}
     plan = [[Piece(n, 0, t.numel(), t.numel()) for n, t in params.items()]]
     (held,) = plan_buckets(plan, params, cap=4000, first_cap=1200)
     assert [[(p.name, p.start, p.stop) for p in b.pieces] for b in held] == [
         [("first.weight", 0, 300)],  # (1200 bytes: the first bucket's cap)
-        [("first.weight", 300, 1000), ("first.bias", 0, 10)],
-        [("last", 0, 1000)],
-        [("last", 1000, 2000)],
-        [("last", 2000, 2500)],
+        [("first.weight", 300, 1300)],  # (4000 bytes: the cap)
+        [("first.weight", 1300, 2000), ("first.bias", 0, 10)],
+        [("last", 0, 2500)],  # (larger than the cap, but backward has it early: one bucket)
     ]
 
 
@@ -93,7 +92,7 @@ def test_buckets_cut_each_shards_flat_parameters_into_contiguous_runs(shards: in
             limit = cap if cap is not None else bucket_bytes(flat.numel() * 4)
             if b.index == 0:
                 limit = min(limit, 2048)
-            assert b.nbytes <= limit, (b.names, b.nbytes, limit)
+            assert b.nbytes <= limit or (len(b.pieces) == 1 and b.index > 0), (b.names, b.nbytes, limit)
     # Every element of every parameter lies in exactly one bucket.
     for name, p in params.items():
         runs = sorted((q.start, q.stop) for held in buckets for b in held for q in b.pieces if q.name == name)
