@@ -23,8 +23,9 @@ def straggle(plugin: object | None, took: float) -> None:
         time.sleep((factor - 1.0) * took)
 
 
-def training_device() -> torch.device:
-    """The device a compute worker trains on: its GPU where it has one, with deterministic kernels.
+def training_device(deterministic: bool = True) -> torch.device:
+    """The device a compute worker trains on: its GPU where it has one, with deterministic kernels
+    (`deterministic`, the job's setting; False: the fastest ones, and no bitwise guarantee).
 
     A micro-batch must give the same gradient bits on every worker (invariant 2: the result is bitwise
     equal to the one-worker, no-fault run). On CPU it does; on CUDA, cuDNN may pick a different algorithm
@@ -32,15 +33,19 @@ def training_device() -> torch.device:
     threads finish, and cuBLAS does so across streams unless its workspace is fixed. These settings are
     the process's, so every job's loop in this worker shares them; an op with no deterministic CUDA
     kernel warns (rather than failing the user's model) and then bitwise equality is not promised.
-    Bits are the same across workers of one GPU model and software stack, not across models.
+    Bits are the same across workers of one GPU model and software stack, not across models. Without
+    (`deterministic=False`): cuDNN's autotuner picks the fastest algorithm per shape, and nothing holds
+    the kernels to one summation order. (The cuBLAS workspace, read once per process, stays as the
+    first job in the worker set it.)
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    # Read when cuBLAS makes its first handle: before this process's first CUDA matrix product.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    if deterministic:
+        # Read when cuBLAS makes its first handle: before this process's first CUDA matrix product.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     # (That setting also fills every new tensor with NaN, host buffers included: a pass over the receive
     # buffers of each step for nothing, since the step overwrites them.)
     torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]

@@ -95,7 +95,7 @@ def run_loop(
     secede()
     tune_allocator()
     torch.set_num_threads(spec.threads_per_worker)
-    device = training_device()
+    device = training_device(spec.deterministic)
     trainer = MicroBatchTrainer(spec, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN))
     observer: PushObserver | None = worker.plugins.get(PUSH_HOOK)  # type: ignore[assignment]
 

@@ -132,6 +132,13 @@ class ElasticJob(BaseModel):
     # model of 16 MiB of parameters or more, where it pays (docs/benchmarks.md); a small model's step
     # pays more for the extra frames than the overlap saves.
     overlap_push: bool | None = None
+    # On a GPU, the kernels that give a micro-batch's gradient the same bits on every worker (cuDNN's
+    # deterministic algorithms, cuBLAS's fixed workspace), the premise of the bitwise guarantee. False
+    # trades that guarantee for the fastest kernels (cuDNN's autotuner, atomics that sum in any order):
+    # every batch id still trains once, but a run with a failure no longer gives the bits of one without
+    # (docs/guide.md, "Bitwise, or the fastest kernels"). Nothing changes on a CPU, whose kernels give
+    # the same bits either way.
+    deterministic: bool = True
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -447,6 +454,7 @@ class ElasticJob(BaseModel):
             self.threads_per_worker,
             self.micro_batches,
             self.overlap_push,
+            self.deterministic,
         )
 
     @property

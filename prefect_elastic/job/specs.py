@@ -73,6 +73,7 @@ class LoopSpec:
     threads_per_worker: int  # torch's threads in the loop's worker
     micro_batches: int  # async mode: the least batch ids a lease asks for
     overlap_push: bool | None = None  # sync mode: gradients leave in buckets during backward (None: if big)
+    deterministic: bool = True  # on a GPU: the kernels that give every worker a gradient's same bits
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from prefect_elastic import ElasticJob
@@ -140,6 +141,32 @@ def test_a_worker_without_a_gpu_trains_on_the_cpu_with_torchs_settings_left_alon
     deterministic = torch.are_deterministic_algorithms_enabled()
     assert training_device() == torch.device("cpu")
     assert torch.are_deterministic_algorithms_enabled() == deterministic
+
+
+def test_the_jobs_deterministic_setting_chooses_the_gpu_kernels(
+    monkeypatch: pytest.MonkeyPatch, digits_url: str
+) -> None:
+    """`ElasticJob.deterministic` reaches the loop (`LoopSpec`) and sets torch's flags on a GPU worker.
+    A fake GPU (`torch.cuda.is_available` patched: no GPU here): only the flags are read, nothing runs on
+    CUDA; the kernels themselves are tried on a lent GPU (benchmarks/gpu.py)."""
+    job = ElasticJob(job_id="fast", model="tests.models:mlp", dataset=digits_url, deterministic=False)
+    assert job.loop_spec.deterministic is False and ElasticJob.model_fields["deterministic"].default is True
+    flags = (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        assert training_device(job.loop_spec.deterministic) == torch.device("cuda")
+        assert torch.backends.cudnn.benchmark and not torch.backends.cudnn.deterministic
+        assert not torch.are_deterministic_algorithms_enabled()
+        training_device(True)
+        assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = flags[0], flags[1]
+        torch.use_deterministic_algorithms(flags[2])
 
 
 def test_parameters_moved_as_one_transfer_give_the_same_gradients(digits_url: str) -> None:
