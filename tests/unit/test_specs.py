@@ -40,6 +40,7 @@ FROM_THE_JOB: dict[type, dict[str, Any]] = {
         "threads_per_worker": lambda j: j.threads_per_worker,
         "micro_batches": lambda j: j.micro_batches,
         "overlap_push": lambda j: j.overlap_push,
+        "deterministic": lambda j: j.deterministic,
     },
     CheckpointSpec: {
         "job_id": lambda j: j.job_id,
@@ -77,6 +78,7 @@ def unusual_job(tmp_path: Path) -> ElasticJob:
         mode="async",
         max_staleness=2,
         overlap_push=True,  # (refused when the job is prepared: async mode pushes whole)
+        deterministic=False,
     )
 
 
