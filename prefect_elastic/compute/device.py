@@ -35,14 +35,13 @@ def training_device(deterministic: bool = True) -> torch.device:
     kernel warns (rather than failing the user's model) and then bitwise equality is not promised.
     Bits are the same across workers of one GPU model and software stack, not across models. Without
     (`deterministic=False`): cuDNN's autotuner picks the fastest algorithm per shape, and nothing holds
-    the kernels to one summation order. (The cuBLAS workspace, read once per process, stays as the
-    first job in the worker set it.)
+    the kernels to one summation order.
     """
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    if deterministic:
-        # Read when cuBLAS makes its first handle: before this process's first CUDA matrix product.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # Read when cuBLAS makes its first handle, once per process: set whatever the job, so that a
+    # deterministic job after one that is not, in the same worker, still has it.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.benchmark = not deterministic
     torch.backends.cudnn.deterministic = deterministic
     torch.use_deterministic_algorithms(deterministic, warn_only=True)

@@ -286,7 +286,9 @@ class DataServer:
         if self.shard.version == version:
             return version
         await self.applies.settle()  # (nothing is open after a fence; a restore waits the same way)
-        return await self.applies.step_back(version)
+        version = await self.applies.step_back(version)
+        self.replicas.stepped_back(version)
+        return version
 
     async def restore(self, generation: int, version: int) -> int:
         """Reload the snapshot of `version`; the records of the steps after it are dropped."""

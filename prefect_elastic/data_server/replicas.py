@@ -74,7 +74,8 @@ class Replicas:
                     "shard %d: copy of snapshot %d to its peer failed: %s", state.index, snap.version, exc
                 )
                 return
-            if self._peer is peer and snap.version in state.snapshots:
+            # (This very snapshot: after a step back, another of its version may have been taken since.)
+            if self._peer is peer and state.snapshots.get(snap.version) is snap:
                 self.replicated[snap.version] = time.time()
 
         task = asyncio.ensure_future(send())
@@ -97,6 +98,11 @@ class Replicas:
         self.keep = keep
         self.replicated = {v: t for v, t in self.replicated.items() if v in self._state.snapshots}
         self.prune()
+
+    def stepped_back(self, version: int) -> None:
+        """The shard stepped back to `version` (`ShardState.step_back`): its snapshots after it are gone,
+        and so are their marks; a copy of one still in flight marks nothing when it ends."""
+        self.replicated = {v: t for v, t in self.replicated.items() if v <= version}
 
     async def recopy(self, version: int) -> None:
         """After `snapshot_at(version)`: copy the snapshot again if it is taken but its copy was refused

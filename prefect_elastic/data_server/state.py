@@ -225,18 +225,24 @@ class ShardState:
 
     def start_snapshot(self) -> None:
         """Copy the shard in the background (started once the waiting pulls have their answer); the next
-        apply waits for it (it only reads)."""
+        apply waits for it (it only reads). One at a time: a second ask while one is being copied (of this
+        version: the version moves only once it ended) waits for that one. Two at once, the first to end
+        would say none runs, and a commit could re-point the parameters (`OtherCopy.flip`) while the
+        second still read them."""
         self.snapshot_wanted = None
+        if self.snapshotting is not None and not self.snapshotting.done():
+            return
 
         async def take() -> None:
             snap = await asyncio.to_thread(self.copy_state) if not self.apply_inline else self.copy_state()
             self.snapshots[snap.version] = snap
-            self.snapshotting = None
+            if self.snapshotting is task:
+                self.snapshotting = None
             listener = self._on_snapshot() if self._on_snapshot is not None else None
             if listener is not None:
                 listener(snap)
 
-        self.snapshotting = asyncio.ensure_future(take())
+        task = self.snapshotting = asyncio.ensure_future(take())
 
     async def snapshot_taken(self) -> None:
         if self.snapshotting is not None:

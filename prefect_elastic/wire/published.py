@@ -15,6 +15,10 @@ parameters read in place"): in sync mode a shard writes its parameters
   push that went in at one shard and failed at another, asks for a copy: `MicroBatchTrainer.fetch`.);
 - when it restores a snapshot (a rollback): that starts a new generation, and a loop of the old one that
   still reads them computes gradients the shard refuses (their generation is stale);
+- when the overlapped step (`overlap_push`) applies a bucket into the shard's other copy
+  (`data_server/other_copy.py`): that copy holds the version before the published one, which no loop of
+  the generation reads any more (each sealed its share of that step before it committed); the commit
+  then publishes it, and the copy published until then becomes the one written next;
 - never else: a promotion or a restart builds a new optimizer, whose parameters lie elsewhere; the old
   memfd stays mapped, unchanged, for as long as a loop holds views of it.
 Only entries of kind `params` go this way (`codec.BY_REFERENCE`): the sync pull's answer. Async mode

@@ -191,3 +191,42 @@ def test_a_released_data_server_is_freed_at_once(digits_url: str) -> None:
         assert [ref() for ref in gone] == [None, None, None]
     finally:
         gc.enable()
+
+
+def test_a_second_ask_for_a_snapshot_being_copied_waits_for_that_copy(digits_url: str) -> None:
+    """Two copies of one version at once: the first to end said none ran any more, and a commit could then
+    re-point the parameters (`OtherCopy.flip`) under the second (`ShardState.start_snapshot`)."""
+    first, _, _ = servers(digits_url)
+    shard = first.shard
+
+    async def run() -> None:
+        shard.start_snapshot()
+        running = shard.snapshotting
+        shard.start_snapshot()  # (asked again before the first ended)
+        assert shard.snapshotting is running
+        await shard.snapshot_taken()
+        assert shard.snapshotting is None and shard.version in shard.snapshots
+
+    asyncio.run(run())
+
+
+def test_a_step_back_forgets_the_marks_of_the_snapshots_it_dropped(digits_url: str) -> None:
+    """A shard that steps back drops its snapshots after the version, and their copies' marks: a snapshot
+    of that version taken again counts only once its own copy is on the peer."""
+    first, second, _ = servers(digits_url)
+
+    async def run() -> None:
+        await first.set_peer(0, second)
+        await settled()
+        first.shard.version = 1
+        first.shard.snapshots[1] = first.shard.copy_state()
+        first.replicas.replicate(first.shard.snapshots[1])
+        await settled()
+        assert 1 in first.replicas.replicated
+        del first.shard.snapshots[1]  # (as `ShardState.step_back` drops it)
+        first.replicas.stepped_back(0)
+        assert 1 not in first.replicas.replicated
+        first.shard.snapshots[1] = first.shard.copy_state()  # taken again, not copied yet
+        assert not first.replicas.counts(1)
+
+    asyncio.run(run())
