@@ -158,9 +158,12 @@ class SyncCommits:
         restore_to: int | None = None
         if decision.action is not Action.ROLLBACK and not consistent and held:
             # A member died between its seals to two shards (gradients in parts): where every shard
-            # ahead still holds the version before whole, it steps back; nothing committed is lost.
+            # ahead still holds the version before whole, it steps back; nothing committed is lost. (A
+            # shard that holds no state steps back by counting: it has nothing to keep.)
             low = min(held)
-            if all(s.version == low or (s.version == low + 1 and s.kept == low) for s in fenced):
+            if any(s.kept == low for s in fenced) and all(
+                s.version == low or (s.version == low + 1 and (s.kept == low or s.stateless)) for s in fenced
+            ):
                 return Reconciliation(None, versions, consistent, step_back_to=low)
         if decision.action is Action.ROLLBACK or not consistent:
             restore_to = self.state.ledger.snapshot_step

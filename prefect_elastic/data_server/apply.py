@@ -276,13 +276,15 @@ class SyncCommits:
         Raises RecoverableError where it cannot: the coordinator then restores the snapshot."""
         state = self._state
         copy = self._parts.made_copy(state.optimizer)
-        if state.version != version + 1 or state.kept != version or copy is None or state.applying:
+        # (A shard that holds no state has nothing to keep: it counts its version back.)
+        able = state.stateless or (state.kept == version and copy is not None)
+        if state.version != version + 1 or not able or state.applying:
             raise RecoverableError(
                 f"shard {state.index} at step {state.version} cannot step back to {version} "
                 f"(it keeps {state.kept})"
             )
         await state.snapshot_taken()  # (a snapshot of the step undone still reads the parameters)
-        state.step_back(copy.flip_back)
+        state.step_back(copy.flip_back if copy is not None and not state.stateless else None)
         await state.announce_version()
         return state.version
 

@@ -170,13 +170,19 @@ class ShardState:
         self.kept = self.version
         self.apply_seconds += time.perf_counter() - began
 
-    def step_back(self, flip_back: Callable[[], None]) -> None:
+    def step_back(self, flip_back: Callable[[], None] | None) -> None:
         """Back to the version before (`kept`): `flip_back` publishes the other copy again, the buffers
-        are those of then, the records and snapshots of the step undone go. The caller checked `kept`."""
-        flip_back()
-        with torch.no_grad():
-            for name, b in self.buffers.items():
-                b.copy_(self.kept_buffers[name])
+        are those of then, the records and snapshots of the step undone go. The caller checked `kept`.
+        A shard that holds no state (`flip_back` None) only counts its version back."""
+        if flip_back is None:
+            if not self.stateless:
+                raise FatalError(f"shard {self.index} holds state: it steps back only through its copy")
+            self.kept = self.version - 1
+        else:
+            flip_back()
+            with torch.no_grad():
+                for name, b in self.buffers.items():
+                    b.copy_(self.kept_buffers[name])
         assert self.kept is not None
         self.version, self.kept, self.kept_buffers = self.kept, None, {}
         self.records.drop_from(self.version)

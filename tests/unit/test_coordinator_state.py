@@ -229,6 +229,21 @@ def test_a_shard_a_step_ahead_that_keeps_the_step_before_steps_back_instead_of_a
         assert plan.step_back_to is None and plan.restore_to == 0, (kept, policy)
 
 
+def test_a_shard_without_state_a_step_ahead_steps_back_with_the_others_but_not_alone() -> None:
+    """A data server that holds no state has nothing to keep: beside a shard ahead that keeps the version
+    before, it steps back by counting; ahead alone (gradients pushed whole), the shards restore as before."""
+    for stateful_ahead, expected in ((True, (2, None)), (False, (None, 0))):
+        state = new_state("reassign", shards=3)
+        admit(state, {"a", "b"}, versions=(0, 0, 0))
+        for i in range(3):
+            state.absorb(status(i, 2))
+        decision = survival_check(state.survival_state(), {"a"}, now=5.0)
+        stateless = replace(status(0, 3, 2, since=2), stateless=True)
+        first = replace(status(1, 3, 2, since=2), kept=2) if stateful_ahead else status(1, 2, 2, since=2)
+        plan = state.reconcile(decision, [stateless, first, status(2, 2, 2, since=2)])
+        assert (plan.step_back_to, plan.restore_to) == expected, stateful_ahead
+
+
 def test_reassign_with_shards_that_agree_loses_no_committed_step() -> None:
     state = new_state("reassign")
     admit(state, {"a", "b"})
