@@ -32,6 +32,7 @@ import torch
 import prefect_elastic
 import prefect_elastic.training
 from prefect_elastic import ElasticJob, TrainResult, train
+from prefect_elastic.compute.pushes import PUSH_HOOK
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.dataset import digits_dataset, write_npz
 from prefect_elastic.errors import ElasticError
@@ -39,6 +40,7 @@ from prefect_elastic.local.chaos import SoakFigures
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.local.forkserver import FORK_SERVER_ENV
+from prefect_elastic.local.push_faults import KillBetweenPushes
 from prefect_elastic.messages import Progress
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import memfd
@@ -79,6 +81,19 @@ os.environ["ELASTIC_TESTS_BAD_WORKER"] = str(_SIGNALS / "bad-worker")
 # start theirs with the `dask` command line (tests/test_user_cluster.py, tests/test_slurm.py); set the
 # variable to 0 to run everything on plainly started processes.
 os.environ.setdefault(FORK_SERVER_ENV, "1")
+
+
+def train_killed_between_pushes(
+    cluster: LocalElasticCluster, job: ElasticJob, target: str, at_step: int = 8
+) -> TrainResult:
+    """`job` trained on `cluster` with worker `target` SIGKILLed after its push to shard 0 of a step from
+    `at_step` on, before its push to shard 1 (`KillBetweenPushes`)."""
+    with cluster.client() as client:
+        client.register_plugin(KillBetweenPushes(target, at_step=at_step), name=PUSH_HOOK)
+        try:
+            return train(job, cluster=cluster)
+        finally:
+            client.unregister_worker_plugin(PUSH_HOOK)
 
 
 @contextlib.contextmanager

@@ -176,6 +176,18 @@ def gated_slow_mlp() -> nn.Module:
     return _GatedSlowMlp(*mlp())
 
 
+def _wait_marked() -> None:
+    """Where the gate is closed: say so with a mark named by this process (`waiting_marks`), and wait."""
+    if not GATE.exists():
+        return
+    mark = GATE.with_name(f"{GATE.name}.waiting-{os.getpid()}")
+    mark.touch()
+    try:
+        _wait_at_gate()
+    finally:
+        mark.unlink(missing_ok=True)
+
+
 def waiting_marks() -> list[Path]:
     """The marks of the processes waiting in `second_forward_gated_mlp`'s gate, one per process."""
     return sorted(GATE.parent.glob(f"{GATE.name}.waiting-*"))
@@ -186,15 +198,10 @@ class _SecondForwardGated(nn.Sequential):
         # Forwards of this model so far (a compute loop builds its own for each job): with two micro-batches
         # a share, every second one is a share's last.
         self.calls = getattr(self, "calls", 0) + 1
-        if self.calls % 2 == 0 and GATE.exists():
+        if self.calls % 2 == 0:
             # The share's first micro-batch went through backward (its gradients left, where they leave
-            # during backward): say so with a mark named by this process, and wait.
-            mark = GATE.with_name(f"{GATE.name}.waiting-{os.getpid()}")
-            mark.touch()
-            try:
-                _wait_at_gate()
-            finally:
-                mark.unlink(missing_ok=True)
+            # during backward): wait, with a mark.
+            _wait_marked()
         time.sleep(0.004)
         return super().forward(x)
 
@@ -206,7 +213,7 @@ def second_forward_gated_mlp() -> nn.Module:
 
 
 class _BackwardGate(torch.autograd.Function):
-    """The identity; its backward waits at the gate (with a mark, as `_SecondForwardGated`) where `wait`."""
+    """The identity; its backward waits at the gate, with a mark (`_wait_marked`), where `wait`."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, wait: bool) -> torch.Tensor:
@@ -215,13 +222,8 @@ class _BackwardGate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.wait and GATE.exists():  # type: ignore[attr-defined]
-            mark = GATE.with_name(f"{GATE.name}.waiting-{os.getpid()}")
-            mark.touch()
-            try:
-                _wait_at_gate()
-            finally:
-                mark.unlink(missing_ok=True)
+        if ctx.wait:  # type: ignore[attr-defined]
+            _wait_marked()
         return grad, None
 
 

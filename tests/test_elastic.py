@@ -16,11 +16,9 @@ import pytest
 import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
-from prefect_elastic.compute import PUSH_HOOK
 from prefect_elastic.errors import RecoverableError
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
-from prefect_elastic.local.push_faults import KillBetweenPushes
 from prefect_elastic.messages import EventKind, Progress
 
 from .conftest import (
@@ -31,6 +29,7 @@ from .conftest import (
     in_process_servers,
     make_job,
     top_up,
+    train_killed_between_pushes,
     wait_for,
 )
 from .models import GATE
@@ -106,12 +105,7 @@ def test_worker_killed_between_its_pushes_to_two_shards(
     top_up(cluster, 2)
     job = make_job(digits_url, policy, job_id=f"between-{policy}")
     target = cluster.elastic_addresses()[0]
-    with cluster.client() as client:
-        client.register_plugin(KillBetweenPushes(target, at_step=8), name=PUSH_HOOK)
-        try:
-            result = train(job, cluster=cluster)
-        finally:
-            client.unregister_worker_plugin(PUSH_HOOK)
+    result = train_killed_between_pushes(cluster, job, target)
     check_run(result, reference(job), policy)
     assert target in lost_workers(result)
     assert result.counters["inconsistent_fences"] == 1
