@@ -123,4 +123,18 @@ def mode_of_job(job: ElasticJob) -> Mode:
             f"gradients leave during backward in sync mode only ({mode.name} mode applies each "
             "micro-batch whole as it arrives): set mode='sync', or leave overlap_push off",
         )
+    if job.overlap_pull and not mode.overlaps_push:
+        raise JobConfigError(
+            "overlap_pull",
+            True,
+            f"parameters arrive in buckets during forward in sync mode only ({mode.name} mode answers "
+            "each micro-batch with the whole model): set mode='sync', or leave overlap_pull off",
+        )
+    if job.overlap_pull and job.overlap_push is False:
+        raise JobConfigError(
+            "overlap_pull",
+            True,
+            "the parameters come back in the buckets the gradients leave in: leave overlap_push on "
+            "(True, or None for the engine to choose), or overlap_pull off",
+        )
     return mode

@@ -221,6 +221,9 @@ def make_job(digits_url: str, policy: str = "rollback", **overrides: object) -> 
         # Every sync test job sends its gradients during backward (the tests' mlp is under the size at which
         # the engine does so by itself): the tests of today run again over the overlapped step.
         fields.setdefault("overlap_push", True)
+    if os.environ.get("ELASTIC_TESTS_OVERLAP_PULL") == "1" and fields.get("mode", "sync") == "sync":
+        # ... and their parameters come back bucket by bucket during forward, from every shard.
+        fields.setdefault("overlap_pull", fields.get("overlap_push") is not False)
     return ElasticJob(**fields)  # type: ignore[arg-type]
 
 
@@ -272,7 +275,7 @@ def top_up(cluster: LocalElasticCluster, elastic: int) -> None:
 def in_process_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServer], list[list[str]]]:
     """The data servers of a test job (the mlp, `overrides` applied), made in this process (no cluster),
     and the plan of which tensors each holds."""
-    prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", **overrides))
+    prepared = prepare(make_job(digits_url, "reassign", **{"model": "tests.models:mlp", **overrides}))
     job, initial = prepared.job, prepared.persistence.initial
     plan = plan_shards(initial, job.data_servers, job.min_shard_bytes)
     made = []

@@ -244,6 +244,14 @@ class _BackwardGatedMlp(nn.Module):
         return self.rest(_BackwardGate.apply(self.first(x), self.calls % 2 == 0))
 
 
+def wide_mlp() -> nn.Module:
+    """An mlp of 1.3 MB, nearly all past its first layer: each shard's parameters make several buckets."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 256),
+        nn.ReLU(), nn.Linear(256, 10),
+    )  # fmt: skip
+
+
 def backward_gated_mlp() -> nn.Module:
     """An mlp whose backward waits at the gate in every second micro-batch of each instance, after the
     gradients of every layer but the first are computed: with a share of two micro-batches a step, each

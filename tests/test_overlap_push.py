@@ -73,6 +73,28 @@ def test_a_run_whose_gradients_leave_during_backward_gives_the_whole_push_runs_p
 
 
 @pytest.mark.parametrize("policy", POLICIES)
+def test_a_run_whose_parameters_arrive_during_forward_gives_the_whole_pull_runs_parameters(
+    cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    """`overlap_pull=True`: each step's parameters come back bucket by bucket (on this machine too, where
+    they would be read in place), each module's forward waiting for its own, through a kill and a join."""
+    top_up(cluster, 2)
+    # (Its 1 MB layer whole on one data server: a shard holding part of a split tensor pulls whole.)
+    job = make_job(
+        digits_url, policy, model="tests.models:wide_mlp", overlap_pull=True, split_tensors=False,
+        job_id=f"pull-{policy}",
+    )  # fmt: skip
+    faults = FaultSchedule(seed=5).kill_worker(at_step=8).add_worker(at_step=12)
+    result = train(job, cluster=cluster, faults=faults)
+    assert [r.kind for r in faults.log] == ["kill", "add"]
+    whole = job.model_copy(update={"overlap_pull": False, "overlap_push": False})
+    assert_same_parameters(result, reference(whole))
+    assert_ledger_exactly_once(result)
+    # The loops read buckets: every step but a loop's first in a generation (which it fetches whole).
+    assert sum(loop.pulled for loop in result.loops) > 0, result.loops
+
+
+@pytest.mark.parametrize("policy", POLICIES)
 def test_a_worker_killed_between_its_buckets_leaves_no_shard_committed(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
 ) -> None:

@@ -12,7 +12,7 @@ forward that waits for each module's own parameters only (docs/design/overlapped
   until the ones holding its own parameters are in; `unguarded` says which parameters a model uses outside
   their own module's forward, where such a gate would not wait for them.
 
-Nothing here sends or receives: `send` and `receive` are the loop's. Not wired into the loops yet.
+Nothing here sends or receives: `send` and `receive` are the loop's (`bucket_push.py`, `bucket_pull.py`).
 """
 
 from __future__ import annotations
@@ -151,16 +151,17 @@ def module_needs(
 
 
 class ForwardGate:
-    """Forward pre-hooks on `model`'s modules that hold parameters: each calls `receive` (which takes the
-    next bucket of the step's answers off the wire, in the order the shards send them, and puts its bytes
-    where the step's parameters are) until the buckets of its own parameters are in. `arrived`: what came,
-    in order; `waited`: the modules whose hook had to receive something, in the order forward ran them."""
+    """Forward pre-hooks on `model`'s modules that hold parameters: each calls `receive(k)` (which takes
+    the next bucket from the shard of bucket `k` off the wire, in the order that shard sends them, and
+    puts its bytes where the step's parameters are) until the buckets of its own parameters are in.
+    `arrived`: what came, in order; `waited`: the modules whose hook had to receive something, in the
+    order forward ran them."""
 
     def __init__(
         self,
         model: nn.Module,
         plan: Sequence[Sequence[Bucket]],
-        receive: Callable[[], Bucket],
+        receive: Callable[[Key], Bucket],
         aliases: Mapping[str, str] | None = None,
     ) -> None:
         self._receive = receive
@@ -183,10 +184,11 @@ class ForwardGate:
         if keys <= self._in:
             return
         self.waited.append(who)
-        while not keys <= self._in:
-            bucket = self._receive()
-            self.arrived.append(bucket)
-            self._in.add(key(bucket))
+        for wanted in sorted(keys - self._in):
+            while wanted not in self._in:
+                bucket = self._receive(wanted)
+                self.arrived.append(bucket)
+                self._in.add(key(bucket))
 
     def remove(self) -> None:
         for handle in self._handles:

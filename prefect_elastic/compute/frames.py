@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from ..data_server.plan import Piece, joined, split_pieces
 from ..errors import FatalError
 from ..messages import Tensors
 from ..wire import Entry, Frame, ShardLink, contiguous_strides, raise_error
+
+if TYPE_CHECKING:
+    from .bucket_pull import BucketPull
 
 # A micro-batch's gradients for one shard up to this size go as one flat run (`gradient_entries`).
 PACK_BYTES = 1 << 20
@@ -33,12 +37,16 @@ class Ahead:
     frames: list[Frame]
 
     def unpack(
-        self, shapes: dict[str, torch.Size], plan: Sequence[Sequence[Piece]] = ()
+        self,
+        shapes: dict[str, torch.Size],
+        plan: Sequence[Sequence[Piece]] = (),
+        pull: BucketPull | None = None,
     ) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         """The parameters and buffers (views of the frames' tensors), and the batches by batch id.
         `shapes`: every parameter's and buffer's shape, for the shards that send theirs as flat runs;
         `plan`: each shard's pieces, where a tensor split across shards comes in parts (each answer names
-        its shard), joined here into a new whole tensor."""
+        its shard), joined here into a new whole tensor. `pull`: where an answer's parameters follow in
+        buckets, it gives the flat tensor they will be read into (`bucket_pull.py`), still empty here."""
         state: Tensors = {}
         parts: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
         xs: dict[int, torch.Tensor] = {}
@@ -57,6 +65,10 @@ class Ahead:
             split = split_pieces(plan, frame.header.get("shard"))
             held = {**shapes, **{n: torch.Size([p.numel]) for n, p in split.items()}} if split else shapes
             found: Tensors = {}
+            if frame.header.get("follow"):
+                if pull is None:
+                    raise FatalError("an answer's parameters follow in buckets, which this loop did not ask")
+                found.update(unflatten(frame.header["params"], pull.expect(frame.header), held))
             for entry, tensor in frame.tensors:
                 if entry.kind == "state":
                     found[entry.name] = tensor

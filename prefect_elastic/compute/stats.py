@@ -34,6 +34,8 @@ class LoopStats:
     backups: int = 0
     # Sync mode with `overlap_push`: buckets of gradients sent during backward (`bucket_push.py`).
     parts: int = 0
+    # ... and with `overlap_pull`: buckets of parameters read during forward (`bucket_pull.py`).
+    pulled: int = 0
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds

@@ -9,21 +9,24 @@ shards is the `StepPush` it is handed (`pushes.py`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.func import functional_call
 
-from ..data_server.plan import Piece, part, pieces_of
+from ..data_server.plan import Piece, part, pieces_of, split_pieces
 from ..errors import ModelFailure, RecoverableError
 from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
 from ..wire import Entry, Frame, ShardLink
+from .bucket_pull import bucket_pull_for
 from .bucket_push import bucket_push_for
+from .buckets import ForwardGate, unguarded
 from .device import micro_batch_seed, straggle
 from .frames import (
     PACK_BYTES,
@@ -38,6 +41,8 @@ from .frames import (
 )
 from .pushes import Pipelined, StepPush
 from .stats import LoopStats
+
+log = logging.getLogger(__name__)
 
 # How long a pull waits on a shard for the step before it to be applied; a step that takes longer (a
 # straggler, a frozen member not yet removed) costs one more pull, never a hung call.
@@ -105,13 +110,22 @@ class MicroBatchTrainer:
         self.stateless = [not pieces for pieces in self.plan]
         self.pull_wait = min(PULL_WAIT_SECONDS, spec.call_timeout / 2)
         # Where the job asks for it, gradients leave bucket by bucket during backward (`bucket_push.py`).
-        self.bucket_push = bucket_push_for(spec.overlap_push, self.plan, meta)
+        # (`overlap_pull=True` plans the buckets too: the parameters come back in the gradients' buckets.)
+        push = spec.overlap_push if spec.overlap_push is not None else (spec.overlap_pull or None)
+        self.bucket_push = bucket_push_for(push, self.plan, meta)
         # Which shards get each micro-batch's gradients in parts, and whether any still takes them whole
         # from the push: if none does, they are not copied to the host again (on a GPU, a copy of each).
         self.parted = self.bucket_push.gets_parts if self.bucket_push else [False] * len(self.plan)
         self.whole_push = any(
             names and not p for names, p in zip(self.shard_params, self.parted, strict=True)
         )
+        # Where the job asks for it, the next step's parameters come back bucket by bucket during forward
+        # (`bucket_pull.py`), once a first forward on the meta model showed that every module reads its
+        # own parameters only (`guarded`).
+        split = [bool(split_pieces(self.plan, i)) for i in range(len(self.plan))]
+        plan_of_buckets = self.bucket_push.plan if self.bucket_push else None
+        self.bucket_pull = bucket_pull_for(spec.overlap_pull, plan_of_buckets, split, device)
+        self.guarded: bool | None = None
 
     def close(self) -> None:
         """The loop ended: stop the threads that send buckets."""
@@ -200,7 +214,10 @@ class MicroBatchTrainer:
         gen = role.generation
         if ahead is None or (ahead.generation, ahead.step) != (gen, step):
             ahead = self.fetch(role, step, shards, schedule, share)
-        state, batches = ahead.unpack(self.shapes, self.plan)
+        pull = self.bucket_pull
+        if pull is not None:
+            pull.drop()  # (a step that ended early left its links closed, and nothing owed)
+        state, batches = ahead.unpack(self.shapes, self.plan, pull)
         del ahead
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
@@ -214,6 +231,8 @@ class MicroBatchTrainer:
         buffers = {n: t for n, t in state.items() if n not in params}
 
         following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
+        if pull is not None and self.guards(batches[share[0]][0]):
+            following = pull.ask(shards, following)
         parted = self.parted
         frames = [
             Frame(
@@ -234,6 +253,9 @@ class MicroBatchTrainer:
             )
         ]
         hooks = self.bucket_push.start(shards, gen, step, params) if self.bucket_push else None
+        gate = None
+        if pull is not None and pull.owed:
+            gate = ForwardGate(self.model, pull.start(shards), pull.receive, self.aliases)
         try:
             for b in share:
                 x, y = batches[b]
@@ -241,6 +263,13 @@ class MicroBatchTrainer:
                 if self.bucket_push is not None:
                     self.bucket_push.micro_batch(b)
                 loss, g, bufs = self.gradient(params, buffers, x, y, step, b, host=self.whole_push)
+                if gate is not None and pull is not None:
+                    # Every bucket is read by the end of the first micro-batch (before any other answer
+                    # on those connections): its forward read those it used, the rest come now.
+                    gate.remove()
+                    gate = None
+                    pull.rest()
+                    stats.pulled = pull.received
                 if hooks is not None:
                     # (The buckets backward did not reach go now: zeros, as `materialize_grads` gives.)
                     stats.parts += len(hooks.finish())
@@ -264,6 +293,8 @@ class MicroBatchTrainer:
             if self.bucket_push is not None:
                 self.bucket_push.drain(timeout)  # every part written before any seal leaves
         finally:
+            if gate is not None:
+                gate.remove()  # (the step failed with buckets unread: the loop closes their links)
             if hooks is not None and self.bucket_push is not None:
                 hooks.remove()
                 self.bucket_push.settle()
@@ -273,6 +304,30 @@ class MicroBatchTrainer:
         )
         lap("push")
         return Ahead(gen, step + 1, answers) if following[0] is not None else None
+
+    def guards(self, x: torch.Tensor) -> bool:
+        """Whether a forward gate would hold each parameter until it arrived: every module reads only its
+        own (`buckets.unguarded`), decided once, on the meta model with a micro-batch's shape (a forward
+        that fails there, a data-dependent one, pulls whole)."""
+        if self.guarded is None and self.bucket_pull is not None:
+            meta = dict(self.model.named_parameters(remove_duplicate=False))
+            buffers = dict(self.model.named_buffers(remove_duplicate=False))
+            aliases = self.aliases
+
+            def forward(params: Mapping[str, torch.Tensor]) -> Any:
+                tensors = {**params, **buffers}
+                tensors.update({alias: tensors[name] for alias, name in aliases.items()})
+                return functional_call(self.model, tensors, (x.to("meta"),))
+
+            try:
+                early = unguarded(self.model, self.bucket_pull.plan, forward, meta, aliases)
+                self.guarded = not early
+                if early:
+                    log.info("parameters pulled whole: %s are read outside their module", sorted(early))
+            except Exception as exc:
+                log.info("parameters pulled whole: the model's forward does not run on meta (%r)", exc)
+                self.guarded = False
+        return bool(self.guarded)
 
     def slow_down(self, took: float) -> None:
         """Where this worker is made a straggler (a `SLOWDOWN` plugin with a `factor`), take `factor`
@@ -358,6 +413,8 @@ class MicroBatchTrainer:
         except ModelFailure:
             raise
         except Exception as exc:
+            if self.bucket_pull is not None and exc is self.bucket_pull.failure:
+                raise  # (a bucket's read failed in a forward pre-hook: the wire's error, not the model's)
             raise ModelFailure(
                 step,
                 batch_id,

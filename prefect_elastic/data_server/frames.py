@@ -8,15 +8,17 @@ also a standby's read of a replica's tensors (`adopt`).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import torch
 
-from ..errors import FatalError
+from ..errors import FatalError, RecoverableError
 from ..messages import Tensors
 from ..shard_optimizer import Gradient
 from ..wire import Entry, Frame, error_header
+from .bucket_book import pull_verdict
+from .bucketed import bucket_sizes
 from .replicas import Replicas, split_tensors
 from .state import ShardState
 from .step_applies import StepApplies
@@ -95,15 +97,18 @@ class ShardFrames:
         # (`shard`: a loop joins the parts of a tensor split across data servers by who sent them.)
         answer: dict[str, Any] = {"ok": True, "shard": self._shard.index}
         tensors: list[tuple[Entry, torch.Tensor]] = []
+        following = None
         try:
             if then.get("step") is not None:
                 tensors += await self._params_for_answer(generation, then, answer)
+                if answer.get("follow"):
+                    following = self._buckets(generation, int(then["step"]), then["buckets"])
             for b in then["batches"]:
                 x, y = await self._get_batch(generation, int(b))
                 tensors += [(Entry("x", int(b), ""), x), (Entry("y", int(b), ""), y)]
         except Exception as exc:
             return Frame({"ok": True, "next_error": error_header(exc)})
-        return Frame(answer, tensors)
+        return Frame(answer, tensors, following=following)
 
     async def _params_for_answer(
         self, generation: int, then: dict[str, Any], answer: dict[str, Any]
@@ -118,7 +123,13 @@ class ShardFrames:
             # own memory where it reads them in place, unless it asks for a copy: `fetch`).
             answer["params"] = optimizer.names
             flat = optimizer.flat.clone() if then.get("copy") else optimizer.flat
-            tensors = [(Entry("params", -1, ""), flat)]
+            if then.get("buckets") and not then.get("copy"):
+                # Bucket by bucket, in forward order, each a frame of its own after this one (`_buckets`):
+                # the loop's forward starts once the first is in. The ranges are the loop's bucket plan.
+                bucket_sizes(then["buckets"], optimizer.numel, self._shard.index)
+                answer.update(follow=len(then["buckets"]), numel=optimizer.numel, dtype=str(flat.dtype))
+            else:
+                tensors = [(Entry("params", -1, ""), flat)]
             state = self._shard.buffers
             runs = self._shard.buffer_runs.runs
             if runs:
@@ -127,6 +138,21 @@ class ShardFrames:
                 tensors += [(Entry("buffers", k, ""), run) for k, (_, run) in enumerate(runs)]
                 state = {}
         return tensors + [(Entry("state", -1, name), t) for name, t in state.items()]
+
+    def _buckets(self, generation: int, step: int, bounds: list[list[int]]) -> Iterator[Frame]:
+        """The frames of a pull's buckets (`bounds`, ranges of the shard's flat parameters), one at a time:
+        each is made just before it is written, from the copy published for `step`, and only while the
+        shard is still in `generation` at `step` (`pull_verdict`): a fence or a step on between two buckets
+        ends the answer with that refusal, and the loop drops the step as after a failed pull."""
+        optimizer = self._shard.optimizer
+        assert optimizer is not None and optimizer.flat is not None
+        flat = optimizer.flat  # (the copy published for `step`: a commit publishes the other one)
+        for k, (start, stop) in enumerate(bounds):
+            state = self._shard
+            if pull_verdict(state.generation, state.version, generation, step) != "answer" or state.applying:
+                raise RecoverableError(f"step {step} was applied on at shard {state.index} during its pull")
+            run = flat[start:stop]
+            yield Frame({"ok": True, "shard": state.index, "bucket": k}, [(Entry("params", k, ""), run)])
 
     def _check_order(self, order: list[str]) -> None:
         """Gradients that came in parts are runs of the shard's flat parameters, cut where the loop's plan

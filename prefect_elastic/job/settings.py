@@ -132,6 +132,10 @@ class ElasticJob(BaseModel):
     # model of 16 MiB of parameters or more, where it pays (docs/benchmarks.md); a small model's step
     # pays more for the extra frames than the overlap saves.
     overlap_push: bool | None = None
+    # Sync mode: the next step's parameters come back in buckets, each module's forward waiting for its
+    # own. None: where they cross a socket (a loop on the shard's machine reads them in place); True: from
+    # every shard. Same numbers either way; what pulls whole: docs/design/overlapped-step.md.
+    overlap_pull: bool | None = None
     # On a GPU, the kernels that give a micro-batch's gradient the same bits on every worker (cuDNN's
     # deterministic algorithms, cuBLAS's fixed workspace), the premise of the bitwise guarantee. False
     # trades that guarantee for the fastest kernels (cuDNN's autotuner, atomics that sum in any order):
@@ -455,6 +459,7 @@ class ElasticJob(BaseModel):
             self.micro_batches,
             self.overlap_push,
             self.deterministic,
+            self.overlap_pull,
         )
 
     @property

@@ -74,6 +74,7 @@ class LoopSpec:
     micro_batches: int  # async mode: the least batch ids a lease asks for
     overlap_push: bool | None = None  # sync mode: gradients leave in buckets during backward (None: if big)
     deterministic: bool = True  # on a GPU: the kernels that give every worker a gradient's same bits
+    overlap_pull: bool | None = None  # sync mode: parameters arrive in buckets during forward (None: remote)
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,12 @@ import ssl
 import sys
 import time
 import uuid
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from ..errors import FatalError
 from .codec import (
     _LENGTH,
     MAX_HEADER_BYTES,
@@ -60,15 +62,7 @@ from .codec import (
     raise_error,
 )
 from .inbox import SharedBodies, peer_pid
-
-# Socket buffers asked for on both ends: a frame of a few megabytes (a shard's share of a model's
-# gradients) then moves in a few large reads instead of many small ones (the kernel caps the size at
-# net.core.rmem_max / wmem_max). Measured: a 1.3 MB exchange from 1.59 to 1.36 ms here.
-SOCKET_BUFFER_BYTES = 4 << 20
-
-# Buffers one `sendmsg` is given at most: Linux refuses more than 1024 ("Message too long"), and a frame
-# has a buffer per tensor (a big model's gradients of a few micro-batches are thousands).
-MAX_BUFFERS_PER_SEND = 512
+from .sockets import _read_frame, _recv_exactly, _recv_into, _send_all, _SocketIO, _StreamIO, _tune
 
 
 class ChannelAddress(NamedTuple):
@@ -184,10 +178,14 @@ class ShardLink:
             self.close()
             raise
 
-    def receive(self, timeout: float | None = None, huge_pages: bool = True) -> Frame:
-        """The answer to the last `send`; raises what the shard raised (stale generation, not ready,
+    def receive(
+        self, timeout: float | None = None, huge_pages: bool = True, into: np.ndarray | None = None
+    ) -> Frame:
+        """The next answer (in the order they were asked for: an answer's following frames, `follow` of
+        them, count as answers to read too); raises what the shard raised (stale generation, not ready,
         fatal) as the same error type. `huge_pages=False`: read it into memory of 4 KiB pages (a one-off
-        answer of hundreds of megabytes, see `_body_buffer`)."""
+        answer of hundreds of megabytes, see `_body_buffer`). `into`: bytes the body is read into (its
+        tensors are views of them), where it has their size."""
         sock = self._sock
         if sock is None or not self.pending:
             raise ConnectionError(f"no request in flight to the shard at {self.address}")
@@ -197,14 +195,20 @@ class ShardLink:
             if length > MAX_HEADER_BYTES:
                 raise ConnectionError(f"the shard at {self.address} sent a header of {length} bytes")
             header = json.loads(_recv_exactly(sock, length))
-            body = self.shared.incoming(header, _body_size(header["tensors"]))
-            if body is None:
-                body = _body_buffer(header["tensors"], huge_pages)
+            size = _body_size(header["tensors"])
+            body = self.shared.incoming(header, size)
+            if body is not None and into is not None and len(into) == size:
+                np.copyto(into, body)  # (from the shared inbox: one copy, as off the socket)
+                body = into
+            elif body is None:
+                fits = into is not None and len(into) == size
+                body = into if into is not None and fits else _body_buffer(header["tensors"], huge_pages)
                 _recv_into(sock, body.data)
         except BaseException:
             self.close()
             raise
-        self.pending -= 1
+        # (An answer followed by frames of its own; an error in their place says how many will not come.)
+        self.pending += int(header.get("follow", 0)) - int(header.get("unsent", 0)) - 1
         frame = decode(header, body, self.shared.region)
         raise_error(frame.header)
         return frame
@@ -212,57 +216,6 @@ class ShardLink:
     def request(self, frame: Frame, timeout: float | None = None) -> Frame:
         self.send(frame)
         return self.receive(timeout)
-
-
-def _tune(sock: socket.socket) -> None:
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        # No Nagle: a frame is written whole, and waiting to coalesce would only delay the answer.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-
-
-def _send_all(sock: socket.socket, parts: Sequence[memoryview]) -> None:
-    if isinstance(sock, ssl.SSLSocket):
-        for part in parts:  # (a TLS socket has no sendmsg: each buffer is encrypted on its own)
-            sock.sendall(part)
-        return
-    pending = _unsent(parts)
-    while pending:
-        _drop_sent(pending, sock.sendmsg(_next_buffers(pending)))
-
-
-def _unsent(parts: Sequence[memoryview]) -> deque[memoryview]:
-    return deque(p.cast("B") for p in parts if p.nbytes)
-
-
-def _next_buffers(pending: deque[memoryview]) -> list[memoryview]:
-    return [pending[i] for i in range(min(len(pending), MAX_BUFFERS_PER_SEND))]
-
-
-def _drop_sent(pending: deque[memoryview], sent: int) -> None:
-    """Takes the first `sent` bytes off `pending`."""
-    while sent:
-        if sent >= pending[0].nbytes:
-            sent -= pending.popleft().nbytes
-        else:
-            pending[0] = pending[0][sent:]
-            sent = 0
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
-    return bytes(buf)
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    while view.nbytes:
-        got = sock.recv_into(view)
-        if not got:
-            raise ConnectionError("the shard closed the connection")
-        view = view[got:]
 
 
 def worker_tls(side: str) -> ssl.SSLContext | None:
@@ -378,6 +331,8 @@ class ShardServer:
                     answer = Frame(error_header(exc))
                 handled = time.perf_counter()
                 await io.write(encode(answer, shared), answer.unchanging)
+                if answer.following is not None:
+                    await self._write_following(io, shared, answer)
                 self.phases["handle"] += handled - began
                 self.phases["send"] += time.perf_counter() - handled
                 self.frames += 1
@@ -386,6 +341,23 @@ class ShardServer:
         finally:
             io.close()
             shared.close()
+
+    @staticmethod
+    async def _write_following(io: _SocketIO | _StreamIO, shared: SharedBodies, answer: Frame) -> None:
+        """The frames that follow `answer` (its header's `follow` of them), each written before the next is
+        made, so that each is made from the shard's state of that moment. One that fails to be made is
+        answered as its error, which also says how many promised frames will not come (`unsent`)."""
+        assert answer.following is not None
+        promised = int(answer.header.get("follow", 0))
+        for written in range(promised):
+            try:
+                frame = next(answer.following)
+            except Exception as exc:  # (StopIteration too: a promise the maker did not keep)
+                error = exc if not isinstance(exc, StopIteration) else FatalError("an answer ended early")
+                frame = Frame({**error_header(error), "unsent": promised - written - 1})
+            await io.write(encode(frame, shared), frame.unchanging)
+            if frame.header.get("error"):
+                return
 
     def close(self) -> None:
         if self._tls_server is not None:
@@ -403,85 +375,3 @@ class ShardServer:
         tasks = list(self._tasks)
         self.close()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _SocketIO:
-    """A plain connection, through the event loop's socket calls: reads land in the frame's buffer."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> None:
-        self.loop = loop
-        self.conn = conn
-
-    async def read_into(self, view: memoryview, eof_ok: bool = False) -> bool:
-        first = True
-        while view.nbytes:
-            got = await self.loop.sock_recv_into(self.conn, view)
-            if not got:
-                if first and eof_ok:
-                    return False
-                raise ConnectionError("the connection closed mid-frame")
-            first = False
-            view = view[got:]
-        return True
-
-    async def write(self, parts: list[memoryview], unchanging: bool = False) -> None:
-        # One `sendmsg` for the whole frame where the socket's buffer takes it (an answer of a few
-        # kilobytes always does): one system call, not one per tensor.
-        pending = _unsent(parts)
-        while pending:
-            try:
-                _drop_sent(pending, self.conn.sendmsg(_next_buffers(pending)))
-            except (BlockingIOError, InterruptedError):
-                # The buffer is full: what is left is copied (the tensors may change once this awaits,
-                # unless the answer says they never do), and asyncio's own send waits until the socket
-                # drains.
-                for part in list(pending) if unchanging else [bytes(p) for p in pending]:
-                    await self.loop.sock_sendall(self.conn, part)
-                return
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-class _StreamIO:
-    """A TLS connection, through asyncio streams (one copy more per read than `_SocketIO`)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    async def read_into(self, view: memoryview, eof_ok: bool = False) -> bool:
-        try:
-            data = await self.reader.readexactly(view.nbytes)
-        except asyncio.IncompleteReadError as short:
-            if eof_ok and not short.partial:
-                return False
-            raise ConnectionError("the connection closed mid-frame") from short
-        view[:] = data
-        return True
-
-    async def write(self, parts: list[memoryview], unchanging: bool = False) -> None:
-        # Copies (unless the tensors never change): the transport may keep what it cannot encrypt and send
-        # at once, past this await.
-        self.writer.writelines(parts if unchanging else [bytes(p) for p in parts])
-        await self.writer.drain()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-async def _read_frame(io: _SocketIO | _StreamIO, shared: SharedBodies) -> Frame | None:
-    head = bytearray(_LENGTH.size)
-    if not await io.read_into(memoryview(head), eof_ok=True):
-        return None
-    (length,) = _LENGTH.unpack(head)
-    if length > MAX_HEADER_BYTES:
-        raise ValueError(f"a header of {length} bytes")
-    header_bytes = bytearray(length)
-    await io.read_into(memoryview(header_bytes))
-    header = json.loads(header_bytes)
-    body = shared.incoming(header, _body_size(header["tensors"]))
-    if body is None:
-        body = _body_buffer(header["tensors"])
-        await io.read_into(body.data)
-    return decode(header, body)  # (a shard reads nothing in a loop's memory)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,10 @@ class Frame:
     # shard's server may then await with them unsent instead of copying what the socket did not take.
     # Not sent: it concerns the sender's memory only.
     unchanging: bool = False
+    # Frames that follow this answer on the same connection, written one after another as the iterator
+    # makes them (a pull's buckets, in forward order: `data_server/frames.py`); the header's `follow`
+    # says how many. Not sent either.
+    following: Iterator[Frame] | None = None
 
 
 # Entries that a loop on the shard's machine reads in place, in the shard's memory, where the shard's

@@ -154,11 +154,12 @@ def test_a_gated_forward_waits_for_each_modules_own_buckets_and_computes_what_an
     # The step's parameters, empty until their bucket arrives (the loop writes a bucket's bytes into place).
     leaves = {n: torch.zeros_like(t).requires_grad_(True) for n, t in truth.items()}
     answers = needed_order([b for held in buckets for b in held], list(truth))
-    supply = iter(answers)
+    # Each shard sends its buckets in forward order; the gate reads from the shard it needs next.
+    supply = {s: iter([b for b in answers if b.shard == s]) for s in range(len(buckets))}
     when: dict[str, int] = {}
 
-    def receive() -> Bucket:
-        bucket = next(supply)
+    def receive(wanted: tuple[int, int]) -> Bucket:
+        bucket = next(supply[wanted[0]])
         with torch.no_grad():
             for p in bucket.pieces:
                 part(leaves[p.name].detach(), p).copy_(
@@ -177,7 +178,10 @@ def test_a_gated_forward_waits_for_each_modules_own_buckets_and_computes_what_an
     got = functional_call(model, {**leaves, **dict(model.named_buffers())}, (x,))
     assert torch.equal(got, expected)
     needs = module_needs(model, buckets)
-    assert gate.arrived == answers  # each once, in the order they were sent
+    assert sorted(map(key, gate.arrived)) == sorted(map(key, answers))  # each once
+    for shard in range(len(buckets)):  # ... each shard's in the order it sent them
+        assert [b for b in gate.arrived if b.shard == shard] == [b for b in answers if b.shard == shard]
+    answers = gate.arrived
     # The first layer ran with its own buckets in and the rest still on the wire.
     assert when["0"] < len(answers)
     assert all(

@@ -51,3 +51,12 @@ def test_gradients_in_parts_are_refused_in_async_mode_naming_the_setting() -> No
     assert mode_of_job(sync.model_copy(update={"overlap_push": False, "mode": "async"})) is ASYNC
     with pytest.raises(JobConfigError, match=r"overlap_push=True: .*sync mode only.*set mode='sync'"):
         mode_of_job(sync.model_copy(update={"mode": "async"}))
+
+
+def test_parameters_in_buckets_are_refused_in_async_mode_and_without_the_buckets_of_the_push() -> None:
+    sync = ElasticJob(model="tests.models:mlp", dataset="file:///x.npz", overlap_pull=True)
+    assert mode_of_job(sync) is SYNC  # (overlap_push None: the engine plans the buckets)
+    with pytest.raises(JobConfigError, match=r"overlap_pull=True: .*sync mode only.*set mode='sync'"):
+        mode_of_job(sync.model_copy(update={"mode": "async"}))
+    with pytest.raises(JobConfigError, match=r"overlap_pull=True: .*leave overlap_push on"):
+        mode_of_job(sync.model_copy(update={"overlap_push": False}))

@@ -41,6 +41,7 @@ FROM_THE_JOB: dict[type, dict[str, Any]] = {
         "micro_batches": lambda j: j.micro_batches,
         "overlap_push": lambda j: j.overlap_push,
         "deterministic": lambda j: j.deterministic,
+        "overlap_pull": lambda j: j.overlap_pull,
     },
     CheckpointSpec: {
         "job_id": lambda j: j.job_id,
@@ -79,6 +80,7 @@ def unusual_job(tmp_path: Path) -> ElasticJob:
         max_staleness=2,
         overlap_push=True,  # (refused when the job is prepared: async mode pushes whole)
         deterministic=False,
+        overlap_pull=False,
     )
 
 

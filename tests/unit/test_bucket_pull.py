@@ -1,0 +1,155 @@
+"""A sync step's parameters arriving bucket by bucket during forward (`ElasticJob.overlap_pull`), between a
+compute loop's trainer and real data servers in this process, over real sockets: the parameters of the
+whole pull bit for bit, step after step, with forward under way while later buckets are still to come;
+and a shard that enters a new generation between two buckets of an answer refuses the rest, so the loop
+drops the step as after a failed pull, and trains it again in the new generation to the same bits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from prefect_elastic.compute import MicroBatchTrainer
+from prefect_elastic.compute.stats import LoopStats
+from prefect_elastic.data_server import DataServer
+from prefect_elastic.errors import StaleGenerationError
+from prefect_elastic.messages import Role, Tensors
+from prefect_elastic.training import prepare
+from prefect_elastic.wire import Frame, ShardLink
+
+from ..conftest import in_process_servers, make_job
+from .test_channel import Served
+
+STEPS = 4
+MODEL = "tests.models:wide_mlp"
+CUT = 1  # the data server whose answer is cut: it holds all but one layer, in several buckets
+
+
+def _cut_after_first_bucket(answer: Frame, server: DataServer) -> None:
+    """Between the first and the second bucket of `answer`, `server` enters the next generation (what a
+    fence does first, `DataServer.fence`: from then on it refuses the older generation's calls)."""
+    assert answer.following is not None
+    buckets = answer.following
+
+    def cut() -> Iterator[Frame]:
+        yield next(buckets)
+        server.shard.generation += 1
+        yield from buckets
+
+    answer.following = cut()
+
+
+class Run:
+    """`STEPS` steps of one loop (`MODEL`, Adam, on two data servers), its parameters pulled in
+    buckets where `pull`; with `cut_at`, shard `CUT`'s answer with the parameters of that step is cut by a new
+    generation after its first bucket."""
+
+    def __init__(self, digits_url: str, pull: bool, cut_at: int | None = None) -> None:
+        overrides = {"min_shard_bytes": 0, "overlap_push": True, "overlap_pull": pull}
+        self.servers, plan = in_process_servers(digits_url, model=MODEL, **overrides)
+        prepared = prepare(make_job(digits_url, "reassign", model=MODEL, **overrides))
+        self.schedule = prepared.schedule
+        cpu = torch.device("cpu")
+        self.trainer = MicroBatchTrainer(prepared.specs.loop, plan, prepared.persistence.layout, cpu)
+        self.cut_at = cut_at
+        self.cuts = 0
+        self.served = [Served(self._handler(i)) for i in range(len(self.servers))]
+        self.links = [ShardLink(s.address, timeout=10) for s in self.served]
+        self.stats = LoopStats("w")
+        # How many buckets had arrived when the first layer's forward ended, each step it read buckets.
+        self.first_layer_saw: list[int] = []
+        self.trainer.model[1].register_forward_hook(lambda *_: self._note_first_layer())
+
+    def _handler(self, i: int):  # type: ignore[no-untyped-def]
+        server = self.servers[i]
+
+        async def handle(frame: Frame) -> Frame:
+            answer = await server.on_frame(frame)
+            then = frame.header.get("then") or {}
+            if (
+                answer.following is not None
+                and i == CUT
+                and then.get("step") == self.cut_at
+                and not self.cuts
+            ):
+                self.cuts += 1
+                _cut_after_first_bucket(answer, server)
+            return answer
+
+        return handle
+
+    def _note_first_layer(self) -> None:
+        pull = self.trainer.bucket_pull
+        if pull is not None and pull.owed:
+            self.first_layer_saw.append(pull.received)
+
+    def fence(self, generation: int) -> None:
+        for server, served in zip(self.servers, self.served, strict=True):
+            asyncio.run_coroutine_threadsafe(server.fence(generation), served.loop).result(10)
+
+    def train(self) -> Tensors:
+        role = Role(0, 0, ("w",), 0, channels=tuple(s.address for s in self.served))
+        ahead = None
+        step = 0
+        try:
+            while step < STEPS:
+                share = self.schedule.share(step, 0, 1)
+                try:
+                    ahead = self.trainer.step(role, step, share, self.links, self.schedule, self.stats, ahead)
+                except StaleGenerationError:
+                    # (The loop drops the step and asks for its role again: the coordinator fences every
+                    # shard into the new generation and gives it one, from the step the shards are at.)
+                    for link in self.links:
+                        link.close()
+                    self.fence(1)
+                    role = Role(1, 0, ("w",), step, channels=role.channels)
+                    ahead = None
+                    continue
+                step += 1
+            state, _ = self.trainer.fetch(role, STEPS, self.links, self.schedule).unpack(self.trainer.shapes)
+            return {n: t.clone() for n, t in state.items()}
+        finally:
+            self.trainer.close()
+            for link in self.links:
+                link.close()
+            for s in self.served:
+                s.close()
+
+
+def test_parameters_pulled_in_buckets_during_forward_are_the_whole_pulls(digits_url: str) -> None:
+    whole = Run(digits_url, pull=False)
+    expected = whole.train()
+    assert whole.trainer.bucket_pull is None and whole.stats.pulled == 0
+
+    run = Run(digits_url, pull=True)
+    plan = run.trainer.bucket_pull.plan if run.trainer.bucket_pull else []
+    assert max(len(buckets) for buckets in plan) >= 3, "a shard of several buckets"
+    got = run.train()
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[n], expected[n]) for n in expected), "the bits of the whole pull"
+    per_step = sum(len(buckets) for buckets in plan)
+    # Every step after the first read its parameters in buckets (the first is fetched whole).
+    assert run.stats.pulled == (STEPS - 1) * per_step
+    # ... and its first layer ran with later buckets still on the wire.
+    assert len(run.first_layer_saw) == STEPS - 1
+    assert all(seen - i * per_step < per_step for i, seen in enumerate(run.first_layer_saw)), (
+        run.first_layer_saw
+    )
+
+
+@pytest.mark.parametrize("cut_at", [1, 2])
+def test_a_bucket_of_an_answer_cut_by_a_new_generation_is_refused_and_the_step_trained_again(
+    digits_url: str, cut_at: int
+) -> None:
+    expected = Run(digits_url, pull=False).train()
+    run = Run(digits_url, pull=True, cut_at=cut_at)
+    got = run.train()
+    assert run.cuts == 1
+    # The loop read shard `CUT`'s first bucket, then the refusal in place of the rest: a stale generation,
+    # raised in the forward's gate as the wire's error (not the model's), and nothing left unread.
+    assert run.trainer.bucket_pull is not None
+    assert isinstance(run.trainer.bucket_pull.failure, StaleGenerationError)
+    assert all(torch.equal(got[n], expected[n]) for n in expected), "the step trained again, same bits"
