@@ -236,9 +236,10 @@ class References:
 
     def __call__(self, job: ElasticJob) -> TrainResult:
         # No checkpoint folder: a reference run must neither resume from nor write the tested run's files.
-        # Gradients pushed whole after backward: a run that sends them during backward is held to the bits
-        # of the plain path.
-        solo = job.model_copy(update={"job_id": "reference", "checkpoint": None, "overlap_push": False})
+        # Gradients pushed whole after backward, parameters pulled whole: a run that sends them during
+        # backward, or reads them during forward, is held to the bits of the plain path.
+        whole = {"overlap_push": False, "overlap_pull": False}
+        solo = job.model_copy(update={"job_id": "reference", "checkpoint": None, **whole})
         key = solo.model_copy(update={"on_membership_change": "rollback"}).model_dump_json()
         if key not in self._cache:
             assert len(self.cluster.elastic_addresses()) == 1

@@ -64,7 +64,7 @@ def test_a_run_whose_gradients_leave_during_backward_gives_the_whole_push_runs_p
     faults = FaultSchedule(seed=3).kill_worker(at_step=8).add_worker(at_step=12)
     result = train(job, cluster=cluster, faults=faults)
     assert [r.kind for r in faults.log] == ["kill", "add"]
-    assert_same_parameters(result, reference(job.model_copy(update={"overlap_push": False})))
+    assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
     # Every step's gradients went in parts, a bucket or more to each of the 2 shards (the loops that lived
     # to the end say so; one that joined as the job ended may have trained nothing).
@@ -87,8 +87,7 @@ def test_a_run_whose_parameters_arrive_during_forward_gives_the_whole_pull_runs_
     faults = FaultSchedule(seed=5).kill_worker(at_step=8).add_worker(at_step=12)
     result = train(job, cluster=cluster, faults=faults)
     assert [r.kind for r in faults.log] == ["kill", "add"]
-    whole = job.model_copy(update={"overlap_pull": False, "overlap_push": False})
-    assert_same_parameters(result, reference(whole))
+    assert_same_parameters(result, reference(job))  # (which pulls and pushes whole)
     assert_ledger_exactly_once(result)
     # The loops read buckets: every step but a loop's first in a generation (which it fetches whole).
     assert sum(loop.pulled for loop in result.loops) > 0, result.loops
@@ -111,7 +110,7 @@ def test_a_worker_killed_between_its_buckets_leaves_no_shard_committed(
     )  # fmt: skip
     result, killed = train_killing_a_waiting_member(cluster, job, members)
     assert "pid" in killed, "both members waited between their micro-batches"
-    assert_same_parameters(result, reference(job.model_copy(update={"overlap_push": False})))
+    assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
     assert [e for e in result.membership_events() if e.left], "the killed member left"
     dropped = sum(shard.get("parts_dropped", 0) for shard in result.shard_phases)
@@ -136,7 +135,7 @@ def test_buckets_applied_before_a_kill_are_dropped_with_their_step(
     )  # fmt: skip
     result, killed = train_killing_a_waiting_member(cluster, job, members)
     assert "pid" in killed, "every member waited in its last backward"
-    assert_same_parameters(result, reference(job.model_copy(update={"overlap_push": False})))
+    assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
     phases = result.shard_phases
     # (Most runs drop applied buckets at the fence, `buckets_undone` >= 1; about one run in four, after
@@ -158,7 +157,7 @@ def test_a_worker_killed_between_its_seals_costs_no_rollback(
     job = make_job(digits_url, "reassign", overlap_push=True, job_id="between-seals")
     target = cluster.elastic_addresses()[0]
     result = train_killed_between_pushes(cluster, job, target)
-    assert_same_parameters(result, reference(job.model_copy(update={"overlap_push": False})))
+    assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
     assert (result.counters["inconsistent_fences"], result.counters["steps_back"]) == (1, 1)
     (change,) = [e for e in result.membership_events() if target in e.left]

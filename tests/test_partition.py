@@ -380,3 +380,26 @@ def test_a_cut_static_worker_s_data_server_moves_to_a_standby_and_it_comes_back_
     assert len(restarts) >= 1 and watch.healed is not None and restarts[0] < watch.healed
     assert watch.back is not None and watch.back != cut_address, "the process started again is a standby"
     assert all(cut_address not in p.standbys for p in watch.seen), "a cut-off worker is never a standby"
+
+
+@pytest.mark.cluster
+def test_parameters_cross_the_network_in_buckets_by_default_and_are_read_in_place_beside_the_shards(
+    network: HostNetwork, reference: References, digits_url: str
+) -> None:
+    """`overlap_pull` left to the engine: a compute worker in a network namespace of its own (its frames
+    cross TCP, as from another machine) reads each step's parameters bucket by bucket during forward; one
+    beside the data servers reads them in place, whole. Both in one job, to the one-worker run's bits."""
+    with partition_cluster(network, static_workers=2, elastic_workers=1) as cluster:
+        cluster.add_worker(netns=network.namespace())
+        job = make_job(
+            digits_url, "reassign", model="tests.models:wide_mlp", overlap_push=True, overlap_pull=None,
+            split_tensors=False, job_id="pull-across",
+        )  # fmt: skip
+        result = train(job, cluster=cluster)
+    assert_same_parameters(result, reference(job))
+    assert_ledger_exactly_once(result)
+    beside = [loop for loop in result.loops if loop.worker.startswith(f"tcp://{network.address}:")]
+    away = [loop for loop in result.loops if loop not in beside]
+    assert len(beside) == len(away) == 1, result.loops
+    assert away[0].steps > 1 and away[0].pulled > 0, away
+    assert beside[0].steps > 1 and beside[0].pulled == 0, beside
