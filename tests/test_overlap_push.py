@@ -77,13 +77,12 @@ def test_a_run_whose_parameters_arrive_during_forward_gives_the_whole_pull_runs_
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
 ) -> None:
     """`overlap_pull=True`: each step's parameters come back bucket by bucket (on this machine too, where
-    they would be read in place), each module's forward waiting for its own, through a kill and a join."""
+    they would be read in place), each module's forward waiting for its own, a tensor split across the
+    data servers joined from its pieces as they come, through a kill and a join."""
     top_up(cluster, 2)
-    # (Its 1 MB layer whole on one data server: a shard holding part of a split tensor pulls whole.)
     job = make_job(
-        digits_url, policy, model="tests.models:wide_mlp", overlap_pull=True, split_tensors=False,
-        job_id=f"pull-{policy}",
-    )  # fmt: skip
+        digits_url, policy, model="tests.models:wide_mlp", overlap_pull=True, job_id=f"pull-{policy}"
+    )
     faults = FaultSchedule(seed=5).kill_worker(at_step=8).add_worker(at_step=12)
     result = train(job, cluster=cluster, faults=faults)
     assert [r.kind for r in faults.log] == ["kill", "add"]
@@ -91,6 +90,8 @@ def test_a_run_whose_parameters_arrive_during_forward_gives_the_whole_pull_runs_
     assert_ledger_exactly_once(result)
     # The loops read buckets: every step but a loop's first in a generation (which it fetches whole).
     assert sum(loop.pulled for loop in result.loops) > 0, result.loops
+    # ... also of the 1 MB layer split across both data servers, joined as its pieces arrived.
+    assert set(result.shard_plan[0]) & set(result.shard_plan[1]), result.shard_plan
 
 
 @pytest.mark.parametrize("policy", POLICIES)

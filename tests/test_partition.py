@@ -393,7 +393,7 @@ def test_parameters_cross_the_network_in_buckets_by_default_and_are_read_in_plac
         cluster.add_worker(netns=network.namespace())
         job = make_job(
             digits_url, "reassign", model="tests.models:wide_mlp", overlap_push=True, overlap_pull=None,
-            split_tensors=False, job_id="pull-across",
+            job_id="pull-across",
         )  # fmt: skip
         result = train(job, cluster=cluster)
     assert_same_parameters(result, reference(job))

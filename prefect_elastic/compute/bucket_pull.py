@@ -13,8 +13,10 @@ of the parameters' views do not move: autograd's saved tensors stay valid, and t
 model did not change its parameters in place is not misled. The buffer is reused step after step: a
 step's parameters are dropped before the next step's answers are read.
 
-Where it is not asked for: a shard holding a piece of a tensor split across shards (the parts are joined
-into a new tensor before forward), a GPU worker (the parameters are copied to the device before forward;
+A tensor split across shards is the parameter forward sees as a whole tensor of the pull's own (reused too),
+and each piece is copied into place from the shard's buffer as the bucket holding it arrives.
+
+Where it is not asked for: a GPU worker (the parameters are copied to the device before forward;
 the copies on a stream of their own are later work), and a model that reads a parameter outside its own
 module's forward (`buckets.unguarded`): those pull whole, as before. `overlap_pull=None` asks only where
 the bytes cross a socket: on the shard's machine a loop reads the parameters in place, with nothing to
@@ -30,6 +32,7 @@ import numpy as np
 import torch
 
 from ..data_server.bucket_plan import Bucket
+from ..data_server.plan import Piece
 from ..errors import FatalError
 from ..wire import Frame, ShardLink
 from ..wire.codec import _dtype
@@ -40,16 +43,20 @@ Ask = dict[str, Any] | None
 
 class BucketPull:
     """The buckets of `plan` (every shard's, `plan_buckets`) that a loop's pulls ask for, and their reading.
-    `pulled[i]`: whether shard `i`'s parameters may come in buckets; `everywhere`: also from a shard on
-    this machine (`overlap_pull=True`)."""
+    `everywhere`: also from a shard on this machine (`overlap_pull=True`)."""
 
-    def __init__(self, plan: Sequence[Sequence[Bucket]], pulled: Sequence[bool], everywhere: bool) -> None:
-        self.plan = [list(buckets) if ok else [] for buckets, ok in zip(plan, pulled, strict=True)]
+    def __init__(self, plan: Sequence[Sequence[Bucket]], everywhere: bool) -> None:
+        self.plan = [list(buckets) for buckets in plan]
         self._bounds = [[[b.start, b.stop] for b in buckets] for buckets in self.plan]
         self._everywhere = everywhere
         self._buffers: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         self._links: Sequence[ShardLink] = ()
         self._next: dict[int, int] = {}  # shard -> the index of its next bucket to read
+        # Tensors split across shards, whole, by name (the parameters forward sees), and where each piece
+        # read into a shard's buffer goes in them: (shard, the piece's range in its flat, bytes of the
+        # whole tensor it fills), for this step.
+        self._wholes: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
+        self._joins: dict[int, list[tuple[int, int, np.ndarray]]] = {}
         self.received = 0  # buckets read, over the loop's life
         # What the last failed read raised: it surfaces in a module's forward pre-hook, and the trainer
         # tells it from the model's own errors by identity.
@@ -74,6 +81,28 @@ class BucketPull:
             flat = torch.empty(numel, dtype=dtype)
             held = self._buffers[shard] = (flat, flat.view(torch.uint8).numpy())
         self._next[shard] = 0
+        return held[0]
+
+    def joined(
+        self, name: str, shape: torch.Size, runs: Sequence[tuple[int, Piece, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Tensor `name` (of `shape`), split across shards, whole: each of its `runs` (the shard, its piece,
+        the run) copied into place, now where its shard answered whole, else as its bucket arrives."""
+        dtype = runs[0][2].dtype
+        held = self._wholes.get(name)
+        if held is None or held[0].shape != shape or held[0].dtype != dtype:
+            whole = torch.empty(shape, dtype=dtype)
+            held = self._wholes[name] = (whole, whole.view(-1).view(torch.uint8).numpy())
+        if sum(piece.numel for _, piece, _ in runs) != held[0].numel():
+            raise FatalError(f"the pieces of {name} from the data servers do not cover it")
+        size = held[0].element_size()
+        for shard, piece, run in runs:
+            into = held[1][piece.start * size : piece.stop * size]
+            if shard in self._next:  # (its bytes are not in yet)
+                at = int(run.storage_offset())
+                self._joins.setdefault(shard, []).append((at, at + piece.numel, into))
+            else:
+                np.copyto(into, run.reshape(-1).view(torch.uint8).numpy())
         return held[0]
 
     @property
@@ -105,6 +134,12 @@ class BucketPull:
             raise
         self._next[shard] = index + 1
         self.received += 1
+        size = flat.element_size()
+        for start, stop, whole in self._joins.get(shard, ()):
+            # (The part of a split tensor's piece that this bucket holds, into the whole tensor.)
+            lo, hi = max(start, bucket.start), min(stop, bucket.stop)
+            if lo < hi:
+                whole[(lo - start) * size : (hi - start) * size] = raw[lo * size : hi * size]
         return bucket
 
     def rest(self) -> None:
@@ -113,10 +148,12 @@ class BucketPull:
             for index in range(n, len(self.plan[shard])):
                 self.receive((shard, index))
         self._next.clear()
+        self._joins.clear()
 
     def drop(self) -> None:
         """The step ended without reading them all (the links that owe buckets are closed by the loop)."""
         self._next.clear()
+        self._joins.clear()
 
     @staticmethod
     def _place(frame: Frame, bucket: Bucket, into: np.ndarray) -> None:
@@ -131,15 +168,10 @@ class BucketPull:
 
 
 def bucket_pull_for(
-    overlap: bool | None,
-    plan: Sequence[Sequence[Bucket]] | None,
-    split: Sequence[bool],
-    device: torch.device,
+    overlap: bool | None, plan: Sequence[Sequence[Bucket]] | None, device: torch.device
 ) -> BucketPull | None:
     """The loop's `BucketPull` where the job allows it (`overlap`; None: where the bytes cross a socket),
-    the step has a bucket plan (`overlap_push`'s), the worker computes on the CPU, and for the shards
-    that hold no piece of a split tensor (`split[i]`)."""
-    if overlap is False or plan is None or device.type != "cpu":
+    the step has a bucket plan (`overlap_push`'s), and the worker computes on the CPU."""
+    if overlap is False or plan is None or device.type != "cpu" or not any(plan):
         return None
-    pulled = [bool(buckets) and not s for buckets, s in zip(plan, split, strict=True)]
-    return BucketPull(plan, pulled, everywhere=overlap is True) if any(pulled) else None
+    return BucketPull(plan, everywhere=overlap is True)

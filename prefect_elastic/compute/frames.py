@@ -48,7 +48,7 @@ class Ahead:
         its shard), joined here into a new whole tensor. `pull`: where an answer's parameters follow in
         buckets, it gives the flat tensor they will be read into (`bucket_pull.py`), still empty here."""
         state: Tensors = {}
-        parts: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
+        parts: dict[str, list[tuple[int, Piece, torch.Tensor]]] = {}  # (shard, piece, its run) by name
         xs: dict[int, torch.Tensor] = {}
         ys: dict[int, torch.Tensor] = {}
         backups = [e for f in self.frames if (e := f.header.get("next_error")) and e["error"] == "backup"]
@@ -82,11 +82,15 @@ class Ahead:
                     ys[entry.batch_id] = tensor
             for name, tensor in found.items():
                 if name in split:
-                    parts.setdefault(name, []).append((split[name], tensor))
+                    parts.setdefault(name, []).append((int(frame.header["shard"]), split[name], tensor))
                 else:
                     state[name] = tensor
         for name, runs in parts.items():
-            state[name] = joined(runs, shapes[name])
+            if pull is not None and pull.owed:
+                # (Runs still to come in buckets: the pull joins each into place as it arrives.)
+                state[name] = pull.joined(name, shapes[name], runs)
+            else:
+                state[name] = joined([(piece, run) for _, piece, run in runs], shapes[name])
         return state, {b: (x, ys[b]) for b, x in xs.items()}
 
 

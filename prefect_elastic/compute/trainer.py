@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.func import functional_call
 
-from ..data_server.plan import Piece, part, pieces_of, split_pieces
+from ..data_server.plan import Piece, part, pieces_of
 from ..errors import ModelFailure, RecoverableError
 from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
@@ -122,9 +122,8 @@ class MicroBatchTrainer:
         # Where the job asks for it, the next step's parameters come back bucket by bucket during forward
         # (`bucket_pull.py`), once a first forward on the meta model showed that every module reads its
         # own parameters only (`guarded`).
-        split = [bool(split_pieces(self.plan, i)) for i in range(len(self.plan))]
         plan_of_buckets = self.bucket_push.plan if self.bucket_push else None
-        self.bucket_pull = bucket_pull_for(spec.overlap_pull, plan_of_buckets, split, device)
+        self.bucket_pull = bucket_pull_for(spec.overlap_pull, plan_of_buckets, device)
         self.guarded: bool | None = None
 
     def close(self) -> None:
