@@ -25,7 +25,9 @@ overlap.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -43,7 +45,12 @@ Ask = dict[str, Any] | None
 
 class BucketPull:
     """The buckets of `plan` (every shard's, `plan_buckets`) that a loop's pulls ask for, and their reading.
-    `everywhere`: also from a shard on this machine (`overlap_pull=True`)."""
+    `everywhere`: also from a shard on this machine (`overlap_pull=True`).
+
+    A step's buckets are read by a thread per shard (`start`), so that the bytes keep crossing while
+    forward computes: read by the forward's own thread, they would stop at the socket's buffer whenever
+    forward ran ahead of them. The thread holds the link until `rest` (or `abort`) joined it; the loop
+    meanwhile only sends on it (`ShardLink` counts the answers owed under a lock)."""
 
     def __init__(self, plan: Sequence[Sequence[Bucket]], everywhere: bool) -> None:
         self.plan = [list(buckets) for buckets in plan]
@@ -51,12 +58,17 @@ class BucketPull:
         self._everywhere = everywhere
         self._buffers: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         self._links: Sequence[ShardLink] = ()
-        self._next: dict[int, int] = {}  # shard -> the index of its next bucket to read
+        self._owed: set[int] = set()  # the shards whose answers of this step follow in buckets
         # Tensors split across shards, whole, by name (the parameters forward sees), and where each piece
         # read into a shard's buffer goes in them: (shard, the piece's range in its flat, bytes of the
         # whole tensor it fills), for this step.
         self._wholes: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
         self._joins: dict[int, list[tuple[int, int, np.ndarray]]] = {}
+        self._readers: ThreadPoolExecutor | None = None
+        self._reading: list[Future[None]] = []
+        self._arrived = threading.Condition()
+        self._read: dict[int, int] = {}  # shard -> its buckets read so far this step (under `_arrived`)
+        self._errors: dict[int, BaseException] = {}  # shard -> what its read raised this step
         self.received = 0  # buckets read, over the loop's life
         # What the last failed read raised: it surfaces in a module's forward pre-hook, and the trainer
         # tells it from the model's own errors by identity.
@@ -80,7 +92,7 @@ class BucketPull:
         if held is None or held[0].numel() != numel or held[0].dtype != dtype:
             flat = torch.empty(numel, dtype=dtype)
             held = self._buffers[shard] = (flat, flat.view(torch.uint8).numpy())
-        self._next[shard] = 0
+        self._owed.add(shard)
         return held[0]
 
     def joined(
@@ -98,7 +110,7 @@ class BucketPull:
         size = held[0].element_size()
         for shard, piece, run in runs:
             into = held[1][piece.start * size : piece.stop * size]
-            if shard in self._next:  # (its bytes are not in yet)
+            if shard in self._owed:  # (its bytes are not in yet)
                 at = int(run.storage_offset())
                 self._joins.setdefault(shard, []).append((at, at + piece.numel, into))
             else:
@@ -107,53 +119,95 @@ class BucketPull:
 
     @property
     def owed(self) -> bool:
-        """Whether buckets of the step's answers are still to be read."""
-        return any(n < len(self.plan[shard]) for shard, n in self._next.items())
+        """Whether buckets of the step's answers are still to be read (or being read)."""
+        return bool(self._owed)
 
     def start(self, links: Sequence[ShardLink]) -> Sequence[Sequence[Bucket]]:
-        """The step begins on `links`; returns the buckets it still reads (a `ForwardGate`'s plan)."""
+        """The step begins on `links`: a thread per shard that owes buckets reads them into place, in the
+        order it sends them. Returns the buckets still to come (a `ForwardGate`'s plan)."""
         self._links = links
-        return [buckets if shard in self._next else [] for shard, buckets in enumerate(self.plan)]
+        self._read = {shard: 0 for shard in self._owed}
+        self._errors = {}
+        if self._owed and self._readers is None:
+            self._readers = ThreadPoolExecutor(len(self.plan), thread_name_prefix="bucket-pull")
+        assert self._readers is not None or not self._owed
+        self._reading = [self._readers.submit(self._read_all, shard) for shard in sorted(self._owed)]  # type: ignore[union-attr]
+        return [buckets if shard in self._owed else [] for shard, buckets in enumerate(self.plan)]
 
     def receive(self, wanted: Key) -> Bucket:
-        """The next bucket from the shard of `wanted`, read into its place (raises what the shard
-        answered instead: a fence, or the step applied on, between two buckets)."""
-        shard = wanted[0]
-        index = self._next.get(shard, len(self.plan[shard]))
-        if index >= len(self.plan[shard]):
+        """Bucket `wanted`, once its thread read it into place (raises what that shard answered instead:
+        a fence, or the step applied on, between two buckets; or what the read raised)."""
+        shard, index = wanted
+        if shard not in self._owed or not 0 <= index < len(self.plan[shard]):
             raise FatalError(f"bucket {wanted} asked for, but data server {shard} owes none")
-        bucket = self.plan[shard][index]
-        flat, raw = self._buffers[shard]
-        size = flat.element_size()
-        into = raw[bucket.start * size : bucket.stop * size]
-        try:
-            frame = self._links[shard].receive(into=into)
-            self._place(frame, bucket, into)
-        except BaseException as exc:
-            self.failure = exc
-            raise
-        self._next[shard] = index + 1
-        self.received += 1
-        size = flat.element_size()
-        for start, stop, whole in self._joins.get(shard, ()):
-            # (The part of a split tensor's piece that this bucket holds, into the whole tensor.)
-            lo, hi = max(start, bucket.start), min(stop, bucket.stop)
-            if lo < hi:
-                whole[(lo - start) * size : (hi - start) * size] = raw[lo * size : hi * size]
-        return bucket
+        with self._arrived:
+            while self._read[shard] <= index and shard not in self._errors:
+                self._arrived.wait()
+            if self._read[shard] <= index:
+                self.failure = self._errors[shard]
+                raise self.failure
+        return self.plan[shard][index]
 
     def rest(self) -> None:
-        """Read every bucket still owed (the parameters no module's hook waited for)."""
-        for shard, n in list(self._next.items()):
-            for index in range(n, len(self.plan[shard])):
-                self.receive((shard, index))
-        self._next.clear()
-        self._joins.clear()
+        """Until every bucket still owed is read (the parameters no module's hook waited for); raises the
+        first read's error."""
+        try:
+            for reading in self._reading:
+                reading.result()
+            if self._errors:
+                self.failure = next(iter(self._errors.values()))
+                raise self.failure
+        finally:
+            self._clear()
+
+    def abort(self) -> None:
+        """The step failed with buckets unread: the connections still being read are shut (each read fails
+        at once, and the loop closes them) and the threads joined."""
+        for shard in self._owed:
+            if self._read.get(shard, 0) < len(self.plan[shard]) and shard not in self._errors:
+                self._links[shard].interrupt()
+        wait(self._reading)
+        self._clear()
 
     def drop(self) -> None:
-        """The step ended without reading them all (the links that owe buckets are closed by the loop)."""
-        self._next.clear()
+        """Forget a step that ended before its buckets were asked to be read (nothing is reading)."""
+        if self._reading:
+            self.abort()
+        self._clear()
+
+    def close(self) -> None:
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
+
+    def _clear(self) -> None:
+        self._owed.clear()
         self._joins.clear()
+        self._reading = []
+
+    def _read_all(self, shard: int) -> None:
+        flat, raw = self._buffers[shard]
+        size = flat.element_size()
+        joins = self._joins.get(shard, [])
+        for bucket in self.plan[shard]:
+            into = raw[bucket.start * size : bucket.stop * size]
+            try:
+                frame = self._links[shard].receive(into=into)
+                self._place(frame, bucket, into)
+            except BaseException as exc:
+                with self._arrived:
+                    self._errors[shard] = exc
+                    self._arrived.notify_all()
+                return
+            for start, stop, whole in joins:
+                # (The part of a split tensor's piece that this bucket holds, into the whole tensor.)
+                lo, hi = max(start, bucket.start), min(stop, bucket.stop)
+                if lo < hi:
+                    whole[(lo - start) * size : (hi - start) * size] = raw[lo * size : hi * size]
+            with self._arrived:
+                self._read[shard] += 1
+                self.received += 1
+                self._arrived.notify_all()
 
     @staticmethod
     def _place(frame: Frame, bucket: Bucket, into: np.ndarray) -> None:

@@ -163,7 +163,9 @@ class ForwardGate:
         plan: Sequence[Sequence[Bucket]],
         receive: Callable[[Key], Bucket],
         aliases: Mapping[str, str] | None = None,
+        done: Callable[[], None] | None = None,
     ) -> None:
+        """`done`: called when the model's forward ends (a forward hook on `model` itself)."""
         self._receive = receive
         self.arrived: list[Bucket] = []
         self._in: set[Key] = set()
@@ -172,6 +174,8 @@ class ForwardGate:
             model.get_submodule(name).register_forward_pre_hook(self._hook(name, keys))
             for name, keys in module_needs(model, plan, aliases).items()
         ]
+        if done is not None:
+            self._handles.append(model.register_forward_hook(lambda *_: done()))
 
     def _hook(self, name: str, keys: set[Key]) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:

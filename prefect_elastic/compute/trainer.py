@@ -130,6 +130,8 @@ class MicroBatchTrainer:
         """The loop ended: stop the threads that send buckets."""
         if self.bucket_push is not None:
             self.bucket_push.close()
+        if self.bucket_pull is not None:
+            self.bucket_pull.close()
 
     def then(
         self,
@@ -218,6 +220,8 @@ class MicroBatchTrainer:
             pull.drop()  # (a step that ended early left its links closed, and nothing owed)
         state, batches = ahead.unpack(self.shapes, self.plan, pull)
         del ahead
+        # Buckets that follow the answers are read from now on, in threads, while this step goes on.
+        to_come = pull.start(shards) if pull is not None and pull.owed else None
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
         early_asks = [
@@ -253,8 +257,10 @@ class MicroBatchTrainer:
         ]
         hooks = self.bucket_push.start(shards, gen, step, params) if self.bucket_push else None
         gate = None
-        if pull is not None and pull.owed:
-            gate = ForwardGate(self.model, pull.start(shards), pull.receive, self.aliases)
+        if pull is not None and to_come is not None:
+            # Every bucket is read by the end of the first forward (`done`), before backward: the threads
+            # that read them then hand the links back before the sender threads post parts on them.
+            gate = ForwardGate(self.model, to_come, pull.receive, self.aliases, done=pull.rest)
         try:
             for b in share:
                 x, y = batches[b]
@@ -263,11 +269,8 @@ class MicroBatchTrainer:
                     self.bucket_push.micro_batch(b)
                 loss, g, bufs = self.gradient(params, buffers, x, y, step, b, host=self.whole_push)
                 if gate is not None and pull is not None:
-                    # Every bucket is read by the end of the first micro-batch (before any other answer
-                    # on those connections): its forward read those it used, the rest come now.
-                    gate.remove()
+                    gate.remove()  # (the share's later micro-batches find every bucket in)
                     gate = None
-                    pull.rest()
                     stats.pulled = pull.received
                 if hooks is not None:
                     # (The buckets backward did not reach go now: zeros, as `materialize_grads` gives.)
@@ -293,7 +296,9 @@ class MicroBatchTrainer:
                 self.bucket_push.drain(timeout)  # every part written before any seal leaves
         finally:
             if gate is not None:
-                gate.remove()  # (the step failed with buckets unread: the loop closes their links)
+                gate.remove()
+            if pull is not None and pull.owed:
+                pull.abort()  # (the step failed with buckets unread: the loop closes their links)
             if hooks is not None and self.bucket_push is not None:
                 hooks.remove()
                 self.bucket_push.settle()

@@ -42,6 +42,7 @@ import os
 import socket
 import ssl
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -104,6 +105,8 @@ class ShardLink:
         self.tls = tls
         self._sock: socket.socket | None = None
         self.pending = 0  # frames sent whose answer was not read yet
+        # (A thread may read the buckets that follow an answer while the loop sends: `bucket_pull.py`.)
+        self._counting = threading.Lock()
         self.local = False  # whether the connection is to the shard's Unix socket (the same machine)
         self.shared = SharedBodies()  # the connection's shared memory (`inbox.py`): on a Unix socket
         # Once that connect has failed (another machine, another network namespace), it is not tried again.
@@ -160,7 +163,8 @@ class ShardLink:
             sock = self._connected()
             sock.settimeout(self.timeout)
             _send_all(sock, encode(frame, self.shared))
-            self.pending += 1
+            with self._counting:
+                self.pending += 1
         except BaseException:
             self.close()
             raise
@@ -208,7 +212,8 @@ class ShardLink:
             self.close()
             raise
         # (An answer followed by frames of its own; an error in their place says how many will not come.)
-        self.pending += int(header.get("follow", 0)) - int(header.get("unsent", 0)) - 1
+        with self._counting:
+            self.pending += int(header.get("follow", 0)) - int(header.get("unsent", 0)) - 1
         frame = decode(header, body, self.shared.region)
         raise_error(frame.header)
         return frame
