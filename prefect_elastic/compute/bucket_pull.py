@@ -4,9 +4,11 @@ The push that seals a step asks each shard for the next step's parameters as the
 plan (`then.buckets`: their ranges of the shard's flat parameters). The shard's answer then carries the
 buffers and the batches, and says how many frames follow: one per bucket, in forward order, each made
 from the copy published for that step just before it is written (`data_server/frames.py`). The loop
-takes the step's parameters as views of a flat buffer of its own per shard, which the buckets are read
-into straight off the socket, and a module's forward pre-hook (`buckets.ForwardGate`) reads until the
-buckets of its own parameters are in: forward starts while later layers' parameters still cross.
+takes the step's parameters as views of a flat buffer of its own per shard, which a thread per shard
+reads the buckets into straight off the socket as they come, and a module's forward pre-hook
+(`buckets.ForwardGate`) waits until the buckets of its own parameters are in: forward starts while later
+layers' parameters still cross. The first forward's end waits for the rest (`rest`), so the links are the
+loop's again before backward's sender threads post parts on them.
 
 The buffer is written below torch (the socket, or numpy from the shared inbox), so the version counters
 of the parameters' views do not move: autograd's saved tensors stay valid, and the trainer's check that a
@@ -128,10 +130,10 @@ class BucketPull:
         self._links = links
         self._read = {shard: 0 for shard in self._owed}
         self._errors = {}
-        if self._owed and self._readers is None:
-            self._readers = ThreadPoolExecutor(len(self.plan), thread_name_prefix="bucket-pull")
-        assert self._readers is not None or not self._owed
-        self._reading = [self._readers.submit(self._read_all, shard) for shard in sorted(self._owed)]  # type: ignore[union-attr]
+        readers = self._readers
+        if readers is None:
+            readers = self._readers = ThreadPoolExecutor(len(self.plan), thread_name_prefix="bucket-pull")
+        self._reading = [readers.submit(self._read_all, shard) for shard in sorted(self._owed)]
         return [buckets if shard in self._owed else [] for shard, buckets in enumerate(self.plan)]
 
     def receive(self, wanted: Key) -> Bucket:

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -263,3 +264,36 @@ def test_nothing_listening_fails_at_once() -> None:
     with pytest.raises(ConnectionRefusedError):
         link.request(Frame({"op": "x"}))
     assert link.pending == 0
+
+
+def test_frames_that_follow_an_answer_are_counted_and_one_refused_in_their_place_ends_them() -> None:
+    """An answer may promise frames after it (`follow`, a pull's buckets): the link owes them as answers;
+    one that fails to be made comes as its error instead, saying how many will not come (`unsent`), so
+    nothing is left owed and the connection carries on. A body may be read into the caller's memory."""
+
+    async def handler(frame: Frame) -> Frame:
+        if frame.header["op"] != "pull":
+            return Frame({"ok": True, "echo": frame.header["op"]})
+
+        def buckets() -> Iterator[Frame]:
+            yield Frame({"ok": True, "bucket": 0}, [(Entry("params", 0, ""), torch.arange(4.0))])
+            raise StaleGenerationError(1, 2, "pull")  # (a fence between two buckets)
+
+        return Frame({"ok": True, "follow": 3}, following=buckets())
+
+    served = Served(handler)
+    link = ShardLink(served.address, timeout=5)
+    try:
+        link.request(Frame({"op": "pull", "generation": 1}))
+        assert link.pending == 3
+        into = np.zeros(16, dtype=np.uint8)
+        first = link.receive(into=into)
+        run = first.tensors[0][1]
+        assert torch.equal(run, torch.arange(4.0)) and run.data_ptr() == into.ctypes.data
+        with pytest.raises(StaleGenerationError):
+            link.receive()
+        assert link.pending == 0  # (the third will not come)
+        assert link.request(Frame({"op": "next", "generation": 1})).header["echo"] == "next"
+    finally:
+        link.close()
+        served.close()
