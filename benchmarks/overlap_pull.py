@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_SNAPSHOTS = 1e6  # a liveness interval longer than any run: no periodic snapshot
 START = "<!-- overlap-pull:start (written by python -m benchmarks.overlap_pull; edit outside these marks) -->"
 END = "<!-- overlap-pull:end -->"
-EPOCHS = {"resnet18": 1, "mlp-50": 1}
-SAMPLES = {"resnet18": 2048, "mlp-50": 8192}
+EPOCHS = {"resnet18": 1, "mlp-50": 1, "mlp": 2}
+SAMPLES = {"resnet18": 2048, "mlp-50": 8192, "mlp": 8192}
 KINDS = ("whole", "buckets")
 
 
@@ -68,8 +68,10 @@ def one_run(cluster: LocalElasticCluster, workload: str, data: str, kind: str) -
     }
 
 
-def measure(cluster: LocalElasticCluster, workload: str, workdir: Path, repeats: int) -> dict[str, Any]:
-    data = WORKLOADS[workload].dataset(workdir, SAMPLES[workload])
+def measure(
+    cluster: LocalElasticCluster, workload: str, workdir: Path, repeats: int, smoke: bool = False
+) -> dict[str, Any]:
+    data = WORKLOADS[workload].dataset(workdir, SAMPLES[workload] // (8 if smoke else 1))
     got: dict[str, list[float]] = {k: [] for k in KINDS}
     steps: dict[str, list[float]] = {k: [] for k in KINDS}
     for i in range(repeats):
@@ -115,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rate", default="5gbit", help="each direction's rate (tc), or 'none'")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/prefect-elastic-bench"))
+    parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md")
     parser.add_argument("--no-docs", action="store_true", help="print the table, leave docs alone")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: checks the code, not the speed")
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()[0]
@@ -125,11 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         shape(ns, args.rate)
         cluster.add_worker(netns=ns)
         for workload in args.workloads.split(","):
-            rows.append(measure(cluster, workload, args.workdir, args.repeats))
+            rows.append(measure(cluster, workload, args.workdir, args.repeats, args.smoke))
     text = table(rows, args.repeats, args.rate, load)
+    if args.smoke:
+        text = "(smoke sizes: the numbers mean nothing)\n\n" + text
     print(text)
     if not args.no_docs:
-        replace_between(ROOT / "docs" / "benchmarks.md", START, END, text)
+        replace_between(args.docs, START, END, text)
     return 0
 
 

@@ -359,7 +359,7 @@ ROTATED_AXES: tuple[tuple[str, ...], ...] = (
     ("sync-rollback", "sync-reassign", "async-reassign"),
     ("rollback", "reassign"),
     ("data-server", "coordinator"),
-    ("gpu-check", "user-model", "overlap-push"),
+    ("gpu-check", "user-model", "overlap-push", "overlap-pull"),
     ("no-nanny", "nanny"),  # ("-no-nanny-" holds "-nanny-": the longer first)
     ("sqlite", "postgres"),
 )

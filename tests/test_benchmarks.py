@@ -235,11 +235,29 @@ def test_smoke_run_of_one_group_writes_its_figures_into_the_stored_ones(tmp_path
 @pytest.mark.cluster
 @pytest.mark.heavy  # (a minute or two on 2 cores; one of them a CI run, in turn: conftest.ROTATED_AXES)
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tool", ["gpu-check", "user-model", "overlap-push"])
+@pytest.mark.parametrize("tool", ["gpu-check", "user-model", "overlap-push", "overlap-pull"])
 def test_a_benchmark_tool_runs(tmp_path: Path, tool: str) -> None:
     checks = {"gpu-check": check_the_gpu_check, "user-model": check_a_users_own_model}
     checks["overlap-push"] = check_the_overlap_push_benchmark
+    checks["overlap-pull"] = check_the_overlap_pull_benchmark
     checks[tool](tmp_path)
+
+
+def check_the_overlap_pull_benchmark(tmp_path: Path) -> None:
+    """`python -m benchmarks.overlap_pull`: a compute worker in a network namespace of its own, its link
+    shaped by tc, pulling whole and in buckets side by side (the bucket run must read buckets), the row
+    written between the marks of the docs it is given, the text around kept."""
+    from benchmarks.overlap_pull import END, START, main
+
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"intro kept\n{START}\nold table\n{END}\nanalysis kept\n")
+    args = ["--smoke", "--workloads", "mlp", "--repeats", "1", "--rate", "2gbit", "--docs", str(docs)]
+    assert main([*args, "--workdir", str(tmp_path)]) == 0
+    text = docs.read_text()
+    assert "intro kept" in text and "analysis kept" in text and "old table" not in text
+    (row,) = [line for line in text.splitlines() if line.startswith("| mlp |")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[2]) > 0, row  # samples/s, whole and in buckets
 
 
 def check_the_overlap_push_benchmark(tmp_path: Path) -> None:
