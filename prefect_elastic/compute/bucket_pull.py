@@ -130,6 +130,7 @@ class BucketPull:
         self._links = links
         self._read = {shard: 0 for shard in self._owed}
         self._errors = {}
+        self.failure = None
         readers = self._readers
         if readers is None:
             readers = self._readers = ThreadPoolExecutor(len(self.plan), thread_name_prefix="bucket-pull")
@@ -163,12 +164,16 @@ class BucketPull:
             self._clear()
 
     def abort(self) -> None:
-        """The step failed with buckets unread: the connections still being read are shut (each read fails
-        at once, and the loop closes them) and the threads joined."""
-        for shard in self._owed:
-            if self._read.get(shard, 0) < len(self.plan[shard]) and shard not in self._errors:
-                self._links[shard].interrupt()
+        """The step failed with buckets unread: the connections of the shards that still owe some are shut
+        (a read under way fails at once), the threads joined, and those connections closed (the next call
+        opens new ones)."""
+        with self._arrived:
+            unread = [s for s in self._owed if self._read.get(s, 0) < len(self.plan[s]) or s in self._errors]
+        for shard in unread:
+            self._links[shard].interrupt()
         wait(self._reading)
+        for shard in unread:
+            self._links[shard].close()
         self._clear()
 
     def drop(self) -> None:
@@ -178,6 +183,9 @@ class BucketPull:
         self._clear()
 
     def close(self) -> None:
+        """The loop ended: no thread reads any more."""
+        if self._reading:
+            self.abort()
         if self._readers is not None:
             self._readers.shutdown(wait=True)
             self._readers = None
@@ -188,13 +196,14 @@ class BucketPull:
         self._reading = []
 
     def _read_all(self, shard: int) -> None:
+        link = self._links[shard]  # (the loop may put a new link in its place once this one failed)
         flat, raw = self._buffers[shard]
         size = flat.element_size()
         joins = self._joins.get(shard, [])
         for bucket in self.plan[shard]:
             into = raw[bucket.start * size : bucket.stop * size]
             try:
-                frame = self._links[shard].receive(into=into)
+                frame = link.receive(into=into)
                 self._place(frame, bucket, into)
             except BaseException as exc:
                 with self._arrived:

@@ -213,15 +213,13 @@ class MicroBatchTrainer:
             clock = now
 
         gen = role.generation
-        if ahead is None or (ahead.generation, ahead.step) != (gen, step):
-            ahead = self.fetch(role, step, shards, schedule, share)
         pull = self.bucket_pull
         if pull is not None:
-            pull.drop()  # (a step that ended early left its links closed, and nothing owed)
+            pull.drop()  # (a step that failed in `unpack` left buckets owed: its links were closed)
+        if ahead is None or (ahead.generation, ahead.step) != (gen, step):
+            ahead = self.fetch(role, step, shards, schedule, share)
         state, batches = ahead.unpack(self.shapes, self.plan, pull)
         del ahead
-        # Buckets that follow the answers are read from now on, in threads, while this step goes on.
-        to_come = pull.start(shards) if pull is not None and pull.owed else None
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
         early_asks = [
@@ -257,11 +255,14 @@ class MicroBatchTrainer:
         ]
         hooks = self.bucket_push.start(shards, gen, step, params) if self.bucket_push else None
         gate = None
-        if pull is not None and to_come is not None:
-            # Every bucket is read by the end of the first forward (`done`), before backward: the threads
-            # that read them then hand the links back before the sender threads post parts on them.
-            gate = ForwardGate(self.model, to_come, pull.receive, self.aliases, done=pull.rest)
         try:
+            if pull is not None and pull.owed:
+                # Buckets that follow the answers are read from now on, a thread per shard, and each
+                # module's forward waits for its own. Every one is in by the end of the first forward
+                # (`done`): the loop sends nothing on those links meanwhile (the batch requests above
+                # left before), and the sender threads post backward's parts only after.
+                to_come = pull.start(shards)
+                gate = ForwardGate(self.model, to_come, pull.receive, self.aliases, done=pull.rest)
             for b in share:
                 x, y = batches[b]
                 began = time.perf_counter()

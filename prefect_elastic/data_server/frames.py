@@ -144,13 +144,19 @@ class ShardFrames:
         each is made just before it is written, from the copy published for `step`, and only while the
         shard is still in `generation` at `step` (`pull_verdict`): a fence or a step on between two buckets
         ends the answer with that refusal, and the loop drops the step as after a failed pull."""
-        optimizer = self._shard.optimizer
-        assert optimizer is not None and optimizer.flat is not None
-        flat = optimizer.flat  # (the copy published for `step`: a commit publishes the other one)
+        state = self._shard
+        flat: torch.Tensor | None = None
         for k, (start, stop) in enumerate(bounds):
-            state = self._shard
+            # (Before each bucket, the first one too: this runs once the head was written.)
             if pull_verdict(state.generation, state.version, generation, step) != "answer" or state.applying:
                 raise RecoverableError(f"step {step} was applied on at shard {state.index} during its pull")
+            if flat is None:
+                # The copy published for `step`, taken at the first bucket: a commit would publish the
+                # other one, and the verdict above stops the answer before any bucket of a later step.
+                optimizer = state.optimizer
+                if optimizer is None or optimizer.flat is None:
+                    raise RecoverableError(f"shard {state.index} holds no parameters to pull any more")
+                flat = optimizer.flat
             run = flat[start:stop]
             yield Frame({"ok": True, "shard": state.index, "bucket": k}, [(Entry("params", k, ""), run)])
 

@@ -148,7 +148,8 @@ class ShardLink:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
-        self.pending = 0
+        with self._counting:
+            self.pending = 0
         self.shared.close()
 
     def interrupt(self) -> None:
@@ -209,11 +210,13 @@ class ShardLink:
                 body = into if into is not None and fits else _body_buffer(header["tensors"], huge_pages)
                 _recv_into(sock, body.data)
         except BaseException:
-            self.close()
+            if self._sock is sock:  # (not a connection another thread opened since)
+                self.close()
             raise
         # (An answer followed by frames of its own; an error in their place says how many will not come.)
         with self._counting:
-            self.pending += int(header.get("follow", 0)) - int(header.get("unsent", 0)) - 1
+            if self._sock is sock:
+                self.pending += int(header.get("follow", 0)) - int(header.get("unsent", 0)) - 1
         frame = decode(header, body, self.shared.region)
         raise_error(frame.header)
         return frame

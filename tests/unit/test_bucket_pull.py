@@ -16,10 +16,10 @@ import torch
 from prefect_elastic.compute import MicroBatchTrainer
 from prefect_elastic.compute.stats import LoopStats
 from prefect_elastic.data_server import DataServer
-from prefect_elastic.errors import StaleGenerationError
+from prefect_elastic.errors import ModelFailure, StaleGenerationError
 from prefect_elastic.messages import Role, Tensors
 from prefect_elastic.training import prepare
-from prefect_elastic.wire import Frame, ShardLink
+from prefect_elastic.wire import Frame, ShardLink, unread_answers_dropped
 
 from ..conftest import in_process_servers, make_job
 from .test_channel import Served
@@ -48,7 +48,7 @@ class Run:
     buckets where `pull`; with `cut_at`, shard `CUT`'s answer with the parameters of that step is cut by a new
     generation after its first bucket."""
 
-    def __init__(self, digits_url: str, pull: bool, cut_at: int | None = None) -> None:
+    def __init__(self, digits_url: str, pull: bool, cut_at: int | None = None, fail: bool = False) -> None:
         overrides = {"min_shard_bytes": 0, "overlap_push": True, "overlap_pull": pull}
         self.servers, plan = in_process_servers(digits_url, model=MODEL, **overrides)
         prepared = prepare(make_job(digits_url, "reassign", model=MODEL, **overrides))
@@ -65,6 +65,11 @@ class Run:
         self.first_layer_ran = threading.Event()
         self.held: list[bool] = []  # per answer: whether the first layer ran before its last bucket left
         self.trainer.model[1].register_forward_hook(lambda *_: self._note_first_layer())
+        # With `fail`: the first layer's forward raises once, at the first step pulled in buckets,
+        # before its buckets are in (this hook runs before the gate's), while the threads still read them.
+        self.fail, self.model_failures = fail, 0
+        self.stale_from_pull: list[bool] = []  # per stale-generation refusal: whether the pull's own
+        self.trainer.model[1].register_forward_pre_hook(lambda *_: self._fail_once())
 
     def _handler(self, i: int):  # type: ignore[no-untyped-def]
         server = self.servers[i]
@@ -94,9 +99,16 @@ class Run:
                 self.first_layer_ran.clear()
             yield frame
 
+    def _fail_once(self) -> None:
+        pull = self.trainer.bucket_pull
+        if self.fail and not self.model_failures and pull is not None and pull.owed:
+            # (Shard `CUT`'s last bucket is held until now: it is still to be read.)
+            self.first_layer_ran.set()
+            raise RuntimeError("a layer that fails once")
+
     def _note_first_layer(self) -> None:
         pull = self.trainer.bucket_pull
-        if pull is not None and pull.owed:  # (the first micro-batch's forward, while buckets come)
+        if pull is not None and pull.owed and not self.fail:  # (the first forward, buckets coming)
             self.first_layer_ran.set()
 
     def fence(self, generation: int) -> None:
@@ -111,14 +123,24 @@ class Run:
             while step < STEPS:
                 share = self.schedule.share(step, 0, 1)
                 try:
-                    ahead = self.trainer.step(role, step, share, self.links, self.schedule, self.stats, ahead)
-                except StaleGenerationError:
+                    # (As the loop calls it: a failed step closes the links that still owe answers.)
+                    with unread_answers_dropped(self.links):
+                        ahead = self.trainer.step(
+                            role, step, share, self.links, self.schedule, self.stats, ahead
+                        )
+                except StaleGenerationError as exc:
+                    pull = self.trainer.bucket_pull
+                    self.stale_from_pull.append(pull is not None and exc is pull.failure)
                     # (The loop drops the step and asks for its role again: the coordinator fences every
                     # shard into the new generation and gives it one, from the step the shards are at.)
-                    for link in self.links:
-                        link.close()
                     self.fence(1)
                     role = Role(1, 0, ("w",), step, channels=role.channels)
+                    ahead = None
+                    continue
+                except ModelFailure:
+                    # (A real loop reports it and the job ends; here the step is tried again, to show
+                    # that the failure left no bucket owed on any connection.)
+                    self.model_failures += 1
                     ahead = None
                     continue
                 step += 1
@@ -160,6 +182,15 @@ def test_a_bucket_of_an_answer_cut_by_a_new_generation_is_refused_and_the_step_t
     assert run.cuts == 1
     # The loop read shard `CUT`'s first bucket, then the refusal in place of the rest: a stale generation,
     # raised in the forward's gate as the wire's error (not the model's), and nothing left unread.
-    assert run.trainer.bucket_pull is not None
-    assert isinstance(run.trainer.bucket_pull.failure, StaleGenerationError)
+    assert run.stale_from_pull == [True]
+    assert all(torch.equal(got[n], expected[n]) for n in expected), "the step trained again, same bits"
+
+
+def test_a_model_error_while_buckets_are_still_read_leaves_no_connection_owing_one(digits_url: str) -> None:
+    """A forward that raises with buckets of its step still being read: the readers are stopped, the
+    connections that owed buckets closed, and the step trained again from a fresh pull to the same bits."""
+    expected = Run(digits_url, pull=False).train()
+    run = Run(digits_url, pull=True, fail=True)
+    got = run.train()
+    assert run.model_failures == 1 and run.held[0], "the layer failed before the last bucket left the shard"
     assert all(torch.equal(got[n], expected[n]) for n in expected), "the step trained again, same bits"
