@@ -108,7 +108,9 @@ class Run:
 
     def _note_first_layer(self) -> None:
         pull = self.trainer.bucket_pull
-        if pull is not None and pull.owed and not self.fail:  # (the first forward, buckets coming)
+        if (
+            pull is not None and pull.owed and (not self.fail or self.model_failures)
+        ):  # (the first forward, buckets coming)
             self.first_layer_ran.set()
 
     def fence(self, generation: int) -> None:
