@@ -398,8 +398,8 @@ def test_parameters_cross_the_network_in_buckets_by_default_and_are_read_in_plac
         result = train(job, cluster=cluster)
     assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
+    # (By the worker's host: a worker may have run more than one loop of the job, one per role asked.)
     beside = [loop for loop in result.loops if loop.worker.startswith(f"tcp://{network.address}:")]
     away = [loop for loop in result.loops if loop not in beside]
-    assert len(beside) == len(away) == 1, result.loops
-    assert away[0].steps > 1 and away[0].pulled > 0, away
-    assert beside[0].steps > 1 and beside[0].pulled == 0, beside
+    assert sum(loop.steps for loop in away) > 1 and sum(loop.pulled for loop in away) > 0, away
+    assert sum(loop.steps for loop in beside) > 1 and all(loop.pulled == 0 for loop in beside), beside
