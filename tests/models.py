@@ -252,6 +252,28 @@ def wide_mlp() -> nn.Module:
     )  # fmt: skip
 
 
+class _ReadsChildWeight(nn.Module):
+    """A parent module that reads its child's weight in its own forward, before the child's forward ran
+    (as `nn.MultiheadAttention` reads `out_proj.weight`): a forward pre-hook per module would not wait for
+    it, so its parameters are pulled whole (`compute/buckets.unguarded`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # (`proj.weight`, 1 MB, is a bucket of its own, which the parent reads before `proj` runs.)
+        self.inp = nn.Linear(64, 512)
+        self.proj = nn.Linear(512, 512)
+        self.out = nn.Linear(512, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x.flatten(1)))
+        h = torch.relu(nn.functional.linear(h, self.proj.weight) + self.proj(h))
+        return self.out(h)
+
+
+def reads_child_weight() -> nn.Module:
+    return _ReadsChildWeight()
+
+
 def backward_gated_mlp() -> nn.Module:
     """An mlp whose backward waits at the gate in every second micro-batch of each instance, after the
     gradients of every layer but the first are computed: with a share of two micro-batches a step, each

@@ -48,10 +48,17 @@ class Run:
     buckets where `pull`; with `cut_at`, shard `CUT`'s answer with the parameters of that step is cut by a new
     generation after its first bucket."""
 
-    def __init__(self, digits_url: str, pull: bool, cut_at: int | None = None, fail: bool = False) -> None:
+    def __init__(
+        self,
+        digits_url: str,
+        pull: bool,
+        cut_at: int | None = None,
+        fail: bool = False,
+        model: str = MODEL,
+    ) -> None:
         overrides = {"min_shard_bytes": 0, "overlap_push": True, "overlap_pull": pull}
-        self.servers, plan = in_process_servers(digits_url, model=MODEL, **overrides)
-        prepared = prepare(make_job(digits_url, "reassign", model=MODEL, **overrides))
+        self.servers, plan = in_process_servers(digits_url, model=model, **overrides)
+        prepared = prepare(make_job(digits_url, "reassign", model=model, **overrides))
         self.schedule = prepared.schedule
         cpu = torch.device("cpu")
         self.trainer = MicroBatchTrainer(prepared.specs.loop, plan, prepared.persistence.layout, cpu)
@@ -64,12 +71,15 @@ class Run:
         # the buckets before it (`_last_held`): a forward that waited for every bucket would never start.
         self.first_layer_ran = threading.Event()
         self.held: list[bool] = []  # per answer: whether the first layer ran before its last bucket left
-        self.trainer.model[1].register_forward_hook(lambda *_: self._note_first_layer())
+        self.model = model
+        if model == MODEL:
+            self.trainer.model[1].register_forward_hook(lambda *_: self._note_first_layer())
         # With `fail`: the first layer's forward raises once, at the first step pulled in buckets,
         # before its buckets are in (this hook runs before the gate's), while the threads still read them.
         self.fail, self.model_failures = fail, 0
         self.stale_from_pull: list[bool] = []  # per stale-generation refusal: whether the pull's own
-        self.trainer.model[1].register_forward_pre_hook(lambda *_: self._fail_once())
+        if model == MODEL:
+            self.trainer.model[1].register_forward_pre_hook(lambda *_: self._fail_once())
 
     def _handler(self, i: int):  # type: ignore[no-untyped-def]
         server = self.servers[i]
@@ -85,7 +95,13 @@ class Run:
             ):
                 self.cuts += 1
                 _cut_after_first_bucket(answer, server)
-            elif answer.following is not None and i == CUT and self.cut_at is None and then["step"] < STEPS:
+            elif (
+                answer.following is not None
+                and i == CUT
+                and self.cut_at is None
+                and self.model == MODEL
+                and then["step"] < STEPS
+            ):
                 answer.following = self._last_held(answer.following, int(answer.header["follow"]))
             return answer
 
@@ -196,3 +212,21 @@ def test_a_model_error_while_buckets_are_still_read_leaves_no_connection_owing_o
     got = run.train()
     assert run.model_failures == 1 and run.held[0], "the layer failed before the last bucket left the shard"
     assert all(torch.equal(got[n], expected[n]) for n in expected), "the step trained again, same bits"
+
+
+@pytest.mark.parametrize(
+    ("model", "in_buckets"),
+    [("tests.models:tied_dropout", True), ("tests.models:reads_child_weight", False)],
+)
+def test_a_model_that_reads_a_parameter_outside_its_own_module_is_pulled_whole(
+    digits_url: str, model: str, in_buckets: bool
+) -> None:
+    """Tied weights, each use inside a module of its own, are pulled in buckets; a parent that reads its
+    child's weight before the child's forward (found on the meta model) has its parameters pulled whole.
+    The bits of the whole pull either way."""
+    expected = Run(digits_url, pull=False, model=model).train()
+    run = Run(digits_url, pull=True, model=model)
+    got = run.train()
+    assert run.trainer.guarded is in_buckets
+    assert (run.stats.pulled > 0) is in_buckets
+    assert all(torch.equal(got[n], expected[n]) for n in expected), "the bits of the whole pull"
