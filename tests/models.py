@@ -254,8 +254,8 @@ def wide_mlp() -> nn.Module:
 
 class _ReadsChildWeight(nn.Module):
     """A parent module that reads its child's weight in its own forward, before the child's forward ran
-    (as `nn.MultiheadAttention` reads `out_proj.weight`): a forward pre-hook per module would not wait for
-    it, so its parameters are pulled whole (`compute/buckets.unguarded`)."""
+    (as `nn.MultiheadAttention` reads `out_proj.weight`): the child's pre-hook comes too late for it, so
+    the parent's waits for it (`compute/buckets.unguarded`)."""
 
     def __init__(self) -> None:
         super().__init__()

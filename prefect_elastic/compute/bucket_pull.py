@@ -18,9 +18,13 @@ step's parameters are dropped before the next step's answers are read.
 A tensor split across shards is the parameter forward sees as a whole tensor of the pull's own (reused too),
 and each piece is copied into place from the shard's buffer as the bucket holding it arrives.
 
-Where it is not asked for: a GPU worker (the parameters are copied to the device before forward;
-the copies on a stream of their own are later work), and a model that reads a parameter outside its own
-module's forward (`buckets.unguarded`): those pull whole, as before. `overlap_pull=None` asks only where
+A parameter a module reads before its own module runs (a parent reading its child's weight, as
+`nn.MultiheadAttention` reads `out_proj.weight`) is waited for in the pre-hook of the module that reads
+it, found once on the meta model (`buckets.unguarded`, the trainer's `early_reads`).
+
+Where it is not asked for: a GPU worker (the parameters are copied to the device before forward; the
+copies on a stream of their own are later work), and a model whose forward does not run on the meta
+device (a data-dependent one): those pull whole, as before. `overlap_pull=None` asks only where
 the bytes cross a socket: on the shard's machine a loop reads the parameters in place, with nothing to
 overlap.
 """

@@ -164,15 +164,22 @@ class ForwardGate:
         receive: Callable[[Key], Bucket],
         aliases: Mapping[str, str] | None = None,
         done: Callable[[], None] | None = None,
+        reads: Mapping[str, str] | None = None,
     ) -> None:
-        """`done`: called when the model's forward ends (a forward hook on `model` itself)."""
+        """`done`: called when the model's forward ends (a forward hook on `model` itself). `reads`: the
+        parameters a module reads before their own module runs (`unguarded`), each with that module's
+        name: its pre-hook waits for their buckets too."""
         self._receive = receive
         self.arrived: list[Bucket] = []
         self._in: set[Key] = set()
         self.waited: list[str] = []
+        needs = module_needs(model, plan, aliases)
+        holding = bucket_of_tensor(plan)
+        for name, reader in (reads or {}).items():
+            needs.setdefault(reader, set()).update(key(b) for b, _ in holding.get(name, []))
         self._handles = [
             model.get_submodule(name).register_forward_pre_hook(self._hook(name, keys))
-            for name, keys in module_needs(model, plan, aliases).items()
+            for name, keys in needs.items()
         ]
         if done is not None:
             self._handles.append(model.register_forward_hook(lambda *_: done()))
@@ -201,13 +208,17 @@ class ForwardGate:
 
 
 class _FirstUses(TorchFunctionMode):
-    """Records, for each tensor of `watched` (by id), whether an op used it before `ready` said so."""
+    """Records, for each tensor of `watched` (by id), the module running (`running`) when an op first used
+    it before `ready` said so."""
 
-    def __init__(self, watched: Mapping[int, str], ready: Callable[[str], bool]) -> None:
+    def __init__(
+        self, watched: Mapping[int, str], ready: Callable[[str], bool], running: Callable[[], str]
+    ) -> None:
         super().__init__()
         self._watched = watched
         self._ready = ready
-        self.early: set[str] = set()
+        self._running = running
+        self.early: dict[str, str] = {}
 
     def __torch_function__(
         self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
@@ -215,8 +226,8 @@ class _FirstUses(TorchFunctionMode):
         for value in [*args, *(kwargs or {}).values()]:
             for t in value if isinstance(value, list | tuple) else (value,):
                 name = self._watched.get(id(t)) if isinstance(t, torch.Tensor) else None
-                if name is not None and not self._ready(name):
-                    self.early.add(name)
+                if name is not None and name not in self.early and not self._ready(name):
+                    self.early[name] = self._running()
         return func(*args, **(kwargs or {}))
 
 
@@ -226,24 +237,36 @@ def unguarded(
     run: Callable[[Mapping[str, torch.Tensor]], Any],
     params: Mapping[str, torch.Tensor],
     aliases: Mapping[str, str] | None = None,
-) -> set[str]:
-    """The parameters a forward uses before a `ForwardGate` would have received them: used outside their
-    own module's forward (a weight tied in code, a parameter read by a parent module). `run(params)` runs
-    the forward (on the meta model, with meta `params`, it costs no compute). A model with any has its
-    parameters pulled whole before forward, as before."""
+) -> dict[str, str]:
+    """The parameters a forward uses before a `ForwardGate` would have received them, each with the
+    module whose forward was running at that first use (the innermost): used outside their own module's
+    forward (a weight tied in code, a parameter a parent reads, as `nn.MultiheadAttention` reads its
+    `out_proj.weight`). A gate given them (`reads`) waits for their buckets in that module's pre-hook.
+    `run(params)` runs the forward (on the meta model, with meta `params`, it costs no compute)."""
     holding = bucket_of_tensor(plan)
     received: set[Key] = set()
+    stack: list[str] = []
 
-    def hook(keys: set[Key]) -> Callable[[nn.Module, Any], None]:
-        return lambda module, args: received.update(keys)
+    def entered(name: str, keys: set[Key]) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            stack.append(name)
+            received.update(keys)
 
-    handles = [
-        model.get_submodule(name).register_forward_pre_hook(hook(keys))
-        for name, keys in module_needs(model, plan, aliases).items()
-    ]
+        return hook
+
+    def left(module: nn.Module, args: Any, output: Any) -> None:
+        if stack:
+            stack.pop()
+
+    needs = module_needs(model, plan, aliases)
+    handles: list[RemovableHandle] = []
+    for name, module in model.named_modules():  # (each module once: the name forward knows it by first)
+        handles.append(module.register_forward_pre_hook(entered(name, needs.get(name, set()))))
+        handles.append(module.register_forward_hook(left))
     names = {id(t): n for n, t in params.items() if n in holding}
     try:
-        with _FirstUses(names, lambda name: all(key(b) in received for b, _ in holding[name])) as uses:
+        ready = lambda name: all(key(b) in received for b, _ in holding[name])  # noqa: E731
+        with _FirstUses(names, ready, lambda: stack[-1] if stack else "") as uses:
             run(params)
     finally:
         for handle in handles:

@@ -125,6 +125,7 @@ class MicroBatchTrainer:
         plan_of_buckets = self.bucket_push.plan if self.bucket_push else None
         self.bucket_pull = bucket_pull_for(spec.overlap_pull, plan_of_buckets, device)
         self.guarded: bool | None = None
+        self.early_reads: dict[str, str] = {}  # parameter -> the module that reads it before its own runs
 
     def close(self) -> None:
         """The loop ended: stop the threads that send buckets."""
@@ -262,7 +263,9 @@ class MicroBatchTrainer:
                 # (`done`): the loop sends nothing on those links meanwhile (the batch requests above
                 # left before), and the sender threads post backward's parts only after.
                 to_come = pull.start(shards)
-                gate = ForwardGate(self.model, to_come, pull.receive, self.aliases, done=pull.rest)
+                gate = ForwardGate(
+                    self.model, to_come, pull.receive, self.aliases, done=pull.rest, reads=self.early_reads
+                )
             for b in share:
                 x, y = batches[b]
                 began = time.perf_counter()
@@ -311,9 +314,10 @@ class MicroBatchTrainer:
         return Ahead(gen, step + 1, answers) if following[0] is not None else None
 
     def guards(self, x: torch.Tensor) -> bool:
-        """Whether a forward gate would hold each parameter until it arrived: every module reads only its
-        own (`buckets.unguarded`), decided once, on the meta model with a micro-batch's shape (a forward
-        that fails there, a data-dependent one, pulls whole)."""
+        """Whether a forward gate can hold each parameter until it arrived, decided once, on the meta model
+        with a micro-batch's shape: where a module reads a parameter before its own module runs (a parent
+        reading its child's weight), the gate waits for it in that module's pre-hook (`early_reads`,
+        `buckets.unguarded`). A forward that fails on meta (a data-dependent one) pulls whole."""
         if self.guarded is None and self.bucket_pull is not None:
             meta = dict(self.model.named_parameters(remove_duplicate=False))
             buffers = dict(self.model.named_buffers(remove_duplicate=False))
@@ -325,10 +329,8 @@ class MicroBatchTrainer:
                 return functional_call(self.model, tensors, (x.to("meta"),))
 
             try:
-                early = unguarded(self.model, self.bucket_pull.plan, forward, meta, aliases)
-                self.guarded = not early
-                if early:
-                    log.info("parameters pulled whole: %s are read outside their module", sorted(early))
+                self.early_reads = unguarded(self.model, self.bucket_pull.plan, forward, meta, aliases)
+                self.guarded = True
             except Exception as exc:
                 log.info("parameters pulled whole: the model's forward does not run on meta (%r)", exc)
                 self.guarded = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -55,6 +56,7 @@ class Run:
         cut_at: int | None = None,
         fail: bool = False,
         model: str = MODEL,
+        delay: float = 0.0,
     ) -> None:
         overrides = {"min_shard_bytes": 0, "overlap_push": True, "overlap_pull": pull}
         self.servers, plan = in_process_servers(digits_url, model=model, **overrides)
@@ -72,6 +74,7 @@ class Run:
         self.first_layer_ran = threading.Event()
         self.held: list[bool] = []  # per answer: whether the first layer ran before its last bucket left
         self.model = model
+        self.delay = delay  # seconds each bucket frame waits at the shard before it is written
         if model == MODEL:
             self.trainer.model[1].register_forward_hook(lambda *_: self._note_first_layer())
         # With `fail`: the first layer's forward raises once, at the first step pulled in buckets,
@@ -103,6 +106,8 @@ class Run:
                 and then["step"] < STEPS
             ):
                 answer.following = self._last_held(answer.following, int(answer.header["follow"]))
+            if answer.following is not None and self.delay:
+                answer.following = self._delayed(answer.following)
             return answer
 
         return handle
@@ -113,6 +118,11 @@ class Run:
                 # (This blocks the shard's event loop, as a slow link would hold the bytes back.)
                 self.held.append(self.first_layer_ran.wait(10))
                 self.first_layer_ran.clear()
+            yield frame
+
+    def _delayed(self, buckets: Iterator[Frame]) -> Iterator[Frame]:
+        for frame in buckets:
+            time.sleep(self.delay)  # (blocks the shard's event loop: a slow link)
             yield frame
 
     def _fail_once(self) -> None:
@@ -215,18 +225,19 @@ def test_a_model_error_while_buckets_are_still_read_leaves_no_connection_owing_o
 
 
 @pytest.mark.parametrize(
-    ("model", "in_buckets"),
-    [("tests.models:tied_dropout", True), ("tests.models:reads_child_weight", False)],
+    ("model", "reads"),
+    [("tests.models:tied_dropout", {}), ("tests.models:reads_child_weight", {"proj.weight": ""})],
 )
-def test_a_model_that_reads_a_parameter_outside_its_own_module_is_pulled_whole(
-    digits_url: str, model: str, in_buckets: bool
+def test_a_parameter_read_before_its_own_module_runs_is_waited_for_by_the_module_that_reads_it(
+    digits_url: str, model: str, reads: dict[str, str]
 ) -> None:
-    """Tied weights, each use inside a module of its own, are pulled in buckets; a parent that reads its
-    child's weight before the child's forward (found on the meta model) has its parameters pulled whole.
-    The bits of the whole pull either way."""
+    """Tied weights, each use inside a module of its own, need nothing more; a parent that reads its
+    child's weight (a bucket of its own) before the child runs waits for it in its own pre-hook (found on
+    the meta model). Each bucket is held back a moment at the shard, so a forward that read a parameter
+    before its bucket came would compute on the step before's: the whole pull's bits say it did not."""
     expected = Run(digits_url, pull=False, model=model).train()
-    run = Run(digits_url, pull=True, model=model)
+    run = Run(digits_url, pull=True, model=model, delay=0.05)
     got = run.train()
-    assert run.trainer.guarded is in_buckets
-    assert (run.stats.pulled > 0) is in_buckets
+    assert run.trainer.guarded and run.trainer.early_reads == reads
+    assert run.stats.pulled > 0
     assert all(torch.equal(got[n], expected[n]) for n in expected), "the bits of the whole pull"
