@@ -9,6 +9,7 @@ shards is the `StepPush` it is handed (`pushes.py`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import time
@@ -319,17 +320,20 @@ class MicroBatchTrainer:
         reading its child's weight), the gate waits for it in that module's pre-hook (`early_reads`,
         `buckets.unguarded`). A forward that fails on meta (a data-dependent one) pulls whole."""
         if self.guarded is None and self.bucket_pull is not None:
-            meta = dict(self.model.named_parameters(remove_duplicate=False))
-            buffers = dict(self.model.named_buffers(remove_duplicate=False))
-            aliases = self.aliases
-
-            def forward(params: Mapping[str, torch.Tensor]) -> Any:
-                tensors = {**params, **buffers}
-                tensors.update({alias: tensors[name] for alias, name in aliases.items()})
-                return functional_call(self.model, tensors, (x.to("meta"),))
-
             try:
-                self.early_reads = unguarded(self.model, self.bucket_pull.plan, forward, meta, aliases)
+                # On a copy: a model's forward may keep state of its own (a count of its calls, a cache),
+                # which this extra forward must not change in the model that trains.
+                model = copy.deepcopy(self.model)
+                meta = dict(model.named_parameters(remove_duplicate=False))
+                buffers = dict(model.named_buffers(remove_duplicate=False))
+                aliases = self.aliases
+
+                def forward(params: Mapping[str, torch.Tensor]) -> Any:
+                    tensors = {**params, **buffers}
+                    tensors.update({alias: tensors[name] for alias, name in aliases.items()})
+                    return functional_call(model, tensors, (x.to("meta"),))
+
+                self.early_reads = unguarded(model, self.bucket_pull.plan, forward, meta, aliases)
                 self.guarded = True
             except Exception as exc:
                 log.info("parameters pulled whole: the model's forward does not run on meta (%r)", exc)

@@ -241,3 +241,12 @@ def test_a_parameter_read_before_its_own_module_runs_is_waited_for_by_the_module
     assert run.trainer.guarded and run.trainer.early_reads == reads
     assert run.stats.pulled > 0
     assert all(torch.equal(got[n], expected[n]) for n in expected), "the bits of the whole pull"
+
+
+def test_the_meta_forward_that_finds_early_reads_leaves_the_models_own_state_alone(digits_url: str) -> None:
+    """The check runs the model's forward once on the meta device, on a copy: a model that counts its
+    forward calls (the tests' gates do, to wait in a given micro-batch) counts only those of training."""
+    run = Run(digits_url, pull=True, model="tests.models:second_forward_gated_mlp")
+    run.train()
+    assert run.trainer.guarded and run.stats.pulled > 0
+    assert run.trainer.model.calls == STEPS * len(run.schedule.share(0, 0, 1))
