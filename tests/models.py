@@ -193,12 +193,25 @@ def waiting_marks() -> list[Path]:
     return sorted(GATE.parent.glob(f"{GATE.name}.waiting-*"))
 
 
+def _second_of_its_share() -> bool:
+    """Whether the micro-batch being computed is the second of its member's share, where the gate file
+    holds the number of members M of a job of 2M micro-batches a step: micro-batch j of a step goes to rank
+    j % M (`Schedule.share`), so the second of each share is j >= M. The batch id is read off the seed of
+    the micro-batch's random ops (`micro_batch_seed`: job seed x 1,000,003 + batch id), not counted: a
+    count of forward calls shifts with any forward that is not one of a share's (a step dropped after its
+    first micro-batch), and the gate would then hold the first micro-batch instead."""
+    try:
+        members = int(GATE.read_text() or "0")
+    except (FileNotFoundError, ValueError):
+        return False
+    batch = torch.initial_seed() % 1_000_003
+    return members > 0 and batch % (2 * members) >= members
+
+
 class _SecondForwardGated(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Forwards of this model so far (a compute loop builds its own for each job): with two micro-batches
-        # a share, every second one is a share's last.
-        self.calls = getattr(self, "calls", 0) + 1
-        if self.calls % 2 == 0:
+        self.calls = getattr(self, "calls", 0) + 1  # (forwards of this model, a loop's own: a test reads it)
+        if _second_of_its_share():
             # The share's first micro-batch went through backward (its gradients left, where they leave
             # during backward): wait, with a mark.
             _wait_marked()
@@ -241,7 +254,7 @@ class _BackwardGatedMlp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         time.sleep(0.004)
-        return self.rest(_BackwardGate.apply(self.first(x), self.calls % 2 == 0))
+        return self.rest(_BackwardGate.apply(self.first(x), _second_of_its_share()))
 
 
 def wide_mlp() -> nn.Module:

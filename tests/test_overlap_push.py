@@ -40,7 +40,7 @@ def train_killing_a_waiting_member(
     def kill_a_waiting_member(p: Progress) -> None:
         if "pid" in killed or p.committed_steps < 6:
             return
-        GATE.touch()
+        GATE.write_text(str(members))  # (the gated models wait in the second micro-batch of each share)
         marks = waiting_marks()
         if len(marks) == members == len(p.workers):  # each waits at the gate
             killed.update(pid=int(marks[0].name.rsplit("-", 1)[1]), step=p.committed_steps)
@@ -139,9 +139,10 @@ def test_buckets_applied_before_a_kill_are_dropped_with_their_step(
     assert_same_parameters(result, reference(job))
     assert_ledger_exactly_once(result)
     phases = result.shard_phases
-    # (Most runs drop applied buckets at the fence, `buckets_undone` >= 1; about one run in four, after
-    # other kills in the session, the fence found no part of the open step at all: not explained yet, so
-    # not asserted. The parameters above are the whole push's either way.)
+    # The fence dropped buckets applied into the other copy with their step (unless the members left had
+    # trained the killed member's micro-batch as a backup, and committed the step, before the fence).
+    undone = sum(shard.get("buckets_undone", 0) for shard in phases)
+    assert undone >= 1 or result.counters["backups"] >= 1, (phases, result.counters)
     # The steps that committed had their buckets applied before the commit, into the other copy.
     assert all(shard["buckets_applied"] > 0 for shard in phases if shard["parts"]), phases
 
