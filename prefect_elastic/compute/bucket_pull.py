@@ -55,8 +55,8 @@ class BucketPull:
 
     A step's buckets are read by a thread per shard (`start`), so that the bytes keep crossing while
     forward computes: read by the forward's own thread, they would stop at the socket's buffer whenever
-    forward ran ahead of them. The thread holds the link until `rest` (or `abort`) joined it; the loop
-    meanwhile only sends on it (`ShardLink` counts the answers owed under a lock)."""
+    forward ran ahead of them. The thread holds the link until `rest` (or `abort`) joined it: the loop sends
+    nothing on it meanwhile (the step's batch requests leave before `start`, backward's parts after)."""
 
     def __init__(self, plan: Sequence[Sequence[Bucket]], everywhere: bool) -> None:
         self.plan = [list(buckets) for buckets in plan]
@@ -83,8 +83,9 @@ class BucketPull:
     def ask(self, links: Sequence[ShardLink], asks: list[Ask]) -> list[Ask]:
         """`asks` (one per shard, for the next step), those for parameters asking for them in buckets."""
         for i, ask in enumerate(asks):
-            wanted = ask is not None and ask.get("step") is not None and bool(self.plan[i])
-            if ask is not None and wanted and (self._everywhere or not links[i].local):
+            if ask is None or ask.get("step") is None or not self.plan[i]:
+                continue
+            if self._everywhere or not links[i].local:
                 ask["buckets"] = self._bounds[i]
         return asks
 
@@ -94,23 +95,15 @@ class BucketPull:
         shard, numel, dtype = int(header["shard"]), int(header["numel"]), _dtype(header["dtype"])
         if not 0 <= shard < len(self.plan) or int(header["follow"]) != len(self.plan[shard]):
             raise FatalError(f"data server {shard} answered with {header['follow']} buckets, not its plan's")
-        held = self._buffers.get(shard)
-        if held is None or held[0].numel() != numel or held[0].dtype != dtype:
-            flat = torch.empty(numel, dtype=dtype)
-            held = self._buffers[shard] = (flat, flat.view(torch.uint8).numpy())
         self._owed.add(shard)
-        return held[0]
+        return _reused(self._buffers, shard, torch.Size([numel]), dtype)[0]
 
     def joined(
         self, name: str, shape: torch.Size, runs: Sequence[tuple[int, Piece, torch.Tensor]]
     ) -> torch.Tensor:
         """Tensor `name` (of `shape`), split across shards, whole: each of its `runs` (the shard, its piece,
         the run) copied into place, now where its shard answered whole, else as its bucket arrives."""
-        dtype = runs[0][2].dtype
-        held = self._wholes.get(name)
-        if held is None or held[0].shape != shape or held[0].dtype != dtype:
-            whole = torch.empty(shape, dtype=dtype)
-            held = self._wholes[name] = (whole, whole.view(-1).view(torch.uint8).numpy())
+        held = _reused(self._wholes, name, shape, runs[0][2].dtype)
         if sum(piece.numel for _, piece, _ in runs) != held[0].numel():
             raise FatalError(f"the pieces of {name} from the data servers do not cover it")
         size = held[0].element_size()
@@ -234,6 +227,18 @@ class BucketPull:
         if run.data_ptr() != into.ctypes.data:
             # Read in place in the shard's published memory (the same machine): copied below torch.
             np.copyto(into, run.view(torch.uint8).numpy())
+
+
+def _reused(
+    held: dict[Any, tuple[torch.Tensor, np.ndarray]], key: Any, shape: torch.Size, dtype: torch.dtype
+) -> tuple[torch.Tensor, np.ndarray]:
+    """The tensor `held` keeps under `key`, with its bytes as numpy (written below torch: no version
+    counter moves), made anew only where its shape or dtype changed: a step's buffers are the next's."""
+    kept = held.get(key)
+    if kept is None or kept[0].shape != shape or kept[0].dtype != dtype:
+        tensor = torch.empty(shape, dtype=dtype)
+        kept = held[key] = (tensor, tensor.view(-1).view(torch.uint8).numpy())
+    return kept
 
 
 def bucket_pull_for(

@@ -42,7 +42,6 @@ import os
 import socket
 import ssl
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -105,8 +104,6 @@ class ShardLink:
         self.tls = tls
         self._sock: socket.socket | None = None
         self.pending = 0  # frames sent whose answer was not read yet
-        # (A thread may read the buckets that follow an answer while the loop sends: `bucket_pull.py`.)
-        self._counting = threading.Lock()
         self.local = False  # whether the connection is to the shard's Unix socket (the same machine)
         self.shared = SharedBodies()  # the connection's shared memory (`inbox.py`): on a Unix socket
         # Once that connect has failed (another machine, another network namespace), it is not tried again.
@@ -148,8 +145,7 @@ class ShardLink:
             with contextlib.suppress(OSError):
                 self._sock.close()
             self._sock = None
-        with self._counting:
-            self.pending = 0
+        self.pending = 0
         self.shared.close()
 
     def interrupt(self) -> None:
@@ -164,8 +160,7 @@ class ShardLink:
             sock = self._connected()
             sock.settimeout(self.timeout)
             _send_all(sock, encode(frame, self.shared))
-            with self._counting:
-                self.pending += 1
+            self.pending += 1
         except BaseException:
             self.close()
             raise
@@ -210,13 +205,10 @@ class ShardLink:
                 body = into if into is not None and fits else _body_buffer(header["tensors"], huge_pages)
                 _recv_into(sock, body.data)
         except BaseException:
-            if self._sock is sock:  # (not a connection another thread opened since)
-                self.close()
+            self.close()
             raise
         # (An answer followed by frames of its own; an error in their place says how many will not come.)
-        with self._counting:
-            if self._sock is sock:
-                self.pending += int(header.get("follow", 0)) - int(header.get("unsent", 0)) - 1
+        self.pending += int(header.get("follow", 0)) - int(header.get("unsent", 0)) - 1
         frame = decode(header, body, self.shared.region)
         raise_error(frame.header)
         return frame
