@@ -175,8 +175,9 @@ def run_cut(network: HostNetwork, job: ElasticJob, heal_after: float, by_schedul
 
 class HoldUntilBack:
     """An `on_progress` callback for a job of `tests.models:gated_slow_mlp`. Once the fault schedule cut the
-    network of the worker named `name` and it left the membership, lets training go on without it for
-    `go_on` steps, then holds it (at the gate, in the model's forward pass) until a process of that worker
+    network of the worker named `name`, holds training until the worker left the membership (a job that
+    goes on meanwhile, its steps backed up by the other worker, can end within the time the cut takes to be
+    detected), lets training go on without it for `go_on` steps, then holds it (at the gate, in the model's forward pass) until a process of that worker
     is a member again, so that the job cannot end before it joins again, however long that takes. Heals
     the link once the cut-off worker exited and its supervisor started it again (a cut shorter than Dask's
     timeouts is healed by the fault schedule before that). Records the progress."""
@@ -203,8 +204,9 @@ class HoldUntilBack:
         if self.left_at is not None and self.back is None:
             back = [w for w in progress.workers if w.startswith(f"tcp://{ns.address}:")]
             self.back = back[0] if back else None
+        detecting = self.left_at is None
         away = self.left_at is not None and self.back is None
-        if away and progress.committed_steps >= (self.left_at or 0) + self.go_on:
+        if detecting or (away and progress.committed_steps >= (self.left_at or 0) + self.go_on):
             GATE.touch()
         else:
             GATE.unlink(missing_ok=True)
