@@ -648,10 +648,12 @@ def final_loss(result: TrainResult) -> float:
 
 def check_async(result: TrainResult, reference: TrainResult, retracted: int = 0) -> None:
     """Every batch id committed exactly once, nothing staler than allowed, nothing rolled back (but the
-    `retracted` ids a promoted shard lacked, trained again), and the loss at the level of the sync run on
-    the same data: the losses of the last steps, or where ids were retracted, the trained model's (the
-    last steps then include ids trained again beside a shard that went back to its snapshot, whose
-    losses say how the run went, not what it gave)."""
+    `retracted` ids a promoted shard lacked, trained again), and the trained model's loss over the whole
+    data at the level of the sync run's. Not the losses of the last steps: in async mode each is one
+    micro-batch's, on parameters a few updates apart, and their mean over the last fifth of a short run
+    was once 0.41 against the sync run's 0.08, every other check of that run passing (and where ids were
+    retracted, they include ids trained again beside a shard that went back to its snapshot, which say
+    how the run went, not what it gave)."""
     ids = [e.batch_id for e in result.ledger]
     assert sorted(ids) == list(range(result.total_batches)), "every batch id of the schedule, each once"
     assert sorted(e.step for e in result.ledger) == list(range(result.total_batches))
@@ -660,14 +662,10 @@ def check_async(result: TrainResult, reference: TrainResult, retracted: int = 0)
     assert result.steps_lost == retracted and result.counters["rollbacks"] == 0
     assert len(result.history) == result.total_batches
     first = statistics.fmean(result.history[:10])
-    if retracted:
-        assert final_loss(result) < 0.5 * first, "the loss fell"
-        assert final_loss(result) <= 1.5 * final_loss(reference) + 0.1, "the sync run's model, or better"
-        return
-    assert tail_loss(result) < 0.5 * first, "the loss fell"
-    # Async applies one micro-batch at a time (4 times the updates of a sync step of 4), so its loss is
-    # at least as low in the end; the margin covers the noise of smaller updates.
-    assert tail_loss(result) <= 1.5 * tail_loss(reference) + 0.1, "the loss of the sync run, or better"
+    assert final_loss(result) < 0.5 * first, "the loss fell"
+    # Async applies one micro-batch at a time (4 times the updates of a sync step of 4), so its model is at
+    # least as good in the end; the margin covers the noise of smaller updates.
+    assert final_loss(result) <= 1.5 * final_loss(reference) + 0.1, "the sync run's model, or better"
 
 
 class HoldUntilLeased:
