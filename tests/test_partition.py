@@ -176,11 +176,12 @@ def run_cut(network: HostNetwork, job: ElasticJob, heal_after: float, by_schedul
 class HoldUntilBack:
     """An `on_progress` callback for a job of `tests.models:gated_slow_mlp`. Once the fault schedule cut the
     network of the worker named `name`, holds training until the worker left the membership (a job that
-    goes on meanwhile, its steps backed up by the other worker, can end within the time the cut takes to be
-    detected), lets training go on without it for `go_on` steps, then holds it (at the gate, in the model's forward pass) until a process of that worker
-    is a member again, so that the job cannot end before it joins again, however long that takes. Heals
-    the link once the cut-off worker exited and its supervisor started it again (a cut shorter than Dask's
-    timeouts is healed by the fault schedule before that). Records the progress."""
+    goes on meanwhile, its steps backed up by the other worker, can end within the time the cut takes to
+    be detected), lets training go on without it for `go_on` steps, then holds it (at the gate, in the
+    model's forward pass) until a process of that worker is a member again, so that the job cannot end
+    before it joins again, however long that takes. Heals the link once the cut-off worker exited and its
+    supervisor started it again (a cut shorter than Dask's timeouts is healed by the fault schedule before
+    that). Records the progress."""
 
     def __init__(self, cluster: LocalElasticCluster, faults: FaultSchedule, name: str, go_on: int) -> None:
         self.cluster, self.faults, self.name, self.go_on = cluster, faults, name, go_on

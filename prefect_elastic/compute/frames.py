@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..data_server.plan import Piece, joined, split_pieces
+from ..data_server.plan import Piece, split_pieces
 from ..errors import FatalError
 from ..messages import Tensors
 from ..wire import Entry, Frame, ShardLink, contiguous_strides, raise_error
+from .bucket_pull import BucketPull, joined_now
 
 if TYPE_CHECKING:
-    from .bucket_pull import BucketPull
+    import numpy as np
 
 # A micro-batch's gradients for one shard up to this size go as one flat run (`gradient_entries`).
 PACK_BYTES = 1 << 20
@@ -41,12 +42,15 @@ class Ahead:
         shapes: dict[str, torch.Size],
         plan: Sequence[Sequence[Piece]] = (),
         pull: BucketPull | None = None,
+        wholes: dict[str, tuple[torch.Tensor, np.ndarray]] | None = None,
     ) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
         """The parameters and buffers (views of the frames' tensors), and the batches by batch id.
         `shapes`: every parameter's and buffer's shape, for the shards that send theirs as flat runs;
         `plan`: each shard's pieces, where a tensor split across shards comes in parts (each answer names
-        its shard), joined here into a new whole tensor. `pull`: where an answer's parameters follow in
-        buckets, it gives the flat tensor they will be read into (`bucket_pull.py`), still empty here."""
+        its shard), joined here into a whole tensor that `wholes` keeps for the next step (the loop's: a
+        step's parameters are dropped before the next step's are unpacked), or that `pull` keeps. `pull`:
+        where an answer's parameters follow in buckets, it gives the flat tensor they will be read into
+        (`bucket_pull.py`), still empty here, and joins split tensors as their buckets arrive."""
         state: Tensors = {}
         parts: dict[str, list[tuple[int, Piece, torch.Tensor]]] = {}  # (shard, piece, its run) by name
         xs: dict[int, torch.Tensor] = {}
@@ -86,11 +90,11 @@ class Ahead:
                 else:
                     state[name] = tensor
         for name, runs in parts.items():
-            if pull is not None and pull.owed:
+            if pull is not None:
                 # (Runs still to come in buckets: the pull joins each into place as it arrives.)
                 state[name] = pull.joined(name, shapes[name], runs)
             else:
-                state[name] = joined([(piece, run) for _, piece, run in runs], shapes[name])
+                state[name] = joined_now({} if wholes is None else wholes, name, shapes[name], runs)
         return state, {b: (x, ys[b]) for b, x in xs.items()}
 
 

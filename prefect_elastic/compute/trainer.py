@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call
@@ -42,6 +42,9 @@ from .frames import (
 )
 from .pushes import Pipelined, StepPush
 from .stats import LoopStats
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,8 @@ class MicroBatchTrainer:
         self.bucket_pull = bucket_pull_for(spec.overlap_pull, plan_of_buckets, device)
         self.guarded: bool | None = None
         self.early_reads: dict[str, str] = {}  # parameter -> the module that reads it before its own runs
+        # Tensors split across shards, whole, kept for the next step (`Ahead.unpack`).
+        self.wholes: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
 
     def close(self) -> None:
         """The loop ended: stop the threads that send buckets."""
@@ -220,7 +225,7 @@ class MicroBatchTrainer:
             pull.drop()  # (a step that failed in `unpack` left buckets owed: its links were closed)
         if ahead is None or (ahead.generation, ahead.step) != (gen, step):
             ahead = self.fetch(role, step, shards, schedule, share)
-        state, batches = ahead.unpack(self.shapes, self.plan, pull)
+        state, batches = ahead.unpack(self.shapes, self.plan, pull, self.wholes)
         del ahead
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).

@@ -10,14 +10,17 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from prefect_elastic.compute import MicroBatchTrainer
+from prefect_elastic.compute.bucket_pull import joined_now
 from prefect_elastic.compute.stats import LoopStats
 from prefect_elastic.data_server import DataServer
-from prefect_elastic.errors import ModelFailure, StaleGenerationError
+from prefect_elastic.data_server.plan import Piece
+from prefect_elastic.errors import FatalError, ModelFailure, StaleGenerationError
 from prefect_elastic.messages import Role, Tensors
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import Frame, ShardLink, unread_answers_dropped
@@ -250,3 +253,28 @@ def test_the_meta_forward_that_finds_early_reads_leaves_the_models_own_state_alo
     run.train()
     assert run.trainer.guarded and run.stats.pulled > 0
     assert run.trainer.model.calls == STEPS * len(run.schedule.share(0, 0, 1))
+
+
+def test_a_tensor_split_across_shards_is_joined_into_the_same_tensor_every_step() -> None:
+    """Whole in a tensor kept from step to step (a fresh one over 32 MB is mapped afresh each step, and
+    its page faults cost more than the copy), with each step's values, its version counter unmoved (the
+    trainer's check for a model that changes its parameters in place reads it); a new one where the shape
+    changed; pieces that do not cover the tensor are refused."""
+    shape = torch.Size([4, 6])
+    pieces = [Piece("w", 0, 10, 24), Piece("w", 10, 24, 24)]
+    held: dict[str, tuple[torch.Tensor, Any]] = {}
+    seen = []
+    for step in range(3):
+        whole = torch.arange(24, dtype=torch.float32).reshape(shape) + 100 * step
+        runs = [
+            (shard, piece, whole.reshape(-1)[piece.start : piece.stop].clone())
+            for shard, piece in enumerate(pieces)
+        ]
+        joined = joined_now(held, "w", shape, runs)
+        assert torch.equal(joined, whole) and joined._version == 0
+        seen.append(joined)
+    assert seen[0] is seen[1] is seen[2], "one tensor, step after step"
+    other = torch.Size([2, 12])
+    assert joined_now(held, "w", other, [(0, Piece("w", 0, 24, 24), torch.zeros(24))]).shape == other
+    with pytest.raises(FatalError, match="do not cover"):
+        joined_now(held, "w", shape, [(0, pieces[0], torch.zeros(10))])
