@@ -115,7 +115,7 @@ class SyncCommits:
             # A bucket whole (every micro-batch's part in) is applied now, into the copy loops do not read.
             copy = self._parts.other_copy(state.optimizer)
             if copy is not None and self._parts.ready():
-                state.kept = None  # (the other copy, which held the version before, is written now)
+                state.copies.apply_started()  # (the other copy, which held the version before, is written)
                 self._parts.apply_whole(copy, state.apply_inline)
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
@@ -244,7 +244,8 @@ class SyncCommits:
         finally:
             state.applying = False
             done.set_result(None)
-        state.version += 1
+        if copy is None:
+            state.copies.applied_in_place()  # (`publish` committed the other copy's)
         self._applied_at.append(time.monotonic())
         first = self._schedule.step_batches(step).start
         self._behind = {b - first for b in opened.backed_up}
@@ -277,7 +278,7 @@ class SyncCommits:
         state = self._state
         copy = self._parts.made_copy(state.optimizer)
         # (A shard that holds no state has nothing to keep: it counts its version back.)
-        able = state.stateless or (state.kept == version and copy is not None)
+        able = state.stateless or (copy is not None and state.copies.can_step_back_to(version))
         if state.version != version + 1 or not able or state.applying:
             raise RecoverableError(
                 f"shard {state.index} at step {state.version} cannot step back to {version} "
@@ -412,7 +413,7 @@ class AsyncApplies:
                     staleness,
                 )
             )
-            state.version += 1
+            state.copies.applied_in_place()
             self._published = None
         await state.announce_version()
         return "applied", staleness

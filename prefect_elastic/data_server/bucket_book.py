@@ -10,8 +10,9 @@ as they arrive, and when the step commits (docs/design/overlapped-step.md).
   of that worker's buckets of the step left), not when the last bucket is whole: a worker killed between
   its buckets leaves no shard committed, and the window in which a kill leaves shards a version apart is
   the seals', as it was one frame per shard before.
-- `TwoCopies`: which of the shard's two copies of its parameters and optimizer state the loops read, and
-  whether the other still holds the version before (a shard one version ahead of a peer steps back).
+- `TwoCopies`: the shard's version, which of its two copies of its parameters and optimizer state the
+  loops read, and whether the other still holds the version before (a shard one version ahead of a peer
+  steps back); a data server keeps its version in one (`ShardState.copies`).
 - `pull_verdict`: what a pull of a bucket gets, from the shard's generation and version.
 
 Tensors are summed here, in the one order the bit-for-bit guarantee needs; nothing awaits and nothing
@@ -242,7 +243,7 @@ class BucketBook:
 class TwoCopies:
     """Which of a shard's two copies of its parameters, buffers and optimizer state loops read
     (`published`, at `version`), and which version the other copy still holds intact (`kept`; None once
-    an apply of the open step wrote into it).
+    an apply of the open step wrote into it). The shard's own record of its version (`ShardState.copies`).
 
     The open step's buckets are applied out of place, from the published copy into the other one, so the
     published parameters stay those of `version` until the step commits, and a shard whose step is
@@ -250,7 +251,8 @@ class TwoCopies:
     until the next step's first apply writes into it: a shard found one version ahead of a peer at a
     fence steps back by flipping again. That is always possible then: the next step's first bucket is
     whole only once gradients computed from every shard's new parameters came, which a peer still a
-    version behind never published."""
+    version behind never published. A step applied in place (an optimizer with no out-of-place update,
+    a step pushed whole, async mode), or a snapshot restored, leaves nothing to step back to."""
 
     version: int
     published: int = 0
@@ -268,13 +270,29 @@ class TwoCopies:
         self.published, self.kept = self.writing, self.version
         self.version += 1
 
+    def applied_in_place(self) -> None:
+        """A step applied into the published copy itself."""
+        self.version, self.kept = self.version + 1, None
+
+    def restored(self, version: int) -> None:
+        """A snapshot of `version` copied into the published copy."""
+        self.version, self.kept = version, None
+
+    def can_step_back_to(self, version: int) -> bool:
+        """Whether the other copy holds `version` whole, the one before the published copy's."""
+        return self.kept is not None and self.kept == version == self.version - 1
+
     def step_back(self) -> bool:
         """Back to the version before, where the other copy still holds it; False (nothing changed)
         where it does not."""
-        if self.kept is None or self.kept != self.version - 1:
+        if not self.can_step_back_to(self.version - 1):
             return False
-        self.published, self.version, self.kept = self.writing, self.kept, None
+        self.published, self.version, self.kept = self.writing, self.version - 1, None
         return True
+
+    def counted_back(self) -> None:
+        """A shard that holds no state (no copies) steps back by its count of steps alone."""
+        self.version, self.kept = self.version - 1, None
 
 
 Verdict = Literal["answer", "wait"]

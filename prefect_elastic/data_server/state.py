@@ -21,6 +21,7 @@ from ..errors import FatalError, StaleGenerationError
 from ..job import ModelSpec
 from ..messages import Tensors
 from ..shard_optimizer import Gradient, ShardBuffers, ShardOptimizer
+from .bucket_book import TwoCopies
 from .records import StepRecords
 
 # Shards with fewer parameter elements than this apply a step on the event loop; a thread hand-off
@@ -60,9 +61,7 @@ class ShardState:
         self.applying = False  # an optimizer step under way (it may be in a thread)
         self.apply_seconds = 0.0
         self.hold: int | None = None  # no step from this one on starts or is applied (`hold_at`)
-        # The version this shard can step back to: the one before `version`, whole in its other copy
-        # since the last commit published that copy, with the buffers as they were then (`step_back`).
-        self.kept: int | None = None
+        # The buffers of the version this shard can step back to (`kept`), as they were then.
         self.kept_buffers: Tensors = {}
         self.applied: set[int] = set(applied)  # batch ids applied here (async mode; a checkpoint's)
         self.snapshot_wanted: int | None = None  # the version the coordinator asked a snapshot of
@@ -95,12 +94,21 @@ class ShardState:
             self.optimizer.load_state_dict(optimizer_state, owned)
         # A step small enough is applied on the event loop: a thread hand-off costs more than it does.
         self.apply_inline = sum(p.numel() for p in self.params.values()) < INLINE_APPLY_ELEMENTS
-        self.version = version  # number of steps applied
-        self.kept = None
+        # The number of steps applied (`version`), and the one this shard can step back to (`kept`): the
+        # one before, whole in its other copy since the last commit published that copy (`step_back`).
+        self.copies = TwoCopies(version)
         self.snapshots: dict[int, Snapshot] = {}
         if not owned:
             first = self.copy_state()
             self.snapshots[first.version] = first
+
+    @property
+    def version(self) -> int:
+        return self.copies.version
+
+    @property
+    def kept(self) -> int | None:
+        return self.copies.kept
 
     @property
     def stateless(self) -> bool:
@@ -151,7 +159,7 @@ class ShardState:
         """One optimizer step with these gradients (in order) and buffers: on the event loop for a small
         shard, else in a thread so heartbeats go on. The caller marks the shard `applying`."""
         began = time.perf_counter()
-        self.kept = None  # (applied in place: nothing to step back to)
+        self.copies.apply_started()  # (applied in place: nothing to step back to)
         if self.apply_inline:
             self.apply(grads, buffers)
         else:
@@ -167,7 +175,7 @@ class ShardState:
         self.kept_buffers = {n: b.clone() for n, b in self.buffers.items()}
         flip()
         self.buffer_runs.update(buffers)
-        self.kept = self.version
+        self.copies.commit()
         self.apply_seconds += time.perf_counter() - began
 
     def step_back(self, flip_back: Callable[[], None] | None) -> None:
@@ -177,14 +185,16 @@ class ShardState:
         if flip_back is None:
             if not self.stateless:
                 raise FatalError(f"shard {self.index} holds state: it steps back only through its copy")
-            self.kept = self.version - 1
+            self.copies.counted_back()
         else:
+            if not self.copies.can_step_back_to(self.version - 1):
+                raise FatalError(f"shard {self.index} at {self.version} keeps {self.kept}: no step back")
             flip_back()
             with torch.no_grad():
                 for name, b in self.buffers.items():
                     b.copy_(self.kept_buffers[name])
-        assert self.kept is not None
-        self.version, self.kept, self.kept_buffers = self.kept, None, {}
+            self.copies.step_back()
+        self.kept_buffers = {}
         self.records.drop_from(self.version)
         for version in [v for v in self.snapshots if v > self.version]:
             del self.snapshots[version]
@@ -268,6 +278,5 @@ class ShardState:
                 b.copy_(snap.buffers[name])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(snap.optimizer)
-        self.version = snap.version
-        self.kept = None
+        self.copies.restored(snap.version)
         self.records.drop_from(version)

@@ -215,6 +215,20 @@ def test_two_copies_flip_at_commit_and_step_back_until_the_next_apply() -> None:
     assert not copies.step_back() and copies.version == 11
 
 
+def test_a_step_applied_in_place_or_a_snapshot_restored_leaves_nothing_to_step_back_to() -> None:
+    copies = TwoCopies(version=10)
+    copies.commit()
+    assert copies.can_step_back_to(10) and not copies.can_step_back_to(9) and not copies.can_step_back_to(11)
+    copies.applied_in_place()  # (an optimizer with no out-of-place update, a step pushed whole, async)
+    assert (copies.version, copies.published, copies.kept) == (12, 1, None)
+    assert not copies.can_step_back_to(11) and not copies.step_back()
+    copies.commit()
+    copies.restored(7)  # a rollback to the snapshot of 7, copied into the published copy
+    assert (copies.version, copies.kept) == (7, None) and not copies.step_back()
+    copies.counted_back()  # (a shard holding no state counts back alone)
+    assert (copies.version, copies.kept) == (6, None)
+
+
 @pytest.mark.parametrize(
     ("asked", "step", "verdict"),
     [(5, 8, "answer"), (5, 9, "wait"), (4, 8, None), (6, 8, None), (5, 7, None), (5, 10, None)],

@@ -218,7 +218,7 @@ def test_a_step_back_forgets_the_marks_of_the_snapshots_it_dropped(digits_url: s
     async def run() -> None:
         await first.set_peer(0, second)
         await settled()
-        first.shard.version = 1
+        first.shard.copies.restored(1)  # (as if its snapshot of 1 were restored)
         first.shard.snapshots[1] = first.shard.copy_state()
         first.replicas.replicate(first.shard.snapshots[1])
         await settled()
