@@ -104,7 +104,15 @@ def run_loop(
         # once its task is no longer running on the worker, it ends instead of training beside a new one.
         ts = worker.state.tasks.get(key)
         running = ts is not None and ts.state in ("executing", "long-running")
-        return running and worker.status.name in ("running", "paused")
+        if running and worker.status.name in ("running", "paused"):
+            return True
+        # (Said, because the controller then starts another loop on a worker still a member, behind a
+        # fence: the reason is the first thing to know when that happens mid-job.)
+        log.info(
+            "compute %s: the loop ends: its task is %s, the worker %s", address,
+            "gone" if ts is None else ts.state, worker.status.name,
+        )  # fmt: skip
+        return False
 
     context = LoopContext(
         address=address,
