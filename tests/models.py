@@ -220,8 +220,9 @@ class _SecondForwardGated(nn.Sequential):
 
 
 def second_forward_gated_mlp() -> nn.Module:
-    """The mlp, waiting at the gate in every second forward of each instance: with a share of two
-    micro-batches a step, the gate holds each member between its two micro-batches."""
+    """The mlp, waiting at the gate in the second micro-batch of each member's share
+    (`_second_of_its_share`): with a share of two micro-batches a step, the gate holds each member between
+    its two micro-batches."""
     return _SecondForwardGated(*mlp())
 
 
@@ -249,10 +250,8 @@ class _BackwardGatedMlp(nn.Module):
         self.rest = nn.Sequential(
             nn.Linear(64, 1024), nn.ReLU(), nn.Linear(1024, 256), nn.ReLU(), nn.Linear(256, 10)
         )
-        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
         time.sleep(0.004)
         return self.rest(_BackwardGate.apply(self.first(x), _second_of_its_share()))
 
@@ -288,9 +287,10 @@ def reads_child_weight() -> nn.Module:
 
 
 def backward_gated_mlp() -> nn.Module:
-    """An mlp whose backward waits at the gate in every second micro-batch of each instance, after the
-    gradients of every layer but the first are computed: with a share of two micro-batches a step, each
-    member waits in its last backward with the buckets of the later layers sent."""
+    """An mlp whose backward waits at the gate in the second micro-batch of each member's share
+    (`_second_of_its_share`), after the gradients of every layer but the first are computed: with a share
+    of two micro-batches a step, each member waits in its last backward with the buckets of the later
+    layers sent."""
     return _BackwardGatedMlp()
 
 

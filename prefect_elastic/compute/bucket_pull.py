@@ -259,8 +259,8 @@ def joined_now(
     runs: Sequence[tuple[int, Piece, torch.Tensor]],
 ) -> torch.Tensor:
     """Tensor `name`, split across shards, whole, in the tensor `held` keeps for it step after step: a new
-    one each step would be mapped afresh (glibc maps a block over 32 MB on its own), and the page faults of
-    the mlp-50's 41 MB layer cost 15 ms a step over the copy's 4."""
+    one each step would be mapped afresh (glibc maps a block over `allocator.MMAP_THRESHOLD` on its own),
+    and the page faults of the mlp-50's 41 MB layer cost 15 ms a step over the copy's 4."""
     whole, places = whole_of(held, name, shape, runs)
     for _, run, into in places:
         np.copyto(into, run.reshape(-1).view(torch.uint8).numpy())
