@@ -5,6 +5,9 @@ the command line, with or without a nanny, no preload and no harness settings (`
   while it imports torch (which a plain `dask worker` does at its first task).
 - A static worker SIGKILLed while the job starts (its data server being made) is survived: the start is
   tried again on the static workers left, and the result is the one-worker, no-fault run's.
+- A layer split across both data servers, read in place and joined by loops on the shards' machine (whole,
+  or bucket by bucket during forward with the gradients leaving during backward), through a SIGKILLed
+  compute worker and one added: the one-worker, no-fault run's bits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from prefect_elastic.messages import EventKind, Progress
 from .cli_cluster import CliCluster
 from .conftest import assert_ledger_exactly_once, assert_same_state, make_job, wait_for
 from .test_async import check_async
+from .test_split import BIG, WIDE, holders_of
 
 
 @pytest.mark.parametrize("nanny", [False, True], ids=["no-nanny", "nanny"])
@@ -40,6 +44,43 @@ def test_a_run_with_no_fault_reports_no_membership_change_but_its_start_and_end(
     assert result.counters["rollbacks"] == result.counters["reassigns"] == 0
     assert_ledger_exactly_once(result)
     assert_same_state(result.state_dict, reference(job).state_dict)
+
+
+class KillAndAdd:
+    """`on_progress`: SIGKILLs the compute worker `elastic-0` once step `at` is committed, and starts
+    `elastic-2` in its place."""
+
+    def __init__(self, cluster: CliCluster, at: int = 8) -> None:
+        self.cluster, self.at = cluster, at
+        self.killed_at = -1
+
+    def __call__(self, progress: Progress) -> None:
+        if self.killed_at < 0 and progress.committed_steps >= self.at:
+            self.killed_at = progress.committed_steps
+            self.cluster.kill("elastic-0")
+            self.cluster.add_worker("elastic-2", wait=False)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["whole", "buckets"])
+def test_a_layer_split_across_data_servers_trains_to_one_workers_bits_through_a_kill_and_a_join(
+    digits_url: str, reference: Any, overlap: bool
+) -> None:
+    """Each data server holds part of the 256 KB layer; every loop runs on their machine, reads the halves in
+    place and joins them into the tensor it keeps from step to step (`compute/bucket_pull.py`)."""
+    job = make_job(
+        digits_url, "reassign", model=WIDE, epochs=3, overlap_push=overlap, overlap_pull=overlap,
+        job_id=f"cli-split-{overlap}",
+    )  # fmt: skip
+    with CliCluster(static=2, elastic=2) as cluster:
+        kill = KillAndAdd(cluster)
+        result = train(job, address=cluster.address, on_progress=kill)
+    assert kill.killed_at >= 8, "the job ended before the kill"
+    assert holders_of(result, BIG) == [0, 1], result.shard_plan
+    assert [e for e in result.membership_events() if e.left], "the killed worker left"
+    assert_ledger_exactly_once(result)
+    assert_same_state(result.state_dict, reference(job).state_dict)
+    if overlap:
+        assert sum(loop.pulled for loop in result.loops) > 0, result.loops
 
 
 def _data_server_started_on(cluster: CliCluster, worker: str) -> bool:
