@@ -1,11 +1,11 @@
 """The overlapped step against the whole push and the plain loop, side by side in one run.
 
-`python -m benchmarks.overlap_push [--workloads resnet18,mlp-50,mlp,cnn-20,transformer] [--repeats 3]`:
+`python -m benchmarks.overlap_push [--workloads resnet18,gpt2,mlp-50,mlp,cnn-20,transformer] [--repeats 3]`:
 for each workload, one compute worker (one micro-batch a step, as the steady group measures) with its
 gradients pushed whole after backward, the same with `overlap_push` (buckets leave during backward), and
 the plain PyTorch loop, in alternating order within each repeat; the ratios over plain are the medians of
-each repeat's ratios. The table goes into docs/benchmarks.md between its marks. The ResNet-18 needs the bench
-extra (`pip install -e ".[bench]"`).
+each repeat's ratios. The table goes into docs/benchmarks.md between its marks. The ResNet-18 and the GPT-2
+classifier need the bench extra (`pip install -e ".[bench]"`).
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ NO_SNAPSHOTS = 1e6  # a liveness interval longer than any run: no periodic snaps
 START = "<!-- overlap-push:start (written by python -m benchmarks.overlap_push; edit outside these marks) -->"
 END = "<!-- overlap-push:end -->"
 # Epochs by workload: 10 to 30 s of the plain loop each on this machine's 2 cores.
-EPOCHS = {"resnet18": 1, "mlp-50": 1, "mlp": 10, "cnn-20": 5, "transformer": 5}
+EPOCHS = {"resnet18": 1, "gpt2": 1, "mlp-50": 1, "mlp": 10, "cnn-20": 5, "transformer": 5}
 SAMPLES = 16384  # the MNIST-shaped data of the steady group
-EXTRA_SAMPLES = 4096  # the ResNet-18's own (CIFAR-shaped): 128 steps of 32
+EXTRA_SAMPLES = {"resnet18": 4096, "gpt2": 2048}  # their own data: 128 steps of 32, of 16
 KINDS = ("plain", "whole", "overlap")
 
 
 def measure(
     pool: elastic.ClusterPool, workload: str, workdir: Path, repeats: int, smoke: bool = False
 ) -> dict[str, Any]:
-    samples = EXTRA_SAMPLES if workload == "resnet18" else SAMPLES
+    samples = EXTRA_SAMPLES.get(workload, SAMPLES)
     if smoke:
         samples //= 8
     data = WORKLOADS[workload].dataset(workdir, samples)
@@ -95,7 +95,7 @@ def table(rows: list[dict[str, Any]], repeats: int, load: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", default="resnet18,mlp-50,mlp,cnn-20,transformer")
+    parser.add_argument("--workloads", default="resnet18,gpt2,mlp-50,mlp,cnn-20,transformer")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--data-dir", type=Path, default=Path("/tmp/prefect-elastic-bench"))
     parser.add_argument("--docs", type=Path, default=ROOT / "docs" / "benchmarks.md")

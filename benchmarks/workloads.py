@@ -16,6 +16,9 @@
   repository: Hugging Face transformers' `ResNetForImageClassification` in the ResNet-18 shape (11,181,642
   parameters, 44.7 MB, BatchNorm), on CIFAR-shaped images (3x32x32), batch 32. transformers is the `bench`
   extra (`pip install -e ".[bench]"`): imported only when the model is built.
+- `gpt2`: a text classifier from the same package (`benchmarks/text_model.py`: transformers'
+  `GPT2ForSequenceClassification` with GPT-2's vocabulary, 2 layers of 256; 58 MB, 51.5 MB of it the word
+  embedding, whose gradient backward makes last), on sequences of 32 synthetic token ids, batch 16.
 
 The data is synthetic, MNIST-shaped (1x28x28 float32, 10 classes) unless a workload says otherwise (its
 `shape`), made from a seed, so every system reads the very same samples without a download. It is learnable:
@@ -153,23 +156,34 @@ class Workload:
     kind: str  # compute-bound | communication-bound
     shape: tuple[int, ...] = MNIST_SHAPE  # one sample of its data
     batch: int = BATCH  # samples per step of one worker (the plain loop's step)
+    tokens: bool = False  # its samples are token ids (`text_model.synthetic_tokens`), not images
 
     def make(self) -> nn.Module:
         torch.manual_seed(0)
         makers = {
             "cnn": cnn, "cnn-20": cnn20, "transformer": transformer, "mlp": mlp, "cnn-gpu": cnn_gpu,
-            "resnet18": resnet18, "mlp-50": mlp50,
+            "resnet18": resnet18, "mlp-50": mlp50, "gpt2": gpt2,
         }  # fmt: skip
         return makers[self.name]()
 
     def dataset(self, folder: str | Path, samples: int) -> str:
         """The synthetic dataset of this workload's shape in `folder` (written the first time), its path.
         Workloads of one shape share one file; the MNIST-shaped one keeps the name it always had."""
+        if self.tokens:
+            from .text_model import write_tokens
+
+            return write_tokens(Path(folder) / f"synthetic-tokens-{samples}.npz", samples)
         shape = "" if self.shape == MNIST_SHAPE else "x".join(map(str, self.shape)) + "-"
         return write_dataset(Path(folder) / f"synthetic-{shape}{samples}.npz", samples, shape=self.shape)
 
     def param_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.make().parameters())
+
+
+def gpt2() -> nn.Module:
+    from .text_model import gpt2_classifier
+
+    return gpt2_classifier()
 
 
 def wide_mlp() -> nn.Module:
@@ -209,6 +223,13 @@ WORKLOADS = {
         "transformers' ResNet-18, 45 MB (the bench extra)",
         shape=(3, 32, 32),
         batch=32,
+    ),
+    "gpt2": Workload(
+        "gpt2",
+        "benchmarks.workloads:gpt2",
+        "transformers' GPT-2 classifier, 58 MB, 51.5 MB of it the embedding (the bench extra)",
+        batch=16,
+        tokens=True,
     ),
 }
 

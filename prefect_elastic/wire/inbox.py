@@ -25,9 +25,15 @@ still holds every slot's tensors), and the body goes through the socket as befor
 a slot is sent after the body is written (the system call orders the two), and a slot is reused only after
 the receiver marked it free, once nothing of it is referenced any more.
 
-Bounded memory: `SLOTS` slots of at most `MAX_BYTES` per inbox, only on connections that carry bodies of
-that size; larger bodies (a big model's shard) go through the socket, as do one-off frames (a replica taken
-from a peer: its link never reads a second answer, so never advertises an inbox).
+Bounded memory: an inbox's slots hold `INBOX_BYTES` together at most (`slots_of`: `SLOTS` slots of up
+to 16 MiB, fewer of larger ones: two of 32 MiB, one of 64), only on connections that carry bodies of that
+size, and the kernel gives a slot pages only once it is written. Larger bodies go through the socket, as
+do one-off frames (a replica taken from a peer: its link never reads a second answer, so never advertises
+an inbox). Why bodies of tens of MB come this way too: a big model's whole push to a shard (26 MB, half of
+a 58 MB text model's gradient) through the socket is copied into the kernel and out of it again, into a
+buffer made for the frame, after backward and before the shard can start its update; through the inbox
+the loop's push phase of that model went from 35-38 ms a step to 20 (docs/benchmarks.md, "Big bodies
+through shared memory").
 """
 
 from __future__ import annotations
@@ -49,12 +55,14 @@ from . import memfd, published
 ENV = memfd.ENV  # set to 0 to send every body through the socket
 # Bodies smaller than this gain next to nothing from shared memory (a few microseconds of copies).
 MIN_BYTES = 64 << 10
-# Bodies larger than this go through the socket: an inbox holds SLOTS of them, per connection.
-MAX_BYTES = 16 << 20
-# Slots of an inbox: a loop holds up to four answers of one shard at once (the parameters and batches of
-# the step it computes, the next step's early batches, the answer to its push, before its caller lets go
-# of the step it passed in).
+# Bodies larger than this go through the socket.
+MAX_BYTES = 64 << 20
+# Slots of an inbox of small bodies: a loop holds up to four answers of one shard at once (the parameters
+# and batches of the step it computes, the next step's early batches, the answer to its push, before its
+# caller lets go of the step it passed in). Bodies that large are a big model's gradients, which a shard
+# lets go of once summed: fewer slots, so that an inbox holds `INBOX_BYTES` at most.
 SLOTS = 4
+INBOX_BYTES = 64 << 20
 _TOKEN = memfd.TOKEN_BYTES  # the random token at the start of an inbox
 _HEADER = 64  # token, then one byte per slot (1: holds a body the receiver has not let go of)
 _ROUND = 1 << 20  # slot sizes are rounded up to this
@@ -76,19 +84,26 @@ def _slot_size(body: int) -> int:
     return -(-body // _ROUND) * _ROUND
 
 
+def slots_of(slot_bytes: int) -> int:
+    """How many slots an inbox of slots of `slot_bytes` has: `SLOTS`, fewer where they would hold more than
+    `INBOX_BYTES` together, one at least. Both ends compute it from the advert's slot size."""
+    return max(1, min(SLOTS, INBOX_BYTES // max(1, slot_bytes)))
+
+
 def _free(memory: mmap.mmap, flag: int) -> None:
     if not memory.closed:
         memory[flag] = 0
 
 
 class Inbox:
-    """The receiver's shared memory: `SLOTS` slots of `slot_bytes` each."""
+    """The receiver's shared memory: `slots_of(slot_bytes)` slots of `slot_bytes` each."""
 
     def __init__(self, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
+        self.slots = slots_of(slot_bytes)
         # Sealed at its size: a peer that opens it can neither shrink it (which would kill this process
         # with SIGBUS at its next read) nor grow it.
-        self.fd, self.memory, self.token = memfd.create(_NAME, _HEADER + SLOTS * slot_bytes)
+        self.fd, self.memory, self.token = memfd.create(_NAME, _HEADER + self.slots * slot_bytes)
 
     @property
     def key(self) -> str:
@@ -102,7 +117,7 @@ class Inbox:
     def body(self, slot: int, size: int) -> np.ndarray:
         """The body a sender wrote into `slot`, as an array that every tensor decoded from it keeps alive;
         the slot is free again once the array is gone."""
-        if not 0 <= slot < SLOTS or size > self.slot_bytes:
+        if not 0 <= slot < self.slots or size > self.slot_bytes:
             raise ValueError(f"no slot {slot} of {self.slot_bytes} bytes holds a body of {size} bytes")
         body = np.frombuffer(self.memory, dtype=np.uint8, count=size, offset=_HEADER + slot * self.slot_bytes)
         weakref.finalize(body, _free, self.memory, _TOKEN + slot)
@@ -121,6 +136,7 @@ class Outbox:
     def __init__(self, memory: mmap.mmap, slot_bytes: int, key: str) -> None:
         self.memory = memory
         self.slot_bytes = slot_bytes
+        self.slots = slots_of(slot_bytes)
         self.key = key
         self._view = memoryview(memory)
         self._array: np.ndarray | None = np.frombuffer(self._view, dtype=np.uint8)
@@ -139,7 +155,7 @@ class Outbox:
             expected = bytes.fromhex(token)
         except (ValueError, TypeError, IndexError):
             return None
-        memory = memfd.open_peers(pid, fd, _NAME, _HEADER + SLOTS * slot_bytes, expected, peer)
+        memory = memfd.open_peers(pid, fd, _NAME, _HEADER + slots_of(slot_bytes) * slot_bytes, expected, peer)
         if memory is None:
             return None
         return cls(memory, slot_bytes, token[:16])
@@ -152,7 +168,7 @@ class Outbox:
         array = self._array
         if array is None or size > self.slot_bytes:
             return None
-        for slot in range(SLOTS):
+        for slot in range(self.slots):
             if array[_TOKEN + slot] == 0:
                 array[_TOKEN + slot] = 1
                 at = _HEADER + slot * self.slot_bytes

@@ -86,6 +86,36 @@ def test_with_every_slot_held_a_body_takes_the_socket_and_a_slot_freed_is_used_a
         link.close()
 
 
+def test_a_big_models_body_goes_through_an_inbox_of_fewer_slots_and_the_socket_when_both_are_held() -> None:
+    """A 26 MB gradient (a shard's half of a 58 MB text model's) comes through shared memory too, in an
+    inbox of two slots (`slots_of`: they hold `INBOX_BYTES` together at most); with both held, the next
+    takes the socket; one freed is used again. Bodies over `MAX_BYTES` never make an inbox."""
+    assert [inbox.slots_of(n << 20) for n in (1, 16, 17, 21, 22, 32, 33, 64)] == [4, 4, 3, 3, 2, 2, 1, 1]
+    receiver, sender = pair()
+    try:
+        gradients = [torch.full((26 << 18,), float(i)) for i in range(3)]  # 26 MiB each
+        size = gradients[0].nbytes
+        assert receiver.incoming({}, size) is None  # the first by the socket, which makes an inbox
+        assert receiver.inbox is not None and receiver.inbox.slots == 2
+        sender.incoming(receiver.outgoing([], 0), 0)  # the sender hears of it
+        written = [sender.outgoing(flat(g), size) for g in gradients]
+        assert [("slot" in w) for w in written] == [True, True, False]  # no third slot
+        held = []
+        for fields, gradient in zip(written[:2], gradients[:2], strict=True):
+            header = {**fields, "tensors": described(gradient)}
+            held.append(decode(header, receiver.incoming(header, size)))  # type: ignore[arg-type]
+            assert torch.equal(held[-1].tensors[0][1], gradient)
+        assert receiver.frames == {"socket": 1, "shared": 2}
+        del held[0]  # the shard summed it: its slot is free again
+        assert "slot" in sender.outgoing(flat(gradients[2]), size)
+        too_big = SharedBodies(os.getpid())
+        assert too_big.incoming({}, inbox.MAX_BYTES + 1) is None and too_big.inbox is None
+        too_big.close()
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def pair() -> tuple[SharedBodies, SharedBodies]:
     """Both ends of a connection within this process (the peer's pid is this one's)."""
     return SharedBodies(os.getpid()), SharedBodies(os.getpid())
