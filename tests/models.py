@@ -256,6 +256,12 @@ class _BackwardGatedMlp(nn.Module):
         return self.rest(_BackwardGate.apply(self.first(x), _second_of_its_share()))
 
 
+def big_mlp() -> nn.Module:
+    """An mlp of 19 MB (a 16.8 MB first layer), over the size from which the engine may send gradients during
+    backward (`compute.bucket_push.OVERLAP_MIN_BYTES`)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 65536), nn.ReLU(), nn.Linear(65536, 10))
+
+
 def wide_mlp() -> nn.Module:
     """An mlp of 1.3 MB, nearly all past its first layer: each shard's parameters make several buckets."""
     return nn.Sequential(

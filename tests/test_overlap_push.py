@@ -14,6 +14,7 @@ from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import Progress
+from prefect_elastic.training.actors import usable_cores
 
 from .conftest import (
     References,
@@ -165,3 +166,27 @@ def test_a_worker_killed_between_its_seals_costs_no_rollback(
     (change,) = [e for e in result.membership_events() if target in e.left]
     assert "stepped back to step" in change.reason, change.reason
     assert change.steps_lost == 0 and change.step >= 8
+
+
+def test_left_to_the_engine_a_big_model_pushes_whole_where_loops_and_data_servers_share_too_few_cores(
+    cluster: LocalElasticCluster, digits_url: str
+) -> None:
+    """`overlap_push=None`, a model of 19 MB: the overlapped step would put the shards' work on backward's
+    cores where a machine runs the loops and the data servers on fewer cores than they want
+    (`compute.bucket_push.cores_short`), so the engine pushes whole there; with a core for each, it sends
+    the gradients during backward. Which one this machine is, its cores say."""
+    top_up(cluster, 2)
+    loops = len(cluster.elastic_addresses())
+    job = make_job(
+        digits_url, "reassign", model="tests.models:big_mlp", overlap_push=None, epochs=1,
+        job_id="overlap-auto",
+    )  # fmt: skip
+    result = train(job, cluster=cluster)
+    assert_ledger_exactly_once(result)
+    trained = [loop for loop in result.loops if loop.steps]
+    assert trained, result.loops
+    short = usable_cores() < 2 + loops  # 2 data servers holding parameters, a torch thread a loop
+    if short:
+        assert all(loop.parts == 0 for loop in trained), result.loops
+    else:
+        assert all(loop.parts >= 2 * loop.steps for loop in trained), result.loops

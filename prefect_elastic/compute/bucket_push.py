@@ -30,6 +30,29 @@ from .outbox import Outbox
 OVERLAP_MIN_BYTES = 16 * 2**20
 
 
+def cores_short(
+    hosts: Mapping[str, str],
+    cores: Mapping[str, int],
+    data_servers: Sequence[str],
+    loops: Sequence[str],
+    loop_threads: int,
+) -> list[str]:
+    """The machines where compute loops and data servers holding parameters run together on fewer cores than
+    they want: each loop its `loop_threads` torch threads, each data server one. There the overlapped step
+    costs more than it saves: it moves the shards' sums and updates under backward, onto the cores
+    backward runs on (the ResNet-18's backward went from 103-107 ms to 125-131 on 2 cores), while a whole
+    push there crosses through shared memory and is applied in place, each shard on its own core
+    (docs/benchmarks.md, "Gradients that leave during backward"). `hosts`: each worker's machine, by
+    address; `cores`: each machine's cores (a machine not in it is not counted)."""
+    wanted: dict[str, int] = {}
+    for worker in loops:
+        wanted[hosts[worker]] = wanted.get(hosts[worker], 0) + loop_threads
+    both = {hosts[worker] for worker in data_servers} & set(wanted)
+    for worker in data_servers:
+        wanted[hosts[worker]] = wanted.get(hosts[worker], 0) + 1
+    return sorted(host for host in both if host in cores and wanted[host] > cores[host])
+
+
 class BucketPush:
     """The parts of one compute loop's steps: `plan`, every shard's buckets (`plan_buckets`)."""
 

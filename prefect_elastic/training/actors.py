@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import os
 import uuid
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from distributed import Future
+from distributed.comm import get_address_host
 
 from ..checkpoint import ShardStart
 from ..cluster import (
@@ -25,6 +28,7 @@ from ..cluster import (
     load_engine,
     scheduler_view_of_workers,
 )
+from ..compute.bucket_push import cores_short
 from ..coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator
 from ..data_server import DataServer, Piece, plan_pieces
 from ..errors import (
@@ -43,12 +47,18 @@ from .pacing import PROGRESS_POLL_IDLE_SECONDS
 from .workers import SILENT_HEARTBEATS
 
 if TYPE_CHECKING:
+    from ..job import RoleSpecs
     from .run import TrainingRun
 
 log = logging.getLogger(__name__)
 
 # How many cancelled starts of one role in a row the controller tries again before it gives up.
 START_TRIES = 3
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's or a batch job's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Actors:
@@ -96,6 +106,37 @@ class Actors:
                 "coordinator must live on workers that are never taken away"
             )
         return [r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))]
+
+    def overlap_decided(self, specs: RoleSpecs, plan: list[list[Piece]], loops: Iterable[str]) -> RoleSpecs:
+        """`specs` with the loops' `overlap_push` decided where the job leaves it to the engine (None): off
+        where a machine runs compute loops and data servers holding parameters on fewer cores than they
+        want (`bucket_push.cores_short`), as the members at the start stand; else left to the model's
+        size. Decided once for the job: a shard takes a step's gradients all in parts or all whole."""
+        job = self.job
+        if job.overlap_push is not None or job.overlap_pull:
+            return specs
+        holders = [where for where, pieces in zip(self.run.placement, plan, strict=True) if pieces]
+        members = sorted(loops)
+        workers = sorted({*holders, *members})
+        try:
+            hosts = {w: get_address_host(w) for w in workers}
+            found = self.client.run(usable_cores, workers=workers, on_error="ignore")
+        except Exception as exc:  # (a worker gone meanwhile: the model's size decides, as before)
+            log.info("job %s: the machines' cores were not read (%r); overlap_push by size", job.job_id, exc)
+            return specs
+        cores: dict[str, int] = {}
+        for worker, count in found.items():
+            cores[hosts[worker]] = max(cores.get(hosts[worker], 0), int(count))
+        short = cores_short(hosts, cores, holders, members, job.threads_per_worker)
+        if not short:
+            return specs
+        log.info(
+            "job %s: gradients are pushed whole after backward: on %s the compute loops and data servers "
+            "want more cores than there are, and the overlapped step would put the shards' work on "
+            "backward's cores (overlap_push=True asks for it anyway)",
+            job.job_id, ", ".join(short),
+        )  # fmt: skip
+        return dataclasses.replace(specs, loop=dataclasses.replace(specs.loop, overlap_push=False))
 
     def start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[Piece]]]:
         """Start the data servers and the coordinator on the static workers. Nothing is trained before they

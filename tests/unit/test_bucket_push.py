@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from prefect_elastic.compute.bucket_push import OVERLAP_MIN_BYTES, BucketPush, bucket_push_for
+from prefect_elastic.compute.bucket_push import OVERLAP_MIN_BYTES, BucketPush, bucket_push_for, cores_short
 from prefect_elastic.data_server.plan import Piece
 
 
@@ -37,3 +37,21 @@ def test_a_shard_of_mixed_dtypes_pushes_whole() -> None:
     mixed = {**meta(1000), "p1": torch.empty(10, device="meta", dtype=torch.float64), **{"p2": meta(5)["p0"]}}
     plan = [[Piece("p0", 0, 1000, 1000), Piece("p1", 0, 10, 10)], [Piece("p2", 0, 5, 5)]]
     assert bucket_push_for(True, plan, mixed) is None
+
+
+def test_the_overlap_is_left_off_only_where_loops_and_data_servers_share_too_few_cores() -> None:
+    """`cores_short`: a machine counts where it runs compute loops (their torch threads each) and data
+    servers holding parameters (one each) together, on fewer cores than that."""
+    hosts = {"tcp://a:1": "a", "tcp://a:2": "a", "tcp://a:3": "a", "tcp://b:1": "b", "tcp://b:2": "b"}
+    servers, on_a = ["tcp://a:1", "tcp://a:2"], ["tcp://a:3"]
+    # 2 data servers and a loop of 1 thread on 2 cores (this repository's test machine): short.
+    assert cores_short(hosts, {"a": 2, "b": 2}, servers, on_a, 1) == ["a"]
+    # The same on 16 cores: each has a core of its own.
+    assert cores_short(hosts, {"a": 16, "b": 2}, servers, on_a, 1) == []
+    # ... unless the loop's threads take them: 2 data servers and 15 torch threads on 16 cores.
+    assert cores_short(hosts, {"a": 16}, servers, on_a, 15) == ["a"]
+    # Loops on another machine than the data servers: the shards' work is on cores of their own.
+    assert cores_short(hosts, {"a": 2, "b": 1}, servers, ["tcp://b:1", "tcp://b:2"], 1) == []
+    # A machine whose cores are not known is not counted; no loop at all, nothing is short.
+    assert cores_short(hosts, {"b": 2}, servers, on_a, 1) == []
+    assert cores_short(hosts, {"a": 1}, servers, [], 1) == []
