@@ -228,6 +228,7 @@ WORKLOADS = {
         "gpt2",
         "benchmarks.workloads:gpt2",
         "transformers' GPT-2 classifier, 58 MB, 51.5 MB of it the embedding (the bench extra)",
+        shape=(32,),  # (token ids: `text_model.SEQUENCE`)
         batch=16,
         tokens=True,
     ),

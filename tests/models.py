@@ -181,7 +181,7 @@ def _wait_marked() -> None:
     if not GATE.exists():
         return
     mark = GATE.with_name(f"{GATE.name}.waiting-{os.getpid()}")
-    mark.touch()
+    mark.write_text(str(time.monotonic_ns()))  # (when it began to wait: one clock for the machine)
     try:
         _wait_at_gate()
     finally:

@@ -130,7 +130,7 @@ class ElasticJob(BaseModel):
     # runs, and each shard sums them as they come; the step commits when every micro-batch is sealed, as
     # before (docs/design/overlapped-step.md). The trained numbers are the same either way. None: on from
     # 16 MiB of parameters (below, the extra frames cost more than the overlap saves), unless a machine
-    # runs loops and data servers on too few cores (`compute.bucket_push.cores_short`; docs/guide.md).
+    # runs loops and data servers on too few cores (`bucket_push.cores_short`; `overlap_pull=True` keeps it).
     overlap_push: bool | None = None
     # Sync mode: the next step's parameters come back in buckets, each module's forward waiting for its
     # own. None: where they cross a socket (a loop on the shard's machine reads them in place); True: from

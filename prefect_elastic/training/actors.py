@@ -28,7 +28,7 @@ from ..cluster import (
     load_engine,
     scheduler_view_of_workers,
 )
-from ..compute.bucket_push import cores_short
+from ..compute.bucket_push import OVERLAP_MIN_BYTES, cores_short
 from ..coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator
 from ..data_server import DataServer, Piece, plan_pieces
 from ..errors import (
@@ -54,11 +54,6 @@ log = logging.getLogger(__name__)
 
 # How many cancelled starts of one role in a row the controller tries again before it gives up.
 START_TRIES = 3
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a container's or a batch job's share)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class Actors:
@@ -108,25 +103,31 @@ class Actors:
         return [r["address"] for r in sorted(static, key=lambda r: (str(r["name"]), r["address"]))]
 
     def overlap_decided(self, specs: RoleSpecs, plan: list[list[Piece]], loops: Iterable[str]) -> RoleSpecs:
-        """`specs` with the loops' `overlap_push` decided where the job leaves it to the engine (None): off
-        where a machine runs compute loops and data servers holding parameters on fewer cores than they
-        want (`bucket_push.cores_short`), as the members at the start stand; else left to the model's
-        size. Decided once for the job: a shard takes a step's gradients all in parts or all whole."""
+        """`specs` with the loops' `overlap_push` decided where the job leaves it to the engine (None) and
+        the model is big enough for it (`OVERLAP_MIN_BYTES`): off where a machine (a worker's host) runs
+        compute loops and data servers holding parameters on fewer cores than they want
+        (`bucket_push.cores_short`), as the members at the start stand; else left to the loops. Decided
+        once for the job: a shard takes a step's gradients all in parts or all whole."""
         job = self.job
-        if job.overlap_push is not None or job.overlap_pull:
+        size = sum(t.numel() * t.element_size() for t in self.run.persistence.initial.values())
+        if job.overlap_push is not None or job.overlap_pull or not self.run.mode.overlaps_push:
             return specs
         holders = [where for where, pieces in zip(self.run.placement, plan, strict=True) if pieces]
         members = sorted(loops)
+        if size < OVERLAP_MIN_BYTES or not members:
+            return specs
         workers = sorted({*holders, *members})
         try:
             hosts = {w: get_address_host(w) for w in workers}
-            found = self.client.run(usable_cores, workers=workers, on_error="ignore")
-        except Exception as exc:  # (a worker gone meanwhile: the model's size decides, as before)
+            found = self.client.sync(self._affinities, workers, job.call_timeout)
+        except Exception as exc:  # (a worker gone or frozen meanwhile: the model's size decides, as before)
             log.info("job %s: the machines' cores were not read (%r); overlap_push by size", job.job_id, exc)
             return specs
-        cores: dict[str, int] = {}
-        for worker, count in found.items():
-            cores[hosts[worker]] = max(cores.get(hosts[worker], 0), int(count))
+        # (The union of the workers' CPU sets on a machine: workers pinned to cores of their own add up.)
+        cpus: dict[str, set[int]] = {}
+        for worker, affinity in found.items():
+            cpus.setdefault(hosts[worker], set()).update(affinity)
+        cores = {host: len(ids) for host, ids in cpus.items()}
         short = cores_short(hosts, cores, holders, members, job.threads_per_worker)
         if not short:
             return specs
@@ -137,6 +138,13 @@ class Actors:
             job.job_id, ", ".join(short),
         )  # fmt: skip
         return dataclasses.replace(specs, loop=dataclasses.replace(specs.loop, overlap_push=False))
+
+    async def _affinities(self, workers: list[str], timeout: float) -> dict[str, set[int]]:
+        """Each worker's CPU set (`os.sched_getaffinity`: a builtin, so the worker imports nothing to run
+        it), within `timeout`: a call to a worker gone meanwhile would wait for Dask's connect timeout."""
+        run = self.client._run(os.sched_getaffinity, 0, workers=workers, on_error="ignore")
+        found: dict[str, set[int]] = await asyncio.wait_for(run, timeout)
+        return found
 
     def start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[Piece]]]:
         """Start the data servers and the coordinator on the static workers. Nothing is trained before they

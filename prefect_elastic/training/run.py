@@ -186,11 +186,12 @@ class TrainingRun:
         self.client.subscribe_topic(WORKER_EVENTS_TOPIC, self._on_scheduler_event)
         elastic = self.workers.view().listed  # (their engine loads while the servers start)
         self.coordinator, self.shards, self.plan = self.actors.start_servers()
-        self.specs = self.actors.overlap_decided(self.specs, self.plan, elastic)
         # The compute workers there from the start are its first members, not joins a moment later.
         for where in sorted(elastic):
             with contextlib.suppress(Exception):  # (gone, or failed: the membership tells, as for any)
                 self.actors.await_engine(where, self.job.call_timeout, elastic=True)
+        # (After their engines loaded: the call reads each one's cores, on its event loop.)
+        self.specs = self.actors.overlap_decided(self.specs, self.plan, elastic)
         self._copy_journal()
         log.info("%s", self.mode.describe(self.job, self.schedule, MIN_LEASE))
 

@@ -65,6 +65,7 @@ SLOTS = 4
 INBOX_BYTES = 64 << 20
 _TOKEN = memfd.TOKEN_BYTES  # the random token at the start of an inbox
 _HEADER = 64  # token, then one byte per slot (1: holds a body the receiver has not let go of)
+assert _TOKEN + SLOTS <= _HEADER
 _ROUND = 1 << 20  # slot sizes are rounded up to this
 _UNLOCKED_COPY = 64 << 10  # parts at least this large are copied by numpy, without the GIL
 _NAME = "prefect-elastic-inbox"  # the memfd's name (/proc/<pid>/fd/<fd> reads "/memfd:<name> (deleted)")
