@@ -40,3 +40,35 @@ def test_a_workloads_dataset_is_written_once_per_shape(tmp_path: Path) -> None:
     x, y = load_dataset(cifar)
     assert tuple(x.shape) == (40, 3, 32, 32) and tuple(y.shape) == (40,)
     assert tuple(load_dataset(mnist)[0].shape) == (40, 1, 28, 28)
+
+
+def test_the_text_classifiers_data_is_token_ids_of_its_vocabulary_that_its_classes_tell_apart(
+    tmp_path: Path,
+) -> None:
+    from benchmarks.text_model import CLASSES, SEQUENCE, VOCAB
+
+    gpt2 = WORKLOADS["gpt2"]
+    assert gpt2.tokens and (gpt2.shape, gpt2.batch) == ((SEQUENCE,), 16)
+    path = gpt2.dataset(tmp_path, 400)
+    assert Path(path).name == "synthetic-tokens-400.npz" and gpt2.dataset(tmp_path, 400) == path
+    x, y = load_dataset(path)
+    assert tuple(x.shape) == (400, SEQUENCE) and str(x.dtype) == "torch.int64"
+    # Never the padding token (the last), which would end a sequence early for the classifier.
+    assert int(x.min()) >= 0 and int(x.max()) < VOCAB - 1
+    assert set(y.tolist()) == set(range(CLASSES))
+    # Learnable: two sequences of a class share tokens (each draws half of its 32 from its class's 64 words),
+    # two of different classes next to none (from 50,257; the data is made from a fixed seed).
+    same = [len(set(x[i].tolist()) & set(x[j].tolist())) for i, j in _pairs(y, equal=True)]
+    other = [len(set(x[i].tolist()) & set(x[j].tolist())) for i, j in _pairs(y, equal=False)]
+    assert np.mean(same) > 1.0 and np.mean(other) < 0.2, (same, other)
+
+
+def _pairs(y: object, equal: bool, n: int = 50) -> list[tuple[int, int]]:
+    labels = list(y.tolist())  # type: ignore[attr-defined]
+    found = [
+        (i, j)
+        for i in range(len(labels))
+        for j in range(i + 1, len(labels))
+        if (labels[i] == labels[j]) == equal
+    ]
+    return found[:n]
