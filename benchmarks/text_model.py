@@ -22,22 +22,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from .workloads import Logits, write_once
+
 VOCAB = 50_257  # GPT-2's
 SEQUENCE = 32
 CLASSES = 10
-
-
-class TextLogits(nn.Module):
-    """A Hugging Face sequence classifier as a plain module: token ids in, logits out, so that the job's
-    loss (`cross_entropy` of the output and the labels) applies to it as to any other model."""
-
-    def __init__(self, classifier: nn.Module) -> None:
-        super().__init__()
-        self.classifier = classifier
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.classifier(input_ids=input_ids).logits
-        return logits
 
 
 def gpt2_classifier() -> nn.Module:
@@ -52,7 +41,7 @@ def gpt2_classifier() -> nn.Module:
     # (Set after: its annotated __init__ does not list the keyword, which every config takes.)
     config.num_labels = CLASSES
     torch.manual_seed(0)
-    return TextLogits(GPT2ForSequenceClassification(config))
+    return Logits(GPT2ForSequenceClassification(config), takes="input_ids")
 
 
 def synthetic_tokens(samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -69,14 +58,7 @@ def synthetic_tokens(samples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarra
 
 def write_tokens(path: str | Path, samples: int) -> str:
     """Write `samples` synthetic sequences (arrays `x`, `y`) to `path` unless it exists; its path."""
-    path = Path(path)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        x, y = synthetic_tokens(samples)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, x=x, y=y)
-        tmp.rename(path)
-    return str(path)
+    return write_once(path, lambda: synthetic_tokens(samples))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ pattern's spread), so the loss keeps falling for several epochs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,15 +124,17 @@ def transformer() -> nn.Module:
 
 
 class Logits(nn.Module):
-    """A Hugging Face image classifier as a plain module: images in, logits out, so that the job's loss
-    (`cross_entropy` of the output and the labels) applies to it as to any other model."""
+    """A Hugging Face classifier as a plain module: its input (the keyword `takes`: `pixel_values` for
+    images, `input_ids` for token ids) in, logits out, so that the job's loss (`cross_entropy` of the output
+    and the labels) applies to it as to any other model."""
 
-    def __init__(self, classifier: nn.Module) -> None:
+    def __init__(self, classifier: nn.Module, takes: str = "pixel_values") -> None:
         super().__init__()
         self.classifier = classifier
+        self.takes = takes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.classifier(pixel_values=x).logits
+        logits: torch.Tensor = self.classifier(**{self.takes: x}).logits
         return logits
 
 
@@ -250,10 +253,16 @@ def synthetic_images(
 def write_dataset(path: str | Path, samples: int, seed: int = 0, shape: tuple[int, ...] = MNIST_SHAPE) -> str:
     """Write the synthetic dataset (samples of `shape`) as one .npz (arrays `x`, `y`) and return its path.
     An existing file is kept: the path names the data (callers put the shape and the size in it)."""
+    return write_once(path, lambda: synthetic_images(samples, seed, shape))
+
+
+def write_once(path: str | Path, make: Callable[[], tuple[np.ndarray, np.ndarray]]) -> str:
+    """`make()`'s arrays written to `path` as one .npz (`x`, `y`) unless it exists (whole or not at all:
+    through a temporary file); its path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
-        x, y = synthetic_images(samples, seed, shape)
+        x, y = make()
         tmp = path.with_name(path.name + ".tmp.npz")
         np.savez(tmp, x=x, y=y)
         tmp.rename(path)

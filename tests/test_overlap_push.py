@@ -198,17 +198,27 @@ def test_left_to_the_engine_a_big_model_pushes_whole_where_loops_and_data_server
     the gradients during backward. Which one this machine is, its cores say."""
     top_up(cluster, 2)
     loops = len(cluster.elastic_addresses())
-    job = make_job(
-        digits_url, "reassign", model="tests.models:big_mlp", overlap_push=None, overlap_pull=None, epochs=1,
-        job_id="overlap-auto",
-    )  # fmt: skip
+    job = default_overlap_job(digits_url, "overlap-auto")
     result = train(job, cluster=cluster)
     assert_ledger_exactly_once(result)
+    assert_pushed_as_the_cores_allow(result, loops)
+
+
+def default_overlap_job(digits_url: str, job_id: str) -> ElasticJob:
+    """A job of a 19 MB model that leaves `overlap_push` (and `overlap_pull`) to the engine."""
+    return make_job(
+        digits_url, "reassign", model="tests.models:big_mlp", overlap_push=None, overlap_pull=None, epochs=1,
+        job_id=job_id,
+    )  # fmt: skip
+
+
+def assert_pushed_as_the_cores_allow(result: TrainResult, loops: int) -> None:
+    """Every loop pushed whole if this machine runs the `loops` compute loops and the 2 data servers
+    holding parameters (one thread each) on fewer cores; else in parts, during backward. (Every worker of
+    a test cluster runs on this machine, with this process's CPU set.)"""
     trained = [loop for loop in result.loops if loop.steps]
     assert trained, result.loops
-    # (Every worker of the test cluster runs on this machine, with this process's CPU set.)
-    short = len(os.sched_getaffinity(0)) < 2 + loops  # 2 data servers holding parameters, a thread a loop
-    if short:
+    if len(os.sched_getaffinity(0)) < 2 + loops:
         assert all(loop.parts == 0 for loop in trained), result.loops
     else:
         assert all(loop.parts >= 2 * loop.steps for loop in trained), result.loops

@@ -8,6 +8,8 @@ the command line, with or without a nanny, no preload and no harness settings (`
 - A layer split across both data servers, read in place and joined by loops on the shards' machine (whole,
   or bucket by bucket during forward with the gradients leaving during backward), through a SIGKILLed
   compute worker and one added: the one-worker, no-fault run's bits.
+- A big model's `overlap_push` left to the engine is decided from the workers' cores, as on the harness's
+  cluster.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prefect_elastic.messages import EventKind, Progress
 from .cli_cluster import CliCluster
 from .conftest import assert_ledger_exactly_once, assert_same_state, make_job, wait_for
 from .test_async import check_async
+from .test_overlap_push import assert_pushed_as_the_cores_allow, default_overlap_job
 from .test_split import BIG, WIDE, holders_of
 
 
@@ -81,6 +84,15 @@ def test_a_layer_split_across_data_servers_trains_to_one_workers_bits_through_a_
     assert_same_state(result.state_dict, reference(job).state_dict)
     if overlap:
         assert sum(loop.pulled for loop in result.loops) > 0, result.loops
+
+
+def test_left_to_the_engine_a_big_model_pushes_as_the_machines_cores_allow(digits_url: str) -> None:
+    """`overlap_push=None` on workers started by `dask worker`: the controller reads their CPU sets (a call to
+    each, with nothing of the engine to import) and decides as on a `LocalElasticCluster`."""
+    with CliCluster(static=2, elastic=2) as cluster:
+        result = train(default_overlap_job(digits_url, "cli-overlap-auto"), address=cluster.address)
+    assert_ledger_exactly_once(result)
+    assert_pushed_as_the_cores_allow(result, loops=2)
 
 
 def _data_server_started_on(cluster: CliCluster, worker: str) -> bool:

@@ -109,13 +109,13 @@ class Actors:
         (`bucket_push.cores_short`), as the members at the start stand; else left to the loops. Decided
         once for the job: a shard takes a step's gradients all in parts or all whole."""
         job = self.job
-        size = sum(t.numel() * t.element_size() for t in self.run.persistence.initial.values())
         if job.overlap_push is not None or job.overlap_pull or not self.run.mode.overlaps_push:
             return specs
-        holders = [where for where, pieces in zip(self.run.placement, plan, strict=True) if pieces]
         members = sorted(loops)
+        size = sum(t.numel() * t.element_size() for t in self.run.persistence.initial.values())
         if size < OVERLAP_MIN_BYTES or not members:
             return specs
+        holders = [where for where, pieces in zip(self.run.placement, plan, strict=True) if pieces]
         workers = sorted({*holders, *members})
         try:
             hosts = {w: get_address_host(w) for w in workers}
