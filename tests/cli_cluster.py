@@ -15,10 +15,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
 from distributed import Client
+
+from prefect_elastic.cluster.cpu_share import cpu_mounts
 
 DASK = str(Path(sys.executable).with_name("dask"))
 
@@ -28,8 +32,11 @@ class CliCluster:
 
     `with CliCluster(static=2, elastic=2) as cluster: train(job, address=cluster.address)`."""
 
-    def __init__(self, static: int = 2, elastic: int = 2, nanny: bool = False) -> None:
+    def __init__(
+        self, static: int = 2, elastic: int = 2, nanny: bool = False, cgroup: Path | None = None
+    ) -> None:
         self.nanny = nanny
+        self.cgroup = cgroup  # (where given, the workers run in this cgroup: `cpu_quota_cgroup`)
         self.folder = Path(tempfile.mkdtemp(prefix="prefect-elastic-cli-"))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}  # by worker name ("scheduler" too)
         self.address = ""
@@ -50,9 +57,11 @@ class CliCluster:
         log = open(self.folder / f"{name}.log", "wb")  # noqa: SIM115  (the process keeps it)
         # The tests' signal files and PYTHONPATH reach the workers through the environment, as a user's do.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        cgroup = self.cgroup if name != "scheduler" else None
         proc = subprocess.Popen(
-            [DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+            [DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            preexec_fn=None if cgroup is None else lambda: join_cgroup(cgroup),
+        )  # fmt: skip
         self.procs[name] = proc
         return proc
 
@@ -124,3 +133,41 @@ class CliCluster:
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+
+
+def join_cgroup(cgroup: Path) -> None:
+    """Move the calling process into `cgroup` (its children follow it there)."""
+    (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+
+@contextlib.contextmanager
+def cpu_quota_cgroup(cores: float) -> Iterator[Path]:
+    """A cgroup of this machine's cpu hierarchy whose processes get `cores` cores' worth of CPU time (the
+    quota `docker run --cpus` sets), removed at the end once its processes are gone. Needs root."""
+    mounts = cpu_mounts(Path("/proc/self/mountinfo").read_text())
+    if not mounts:
+        raise RuntimeError("no cgroup hierarchy with the cpu controller is mounted on this machine")
+    mount = mounts[0]
+    cgroup = mount.point / f"prefect-elastic-test-{uuid.uuid4().hex[:8]}"
+    period = 100_000
+    if mount.unified:
+        with contextlib.suppress(OSError):  # (already on, or the kernel refuses: the next write says so)
+            (mount.point / "cgroup.subtree_control").write_text("+cpu")
+        cgroup.mkdir()
+        (cgroup / "cpu.max").write_text(f"{int(cores * period)} {period}")
+    else:
+        cgroup.mkdir()
+        (cgroup / "cpu.cfs_period_us").write_text(str(period))
+        (cgroup / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
+    try:
+        yield cgroup
+    finally:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                cgroup.rmdir()
+                break
+            except OSError:  # (its last processes are still exiting)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)

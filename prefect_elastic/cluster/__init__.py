@@ -7,7 +7,9 @@
 - `jobqueue`: static workers on a `SpecCluster` (every dask-jobqueue cluster), `StaticAwareAdaptive`,
   `Resubmit`, lifetimes before the walltime;
 - `cluster_class`: a `cluster_class` by import path, imported keeping the caller's signal handlers;
-- `connection`: `connect`, from a job's cluster settings to a scheduler address.
+- `connection`: `connect`, from a job's cluster settings to a scheduler address;
+- `cpu_share`: what CPU a worker may use (its CPU set and its cgroup's quota), and a machine's workers
+  together (`machine_cores`).
 
 Nothing here imports torch (the scheduler and every nanny unpickle the plugins and the functions that run
 there), nor `prefect_elastic.local` (the harness is started by its import path when no cluster is given).
@@ -25,6 +27,7 @@ from .connection import (
     local_cluster_class,
     tls_security,
 )
+from .cpu_share import CpuShare, cpu_share, machine_cores
 from .jobqueue import (
     STATIC_MARK,
     Resubmit,
@@ -59,6 +62,7 @@ __all__ = [
     "AnnounceRunning",
     "CloseOnSigterm",
     "Connection",
+    "CpuShare",
     "GracefulLeaves",
     "KeepStaticWorkers",
     "NannyKeepsWorkerOnSigterm",
@@ -68,12 +72,14 @@ __all__ = [
     "answering",
     "check_static_workers",
     "connect",
+    "cpu_share",
     "graceful_leaves",
     "has_plugin",
     "import_keeping_signals",
     "is_static_worker",
     "load_engine",
     "local_cluster_class",
+    "machine_cores",
     "resolve_cluster_class",
     "scheduler_view_of_workers",
     "tls_security",

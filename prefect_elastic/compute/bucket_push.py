@@ -32,7 +32,7 @@ OVERLAP_MIN_BYTES = 16 * 2**20
 
 def cores_short(
     hosts: Mapping[str, str],
-    cores: Mapping[str, int],
+    cores: Mapping[str, float],
     data_servers: Sequence[str],
     loops: Sequence[str],
     loop_threads: int,
@@ -43,7 +43,8 @@ def cores_short(
     backward runs on (the ResNet-18's backward went from 103-107 ms to 125-131 on 2 cores), while a whole
     push there crosses through shared memory and is applied in place, each shard on its own core
     (docs/benchmarks.md, "Gradients that leave during backward"). `hosts`: each worker's machine, by
-    address; `cores`: each machine's cores (a machine not in it is not counted)."""
+    address; `cores`: the cores each machine's workers may use together (`cluster.machine_cores`: their CPU
+    sets and cgroup quotas; a machine not in it is not counted)."""
     wanted: dict[str, int] = {}
     for worker in loops:
         wanted[hosts[worker]] = wanted.get(hosts[worker], 0) + loop_threads

@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import uuid
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -21,11 +20,14 @@ from ..checkpoint import ShardStart
 from ..cluster import (
     AnnounceRunning,
     CloseOnSigterm,
+    CpuShare,
     GracefulLeaves,
     NannyKeepsWorkerOnSigterm,
+    cpu_share,
     has_plugin,
     is_static_worker,
     load_engine,
+    machine_cores,
     scheduler_view_of_workers,
 )
 from ..compute.bucket_push import OVERLAP_MIN_BYTES, cores_short
@@ -119,16 +121,12 @@ class Actors:
         workers = sorted({*holders, *members})
         try:
             hosts = {w: get_address_host(w) for w in workers}
-            found = self.client.sync(self._affinities, workers, job.call_timeout)
+            found = self.client.sync(self._cpu_shares, workers, job.call_timeout)
         except Exception as exc:  # (a worker gone or frozen meanwhile: the model's size decides, as before)
             log.info("job %s: the machines' cores were not read (%r); overlap_push by size", job.job_id, exc)
             return specs
-        # (The union of the workers' CPU sets on a machine: workers pinned to cores of their own add up.)
-        cpus: dict[str, set[int]] = {}
-        for worker, affinity in found.items():
-            cpus.setdefault(hosts[worker], set()).update(affinity)
-        cores = {host: len(ids) for host, ids in cpus.items()}
-        short = cores_short(hosts, cores, holders, members, job.threads_per_worker)
+        # (Workers pinned to cores of their own add up; workers in one cgroup share its CPU quota.)
+        short = cores_short(hosts, machine_cores(found, hosts), holders, members, job.threads_per_worker)
         if not short:
             return specs
         log.info(
@@ -139,11 +137,12 @@ class Actors:
         )  # fmt: skip
         return dataclasses.replace(specs, loop=dataclasses.replace(specs.loop, overlap_push=False))
 
-    async def _affinities(self, workers: list[str], timeout: float) -> dict[str, set[int]]:
-        """Each worker's CPU set (`os.sched_getaffinity`: a builtin, so the worker imports nothing to run
-        it), within `timeout`: a call to a worker gone meanwhile would wait for Dask's connect timeout."""
-        run = self.client._run(os.sched_getaffinity, 0, workers=workers, on_error="ignore")
-        found: dict[str, set[int]] = await asyncio.wait_for(run, timeout)
+    async def _cpu_shares(self, workers: list[str], timeout: float) -> dict[str, CpuShare]:
+        """Each worker's CPU set and cgroup quota (`cluster.cpu_share`: torch-free, so a worker that has not
+        loaded the engine yet imports little to run it), within `timeout`: a call to a worker gone meanwhile
+        would wait for Dask's connect timeout."""
+        run = self.client._run(cpu_share, workers=workers, on_error="ignore")
+        found: dict[str, CpuShare] = await asyncio.wait_for(run, timeout)
         return found
 
     def start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[Piece]]]:

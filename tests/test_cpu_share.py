@@ -1,0 +1,82 @@
+"""A worker's CPU share read in real cgroups (the quota `docker run --cpus` and Kubernetes CPU limits set),
+and the engine's default for the overlapped step deciding by it on a cluster started by `dask worker`.
+Makes cgroups of this machine's cpu hierarchy: needs root, as the netns and Docker tests do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from prefect_elastic import train
+from prefect_elastic.cluster import CpuShare, machine_cores
+
+from .cli_cluster import CliCluster, cpu_quota_cgroup, join_cgroup
+from .conftest import assert_ledger_exactly_once, make_job
+
+PROBE = (
+    "import json, prefect_elastic.cluster as c; s = c.cpu_share(); "
+    "print(json.dumps([sorted(s.cpus), s.quota, s.group]))"
+)
+
+
+def share_in(cgroup: Path | None) -> CpuShare:
+    """`cpu_share` as a process started in `cgroup` (None: where this one runs) reads it."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True,
+        preexec_fn=None if cgroup is None else lambda: join_cgroup(cgroup),
+    )  # fmt: skip
+    cpus, quota, group = json.loads(done.stdout)
+    return CpuShare(frozenset(cpus), quota, group)
+
+
+def test_a_process_reads_its_cgroups_quota_and_processes_of_one_cgroup_share_it() -> None:
+    with cpu_quota_cgroup(1.5) as one, cpu_quota_cgroup(0.5) as other:
+        first, second, apart = share_in(one), share_in(one), share_in(other)
+        stat = one.stat()
+    assert (first.quota, first.group) == (1.5, f"{stat.st_dev}:{stat.st_ino}"), first
+    assert second == first
+    assert apart.quota == 0.5 and apart.group != first.group, apart
+    assert first.cpus == frozenset(os.sched_getaffinity(0))
+    hosts = {"a": "box", "b": "box", "c": "box"}
+    # Two workers of one cgroup share its quota; a third in a cgroup of its own adds its quota.
+    assert machine_cores({"a": first, "b": second}, hosts) == {"box": 1.5}
+    assert machine_cores({"a": first, "b": second, "c": apart}, hosts) == {"box": min(2.0, len(first.cpus))}
+
+
+def test_a_process_outside_the_tests_cgroups_does_not_read_their_quota() -> None:
+    with cpu_quota_cgroup(0.5) as cgroup:
+        stat = cgroup.stat()
+        outside = share_in(None)
+    assert outside.group != f"{stat.st_dev}:{stat.st_ino}", outside
+
+
+@pytest.mark.parametrize("quota", [1.5, None], ids=["quota-1.5-cores", "no-quota"])
+def test_left_to_the_engine_a_big_model_pushes_whole_where_the_workers_cgroup_allows_too_little_cpu(
+    digits_url: str, quota: float | None
+) -> None:
+    """`overlap_push=None`, a model of 19 MB on one data server (`min_shard_bytes` 16 MiB) and one compute
+    loop of one thread: they want 2 cores. Started by `dask worker` in a cgroup whose quota gives them 1.5
+    cores' worth of CPU time (every core in their CPU set), the engine pushes whole; with no quota, by
+    their CPU set alone."""
+    job = make_job(
+        digits_url, "reassign", model="tests.models:big_mlp", overlap_push=None, overlap_pull=None, epochs=1,
+        min_shard_bytes=16 * 2**20, job_id=f"cli-quota-{quota}",
+    )  # fmt: skip
+    with ExitStack() as stack:
+        cgroup = None if quota is None else stack.enter_context(cpu_quota_cgroup(quota))
+        cluster = stack.enter_context(CliCluster(static=2, elastic=1, cgroup=cgroup))
+        result = train(job, address=cluster.address)
+    assert_ledger_exactly_once(result)
+    trained = [loop for loop in result.loops if loop.steps]
+    assert trained, result.loops
+    cores = min(len(os.sched_getaffinity(0)), quota if quota is not None else float("inf"))
+    if cores < 2:
+        assert all(loop.parts == 0 for loop in trained), result.loops
+    else:
+        assert all(loop.parts >= 2 * loop.steps for loop in trained), result.loops
