@@ -22,6 +22,7 @@ from types import TracebackType
 
 from distributed import Client
 
+from prefect_elastic.cluster import CpuShare
 from prefect_elastic.cluster.cpu_share import cpu_mounts
 
 DASK = str(Path(sys.executable).with_name("dask"))
@@ -133,6 +134,18 @@ class CliCluster:
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+
+
+# What `cluster.cpu_share` reads in a process of its own (`python -c`), as one line of JSON: `probed_share`.
+CPU_SHARE_PROBE = (
+    "import json, prefect_elastic.cluster as c; s = c.cpu_share(); "
+    "print(json.dumps([sorted(s.cpus), s.quota, s.group]))"
+)
+
+
+def probed_share(output: str) -> CpuShare:
+    cpus, quota, group = json.loads(output.strip().splitlines()[-1])
+    return CpuShare(frozenset(cpus), quota, group)
 
 
 def join_cgroup(cgroup: Path) -> None:

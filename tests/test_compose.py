@@ -25,6 +25,7 @@ import pytest
 
 from prefect_elastic.local.prefect_server import free_port
 
+from .cli_cluster import CPU_SHARE_PROBE, probed_share
 from .docker_harness import ROOT, Compose, DockerEngine, cache_dir, missing_tools
 from .prefect_harness import rest_client
 
@@ -32,6 +33,7 @@ from .prefect_harness import rest_client
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(1800)]
 
 FLOW, DEPLOYMENT = "elastic-training", "compose"
+IMAGE = "prefect-elastic:local"  # (scripts/build-image.sh's tag, and docker-compose.yml's image)
 JOB_KEY = "digits-compose"
 # For this run only: two elastic workers at least, so that after the kill training waits for the container
 # scaled up in its place and that container's worker is sure to join; a wait long enough for a cold start.
@@ -115,6 +117,21 @@ def test_stack_trains_through_a_killed_elastic_container(engine: DockerEngine) -
         except Exception as exc:
             # What the containers said is what explains a failure here.
             raise AssertionError(f"{exc}\n--- docker-compose logs ---\n{compose.logs()}") from exc
+
+
+def test_a_container_started_with_cpus_reads_its_cgroups_quota(engine: DockerEngine) -> None:
+    """`docker run --cpus 1.5`: every core of the machine in the container's CPU set, and 1.5 cores' worth
+    of CPU time in its cgroup's quota. `cluster.cpu_share`, which the engine's default for the overlapped
+    step runs in every worker, reads the quota from inside the container."""
+    done = subprocess.run(
+        ["docker", "run", "--rm", "--network", "none", "--cpus", "1.5", IMAGE, "python", "-c",
+         CPU_SHARE_PROBE],
+        env=engine.env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    share = probed_share(done.stdout)
+    assert share.quota == 1.5 and share.group, share
+    assert share.cpus == frozenset(os.sched_getaffinity(0)), share
 
 
 def check_run(compose: Compose, api: httpx.Client) -> None:

@@ -4,7 +4,6 @@ Makes cgroups of this machine's cpu hierarchy: needs root, as the netns and Dock
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,23 +15,17 @@ import pytest
 from prefect_elastic import train
 from prefect_elastic.cluster import CpuShare, machine_cores
 
-from .cli_cluster import CliCluster, cpu_quota_cgroup, join_cgroup
+from .cli_cluster import CPU_SHARE_PROBE, CliCluster, cpu_quota_cgroup, join_cgroup, probed_share
 from .conftest import assert_ledger_exactly_once, make_job
-
-PROBE = (
-    "import json, prefect_elastic.cluster as c; s = c.cpu_share(); "
-    "print(json.dumps([sorted(s.cpus), s.quota, s.group]))"
-)
 
 
 def share_in(cgroup: Path | None) -> CpuShare:
     """`cpu_share` as a process started in `cgroup` (None: where this one runs) reads it."""
     done = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True,
+        [sys.executable, "-c", CPU_SHARE_PROBE], capture_output=True, text=True, timeout=60, check=True,
         preexec_fn=None if cgroup is None else lambda: join_cgroup(cgroup),
     )  # fmt: skip
-    cpus, quota, group = json.loads(done.stdout)
-    return CpuShare(frozenset(cpus), quota, group)
+    return probed_share(done.stdout)
 
 
 def test_a_process_reads_its_cgroups_quota_and_processes_of_one_cgroup_share_it() -> None:
