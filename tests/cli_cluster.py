@@ -34,10 +34,18 @@ class CliCluster:
     `with CliCluster(static=2, elastic=2) as cluster: train(job, address=cluster.address)`."""
 
     def __init__(
-        self, static: int = 2, elastic: int = 2, nanny: bool = False, cgroup: Path | None = None
+        self,
+        static: int = 2,
+        elastic: int = 2,
+        nanny: bool = False,
+        cgroup: Path | None = None,
+        elastic_host: str = "",
     ) -> None:
         self.nanny = nanny
         self.cgroup = cgroup  # (where given, the workers run in this cgroup: `cpu_quota_cgroup`)
+        # (Where given, the elastic workers listen there: another loopback address is another host's
+        # address to Dask, on this same machine.)
+        self.elastic_host = elastic_host
         self.folder = Path(tempfile.mkdtemp(prefix="prefect-elastic-cli-"))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}  # by worker name ("scheduler" too)
         self.address = ""
@@ -99,6 +107,8 @@ class CliCluster:
         args += ["--nanny"] if self.nanny else ["--no-nanny"]
         if static:
             args += ["--resources", "static=1"]
+        elif self.elastic_host:
+            args += ["--host", self.elastic_host]
         self._spawn(name, args)
         if wait:
             self.wait_for_workers(len(self.names()) + 1)

@@ -49,21 +49,30 @@ def test_a_process_outside_the_tests_cgroups_does_not_read_their_quota() -> None
     assert outside.group != f"{stat.st_dev}:{stat.st_ino}", outside
 
 
-@pytest.mark.parametrize("quota", [1.5, None], ids=["quota-1.5-cores", "no-quota"])
+@pytest.mark.parametrize(
+    "quota,elastic_host",
+    [(1.5, ""), (None, ""), (1.5, "127.0.0.2")],
+    ids=["quota-1.5-cores", "no-quota", "quota-1.5-cores-loop-at-another-address"],
+)
 def test_left_to_the_engine_a_big_model_pushes_whole_where_the_workers_cgroup_allows_too_little_cpu(
-    digits_url: str, quota: float | None
+    digits_url: str, quota: float | None, elastic_host: str
 ) -> None:
     """`overlap_push=None`, a model of 19 MB on one data server (`min_shard_bytes` 16 MiB) and one compute
     loop of one thread: they want 2 cores. Started by `dask worker` in a cgroup whose quota gives them 1.5
     cores' worth of CPU time (every core in their CPU set), the engine pushes whole; with no quota, by
-    their CPU set alone."""
+    their CPU set alone. The compute worker listening on another address (as a container with a network
+    of its own has) is on the same machine all the same: its kernel's boot id says so."""
     job = make_job(
         digits_url, "reassign", model="tests.models:big_mlp", overlap_push=None, overlap_pull=None, epochs=1,
         min_shard_bytes=16 * 2**20, job_id=f"cli-quota-{quota}",
     )  # fmt: skip
     with ExitStack() as stack:
         cgroup = None if quota is None else stack.enter_context(cpu_quota_cgroup(quota))
-        cluster = stack.enter_context(CliCluster(static=2, elastic=1, cgroup=cgroup))
+        cluster = stack.enter_context(
+            CliCluster(static=2, elastic=1, cgroup=cgroup, elastic_host=elastic_host)
+        )
+        if elastic_host:
+            assert any(a.startswith(f"tcp://{elastic_host}:") for a in cluster.workers().values())
         result = train(job, address=cluster.address)
     assert_ledger_exactly_once(result)
     trained = [loop for loop in result.loops if loop.steps]

@@ -27,7 +27,7 @@ from .connection import (
     local_cluster_class,
     tls_security,
 )
-from .cpu_share import CpuShare, cpu_share, machine_cores
+from .cpu_share import CpuShare, cpu_share, machine_cores, machines
 from .jobqueue import (
     STATIC_MARK,
     Resubmit,
@@ -80,6 +80,7 @@ __all__ = [
     "load_engine",
     "local_cluster_class",
     "machine_cores",
+    "machines",
     "resolve_cluster_class",
     "scheduler_view_of_workers",
     "tls_security",

@@ -4,9 +4,10 @@ A worker's CPU set (`os.sched_getaffinity`) is not the whole story: a container 
 --cpus 2`, a Kubernetes pod with a CPU limit, or a systemd slice with `CPUQuota` sees every core of its host
 in its CPU set and gets CPU time for only some of them, through its cgroup's quota (the CFS bandwidth
 limit: `cpu.max` under cgroup v2, `cpu.cfs_quota_us` and `cpu.cfs_period_us` under v1). `cpu_share` reads
-both in the worker (the controller runs it there through `client.run`); `machine_cores` adds up the
-workers of each machine. Workers in one cgroup share its quota; workers in cgroups of their own (a
-container each) add theirs up; no machine has more than the union of its workers' CPU sets.
+both in the worker (the controller runs it there through `client.run`), and which machine it runs on;
+`machines` tells which workers share a machine, and `machine_cores` adds up the workers of each. Workers
+in one cgroup share its quota; workers in cgroups of their own (a container each) add theirs up; no
+machine has more than the union of its workers' CPU sets.
 
 Torch-free, as everything in this package: a worker unpickles `cpu_share` on its event loop, maybe before
 it has imported torch.
@@ -21,16 +22,19 @@ from typing import NamedTuple
 
 PROC_CGROUP = Path("/proc/self/cgroup")
 PROC_MOUNTINFO = Path("/proc/self/mountinfo")
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
 class CpuShare(NamedTuple):
     """What one worker process may use: its CPU set, and the CPU time its cgroup's quota allows, in cores
     (`quota`; None: no quota) together with that cgroup's identity (`group`: device and inode of its
-    directory, the same for every process in it, "" where there is no quota)."""
+    directory, the same for every process in it, "" where there is no quota). `machine`: its kernel's boot
+    id, the same in every container and network namespace of one machine ("" where it cannot be read)."""
 
     cpus: frozenset[int]
     quota: float | None = None
     group: str = ""
+    machine: str = ""
 
 
 class CpuMount(NamedTuple):
@@ -48,10 +52,14 @@ def cpu_share() -> CpuShare:
     Linux, an unusual mount) counts as no quota: the CPU set alone then decides, as it did before."""
     cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset()
     try:
+        machine = BOOT_ID.read_text().strip()
+    except OSError:
+        machine = ""
+    try:
         cgroups = PROC_CGROUP.read_text()
         mounts = PROC_MOUNTINFO.read_text()
     except OSError:
-        return CpuShare(cpus)
+        return CpuShare(cpus, machine=machine)
     for mount in cpu_mounts(mounts):
         path = cgroup_path(cgroups, mount.unified)
         if path is None:
@@ -60,8 +68,18 @@ def cpu_share() -> CpuShare:
         if found is not None:
             quota, where = found
             stat = where.stat()
-            return CpuShare(cpus, quota, f"{stat.st_dev}:{stat.st_ino}")
-    return CpuShare(cpus)
+            return CpuShare(cpus, quota, f"{stat.st_dev}:{stat.st_ino}", machine)
+    return CpuShare(cpus, machine=machine)
+
+
+def machines(shares: Mapping[str, CpuShare], hosts: Mapping[str, str]) -> dict[str, str]:
+    """Each worker's machine (by worker, for every worker of `hosts`): its kernel's boot id where it read
+    one, so that workers in containers or network namespaces of one machine, each with an address of its
+    own, count as the one machine whose cores they share; else its host address (`hosts`)."""
+    return {
+        worker: f"boot {shares[worker].machine}" if worker in shares and shares[worker].machine else host
+        for worker, host in hosts.items()
+    }
 
 
 def cpu_mounts(mountinfo: str) -> list[CpuMount]:

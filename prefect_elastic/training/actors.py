@@ -28,6 +28,7 @@ from ..cluster import (
     is_static_worker,
     load_engine,
     machine_cores,
+    machines,
     scheduler_view_of_workers,
 )
 from ..compute.bucket_push import OVERLAP_MIN_BYTES, cores_short
@@ -125,15 +126,19 @@ class Actors:
         except Exception as exc:  # (a worker gone or frozen meanwhile: the model's size decides, as before)
             log.info("job %s: the machines' cores were not read (%r); overlap_push by size", job.job_id, exc)
             return specs
-        # (Workers pinned to cores of their own add up; workers in one cgroup share its CPU quota.)
-        short = cores_short(hosts, machine_cores(found, hosts), holders, members, job.threads_per_worker)
+        # (Workers in containers of one machine are on one machine, whatever their addresses; workers pinned
+        # to cores of their own add up; workers in one cgroup share its CPU quota.)
+        machine = machines(found, hosts)
+        cores = machine_cores(found, machine)
+        short = cores_short(machine, cores, holders, members, job.threads_per_worker)
         if not short:
             return specs
+        named = ["/".join(sorted({hosts[w] for w in workers if machine[w] == m})) for m in short]
         log.info(
             "job %s: gradients are pushed whole after backward: on %s the compute loops and data servers "
             "want more cores than there are, and the overlapped step would put the shards' work on "
             "backward's cores (overlap_push=True asks for it anyway)",
-            job.job_id, ", ".join(short),
+            job.job_id, ", ".join(named),
         )  # fmt: skip
         return dataclasses.replace(specs, loop=dataclasses.replace(specs.loop, overlap_push=False))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect_elastic.cluster import CpuShare, machine_cores
+from prefect_elastic.cluster import CpuShare, machine_cores, machines
 from prefect_elastic.cluster.cpu_share import (
     CpuMount,
     cgroup_directory,
@@ -91,3 +91,18 @@ def test_a_machines_cores_are_its_cpu_sets_or_less_where_cgroup_quotas_allow_les
     assert machine_cores(mixed, hosts) == {"gpu-box": 3.0}
     # A CPU set not known (no such call on the platform): the machine is not counted.
     assert machine_cores({"loop": CpuShare(frozenset())}, hosts) == {}
+
+
+def test_workers_of_one_kernel_are_one_machine_whatever_their_addresses() -> None:
+    hosts = {"loop": "10.0.0.7", "shard": "10.0.0.8", "far": "10.0.1.9", "silent": "10.0.0.8"}
+    shares = {
+        "loop": CpuShare(frozenset({0}), machine="b00t"),
+        "shard": CpuShare(frozenset({1}), machine="b00t"),
+        "far": CpuShare(frozenset({0}), machine="other"),
+    }
+    found = machines(shares, hosts)
+    assert found["loop"] == found["shard"] != found["far"]
+    # A worker that did not answer, or read no boot id, is known by its address.
+    assert found["silent"] == "10.0.0.8"
+    assert machines({"loop": CpuShare(frozenset({0}))}, {"loop": "10.0.0.7"}) == {"loop": "10.0.0.7"}
+    assert machine_cores(shares, found) == {found["loop"]: 2.0, found["far"]: 1.0}
