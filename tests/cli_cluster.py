@@ -23,7 +23,7 @@ from types import TracebackType
 from distributed import Client
 
 from prefect_elastic.cluster import CpuShare
-from prefect_elastic.cluster.cpu_share import cpu_mounts
+from prefect_elastic.cluster.cores import cpu_mounts
 
 DASK = str(Path(sys.executable).with_name("dask"))
 
@@ -66,11 +66,12 @@ class CliCluster:
         log = open(self.folder / f"{name}.log", "wb")  # noqa: SIM115  (the process keeps it)
         # The tests' signal files and PYTHONPATH reach the workers through the environment, as a user's do.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-        cgroup = self.cgroup if name != "scheduler" else None
+        command = [DASK, *args]
+        if self.cgroup is not None and name != "scheduler":
+            command = in_cgroup(self.cgroup, command)
         proc = subprocess.Popen(
-            [DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            preexec_fn=None if cgroup is None else lambda: join_cgroup(cgroup),
-        )  # fmt: skip
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         self.procs[name] = proc
         return proc
 
@@ -149,18 +150,19 @@ class CliCluster:
 # What `cluster.cpu_share` reads in a process of its own (`python -c`), as one line of JSON: `probed_share`.
 CPU_SHARE_PROBE = (
     "import json, prefect_elastic.cluster as c; s = c.cpu_share(); "
-    "print(json.dumps([sorted(s.cpus), s.quota, s.group]))"
+    "print(json.dumps([sorted(s.cpus), s.quotas, s.machine]))"
 )
 
 
 def probed_share(output: str) -> CpuShare:
-    cpus, quota, group = json.loads(output.strip().splitlines()[-1])
-    return CpuShare(frozenset(cpus), quota, group)
+    cpus, quotas, machine = json.loads(output.strip().splitlines()[-1])
+    return CpuShare(frozenset(cpus), tuple((str(g), float(q)) for g, q in quotas), str(machine))
 
 
-def join_cgroup(cgroup: Path) -> None:
-    """Move the calling process into `cgroup` (its children follow it there)."""
-    (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+def in_cgroup(cgroup: Path, command: list[str]) -> list[str]:
+    """`command` started in `cgroup`: a shell moves itself there, then becomes the command (same pid; its
+    children follow it into the cgroup). A shell, not a `preexec_fn`: this process has threads."""
+    return ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(cgroup), *command]
 
 
 @contextlib.contextmanager
@@ -176,21 +178,29 @@ def cpu_quota_cgroup(cores: float) -> Iterator[Path]:
     if mount.unified:
         with contextlib.suppress(OSError):  # (already on, or the kernel refuses: the next write says so)
             (mount.point / "cgroup.subtree_control").write_text("+cpu")
-        cgroup.mkdir()
-        (cgroup / "cpu.max").write_text(f"{int(cores * period)} {period}")
-    else:
-        cgroup.mkdir()
-        (cgroup / "cpu.cfs_period_us").write_text(str(period))
-        (cgroup / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
+    cgroup.mkdir()
     try:
+        if mount.unified:
+            (cgroup / "cpu.max").write_text(f"{int(cores * period)} {period}")
+        else:
+            (cgroup / "cpu.cfs_period_us").write_text(str(period))
+            (cgroup / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
         yield cgroup
-    finally:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                cgroup.rmdir()
-                break
-            except OSError:  # (its last processes are still exiting)
-                if time.monotonic() > deadline:
+    except BaseException:
+        _remove_cgroup(cgroup, strict=False)  # (the failure that got here is the one to see)
+        raise
+    _remove_cgroup(cgroup, strict=True)
+
+
+def _remove_cgroup(cgroup: Path, strict: bool) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            cgroup.rmdir()
+            return
+        except OSError:  # (its last processes are still exiting)
+            if time.monotonic() > deadline:
+                if strict:
                     raise
-                time.sleep(0.2)
+                return
+            time.sleep(0.2)

@@ -18,6 +18,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -130,8 +131,9 @@ def test_a_container_started_with_cpus_reads_its_cgroups_quota(engine: DockerEng
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     share = probed_share(done.stdout)
-    assert share.quota == 1.5 and share.group, share
-    assert share.cpus == frozenset(os.sched_getaffinity(0)), share
+    assert share.quota == 1.5 and share.cpus, share
+    # The container's kernel is this machine's: the engine counts it as this machine, whatever its address.
+    assert share.machine == Path("/proc/sys/kernel/random/boot_id").read_text().strip(), share
 
 
 def check_run(compose: Compose, api: httpx.Client) -> None:

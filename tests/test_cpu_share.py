@@ -15,38 +15,35 @@ import pytest
 from prefect_elastic import train
 from prefect_elastic.cluster import CpuShare, machine_cores
 
-from .cli_cluster import CPU_SHARE_PROBE, CliCluster, cpu_quota_cgroup, join_cgroup, probed_share
+from .cli_cluster import CPU_SHARE_PROBE, CliCluster, cpu_quota_cgroup, in_cgroup, probed_share
 from .conftest import assert_ledger_exactly_once, make_job
 
 
 def share_in(cgroup: Path | None) -> CpuShare:
     """`cpu_share` as a process started in `cgroup` (None: where this one runs) reads it."""
+    command = [sys.executable, "-c", CPU_SHARE_PROBE]
     done = subprocess.run(
-        [sys.executable, "-c", CPU_SHARE_PROBE], capture_output=True, text=True, timeout=60, check=True,
-        preexec_fn=None if cgroup is None else lambda: join_cgroup(cgroup),
+        command if cgroup is None else in_cgroup(cgroup, command),
+        capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     return probed_share(done.stdout)
 
 
 def test_a_process_reads_its_cgroups_quota_and_processes_of_one_cgroup_share_it() -> None:
     with cpu_quota_cgroup(1.5) as one, cpu_quota_cgroup(0.5) as other:
-        first, second, apart = share_in(one), share_in(one), share_in(other)
+        first, second, apart, outside = share_in(one), share_in(one), share_in(other), share_in(None)
         stat = one.stat()
-    assert (first.quota, first.group) == (1.5, f"{stat.st_dev}:{stat.st_ino}"), first
+    assert first.quotas == ((f"{stat.st_dev}:{stat.st_ino}", 1.5),), first
     assert second == first
-    assert apart.quota == 0.5 and apart.group != first.group, apart
+    assert apart.quota == 0.5 and apart.quotas[0][0] != first.quotas[0][0], apart
+    # A process elsewhere is in neither cgroup.
+    assert not {g for g, _ in outside.quotas} & {first.quotas[0][0], apart.quotas[0][0]}, outside
     assert first.cpus == frozenset(os.sched_getaffinity(0))
-    hosts = {"a": "box", "b": "box", "c": "box"}
+    assert first.machine == Path("/proc/sys/kernel/random/boot_id").read_text().strip() == apart.machine
+    at = {"a": "box", "b": "box", "c": "box"}
     # Two workers of one cgroup share its quota; a third in a cgroup of its own adds its quota.
-    assert machine_cores({"a": first, "b": second}, hosts) == {"box": 1.5}
-    assert machine_cores({"a": first, "b": second, "c": apart}, hosts) == {"box": min(2.0, len(first.cpus))}
-
-
-def test_a_process_outside_the_tests_cgroups_does_not_read_their_quota() -> None:
-    with cpu_quota_cgroup(0.5) as cgroup:
-        stat = cgroup.stat()
-        outside = share_in(None)
-    assert outside.group != f"{stat.st_dev}:{stat.st_ino}", outside
+    assert machine_cores({"a": first, "b": second}, at) == {"box": 1.5}
+    assert machine_cores({"a": first, "b": second, "c": apart}, at) == {"box": min(2.0, len(first.cpus))}
 
 
 @pytest.mark.parametrize(

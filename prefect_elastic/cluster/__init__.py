@@ -8,8 +8,8 @@
   `Resubmit`, lifetimes before the walltime;
 - `cluster_class`: a `cluster_class` by import path, imported keeping the caller's signal handlers;
 - `connection`: `connect`, from a job's cluster settings to a scheduler address;
-- `cpu_share`: what CPU a worker may use (its CPU set and its cgroup's quota), and a machine's workers
-  together (`machine_cores`).
+- `cores`: what CPU a worker may use (`cpu_share`: its CPU set, its cgroups' quotas, its machine), and
+  a machine's workers together (`machines`, `machine_cores`).
 
 Nothing here imports torch (the scheduler and every nanny unpickle the plugins and the functions that run
 there), nor `prefect_elastic.local` (the harness is started by its import path when no cluster is given).
@@ -27,7 +27,7 @@ from .connection import (
     local_cluster_class,
     tls_security,
 )
-from .cpu_share import CpuShare, cpu_share, machine_cores, machines
+from .cores import CpuShare, cpu_share, machine_cores, machines
 from .jobqueue import (
     STATIC_MARK,
     Resubmit,

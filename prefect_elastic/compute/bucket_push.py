@@ -31,7 +31,7 @@ OVERLAP_MIN_BYTES = 16 * 2**20
 
 
 def cores_short(
-    hosts: Mapping[str, str],
+    machines: Mapping[str, str],
     cores: Mapping[str, float],
     data_servers: Sequence[str],
     loops: Sequence[str],
@@ -42,16 +42,16 @@ def cores_short(
     costs more than it saves: it moves the shards' sums and updates under backward, onto the cores
     backward runs on (the ResNet-18's backward went from 103-107 ms to 125-131 on 2 cores), while a whole
     push there crosses through shared memory and is applied in place, each shard on its own core
-    (docs/benchmarks.md, "Gradients that leave during backward"). `hosts`: each worker's machine, by
-    address; `cores`: the cores each machine's workers may use together (`cluster.machine_cores`: their CPU
-    sets and cgroup quotas; a machine not in it is not counted)."""
+    (docs/benchmarks.md, "Gradients that leave during backward"). `machines`: each worker's machine
+    (`cluster.machines`); `cores`: the cores each machine's workers may use together
+    (`cluster.machine_cores`: their CPU sets and cgroup quotas; a machine not in it is not counted)."""
     wanted: dict[str, int] = {}
     for worker in loops:
-        wanted[hosts[worker]] = wanted.get(hosts[worker], 0) + loop_threads
-    both = {hosts[worker] for worker in data_servers} & set(wanted)
+        wanted[machines[worker]] = wanted.get(machines[worker], 0) + loop_threads
+    both = {machines[worker] for worker in data_servers} & set(wanted)
     for worker in data_servers:
-        wanted[hosts[worker]] = wanted.get(hosts[worker], 0) + 1
-    return sorted(host for host in both if host in cores and wanted[host] > cores[host])
+        wanted[machines[worker]] = wanted.get(machines[worker], 0) + 1
+    return sorted(machine for machine in both if machine in cores and wanted[machine] > cores[machine])
 
 
 class BucketPush:
