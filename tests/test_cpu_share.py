@@ -4,6 +4,7 @@ Makes cgroups of this machine's cpu hierarchy: needs root, as the netns and Dock
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def test_a_process_reads_its_cgroups_quota_and_processes_of_one_cgroup_share_it(
     ids=["quota-1.5-cores", "no-quota", "quota-1.5-cores-loop-at-another-address"],
 )
 def test_left_to_the_engine_a_big_model_pushes_whole_where_the_workers_cgroup_allows_too_little_cpu(
-    digits_url: str, quota: float | None, elastic_host: str
+    digits_url: str, quota: float | None, elastic_host: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """`overlap_push=None`, a model of 19 MB on one data server (`min_shard_bytes` 16 MiB) and one compute
     loop of one thread: they want 2 cores. Started by `dask worker` in a cgroup whose quota gives them 1.5
@@ -63,6 +64,7 @@ def test_left_to_the_engine_a_big_model_pushes_whole_where_the_workers_cgroup_al
         digits_url, "reassign", model="tests.models:big_mlp", overlap_push=None, overlap_pull=None, epochs=1,
         min_shard_bytes=16 * 2**20, job_id=f"cli-quota-{quota}",
     )  # fmt: skip
+    caplog.set_level(logging.INFO, logger="prefect_elastic.training.actors")
     with ExitStack() as stack:
         cgroup = None if quota is None else stack.enter_context(cpu_quota_cgroup(quota))
         cluster = stack.enter_context(
@@ -77,5 +79,7 @@ def test_left_to_the_engine_a_big_model_pushes_whole_where_the_workers_cgroup_al
     cores = min(len(os.sched_getaffinity(0)), quota if quota is not None else float("inf"))
     if cores < 2:
         assert all(loop.parts == 0 for loop in trained), result.loops
+        # The controller says where, and why: what the loop and the data server want against what is there.
+        assert f"(2 wanted, {cores:g} there)" in caplog.text, caplog.text
     else:
         assert all(loop.parts >= 2 * loop.steps for loop in trained), result.loops

@@ -45,13 +45,21 @@ def cores_short(
     (docs/benchmarks.md, "Gradients that leave during backward"). `machines`: each worker's machine
     (`cluster.machines`); `cores`: the cores each machine's workers may use together
     (`cluster.machine_cores`: their CPU sets and cgroup quotas; a machine not in it is not counted)."""
+    wanted = cores_wanted(machines, data_servers, loops, loop_threads)
+    both = {machines[worker] for worker in data_servers} & {machines[worker] for worker in loops}
+    return sorted(machine for machine in both if machine in cores and wanted[machine] > cores[machine])
+
+
+def cores_wanted(
+    machines: Mapping[str, str], data_servers: Sequence[str], loops: Sequence[str], loop_threads: int
+) -> dict[str, int]:
+    """The cores each machine's compute loops (`loop_threads` each) and data servers (one each) want."""
     wanted: dict[str, int] = {}
     for worker in loops:
         wanted[machines[worker]] = wanted.get(machines[worker], 0) + loop_threads
-    both = {machines[worker] for worker in data_servers} & set(wanted)
     for worker in data_servers:
         wanted[machines[worker]] = wanted.get(machines[worker], 0) + 1
-    return sorted(machine for machine in both if machine in cores and wanted[machine] > cores[machine])
+    return wanted
 
 
 class BucketPush:

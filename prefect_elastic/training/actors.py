@@ -31,7 +31,7 @@ from ..cluster import (
     machines,
     scheduler_view_of_workers,
 )
-from ..compute.bucket_push import OVERLAP_MIN_BYTES, cores_short
+from ..compute.bucket_push import OVERLAP_MIN_BYTES, cores_short, cores_wanted
 from ..coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator
 from ..data_server import DataServer, Piece, plan_pieces
 from ..errors import (
@@ -133,12 +133,17 @@ class Actors:
         short = cores_short(machine, cores, holders, members, job.threads_per_worker)
         if not short:
             return specs
-        named = ["/".join(sorted({hosts[w] for w in workers if machine[w] == m})) for m in short]
+        wanted = cores_wanted(machine, holders, members, job.threads_per_worker)
+        named = [
+            f"{'/'.join(sorted({hosts[w] for w in workers if machine[w] == m}))} ({wanted[m]} wanted, "
+            f"{cores[m]:g} there)"
+            for m in short
+        ]
         log.info(
             "job %s: gradients are pushed whole after backward: on %s the compute loops and data servers "
-            "want more cores than there are, and the overlapped step would put the shards' work on "
-            "backward's cores (overlap_push=True asks for it anyway)",
-            job.job_id, ", ".join(named),
+            "want more cores than there are (CPU sets and cgroup CPU quotas), and the overlapped step would "
+            "put the shards' work on backward's cores (overlap_push=True asks for it anyway)",
+            job.job_id, "; ".join(named),
         )  # fmt: skip
         return dataclasses.replace(specs, loop=dataclasses.replace(specs.loop, overlap_push=False))
 
