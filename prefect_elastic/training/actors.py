@@ -107,9 +107,10 @@ class Actors:
 
     def overlap_decided(self, specs: RoleSpecs, plan: list[list[Piece]], loops: Iterable[str]) -> RoleSpecs:
         """`specs` with the loops' `overlap_push` decided where the job leaves it to the engine (None) and
-        the model is big enough for it (`OVERLAP_MIN_BYTES`): off where a machine (a worker's host) runs
-        compute loops and data servers holding parameters on fewer cores than they want
-        (`bucket_push.cores_short`), as the members at the start stand; else left to the loops. Decided
+        the model is big enough for it (`OVERLAP_MIN_BYTES`): off where a machine (one kernel:
+        `cluster.machines`) runs compute loops and data servers holding parameters on fewer cores than they
+        want (their CPU sets and cgroup CPU quotas: `cluster.machine_cores`; `bucket_push.cores_short`),
+        as the members at the start stand; else left to the loops. Decided
         once for the job: a shard takes a step's gradients all in parts or all whole."""
         job = self.job
         if job.overlap_push is not None or job.overlap_pull or not self.run.mode.overlaps_push:
@@ -148,9 +149,9 @@ class Actors:
         return dataclasses.replace(specs, loop=dataclasses.replace(specs.loop, overlap_push=False))
 
     async def _cpu_shares(self, workers: list[str], timeout: float) -> dict[str, CpuShare]:
-        """Each worker's CPU set and cgroup quota (`cluster.cpu_share`: torch-free, so a worker that has not
-        loaded the engine yet imports little to run it), within `timeout`: a call to a worker gone meanwhile
-        would wait for Dask's connect timeout."""
+        """Each worker's CPU set, cgroup quotas and machine (`cluster.cpu_share`: torch-free, so a worker
+        that has not loaded the engine yet imports little to run it), within `timeout`: a call to a worker
+        gone meanwhile would wait for Dask's connect timeout."""
         run = self.client._run(cpu_share, workers=workers, on_error="ignore")
         found: dict[str, CpuShare] = await asyncio.wait_for(run, timeout)
         return found
