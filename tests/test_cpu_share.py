@@ -18,6 +18,7 @@ from prefect_elastic.cluster import CpuShare, machine_cores
 
 from .cli_cluster import CPU_SHARE_PROBE, CliCluster, cpu_quota_cgroup, in_cgroup, probed_share
 from .conftest import assert_ledger_exactly_once, make_job
+from .test_overlap_push import cores_here
 
 
 def share_in(cgroup: Path | None) -> CpuShare:
@@ -72,11 +73,14 @@ def test_left_to_the_engine_a_big_model_pushes_whole_where_the_workers_cgroup_al
         )
         if elastic_host:
             assert any(a.startswith(f"tcp://{elastic_host}:") for a in cluster.workers().values())
+        # (What the workers may use: inside a quota of this process's too, if any.)
+        share = share_in(cgroup)
+        cores = cores_here(share)
+        assert quota is None or (share.quota is not None and share.quota <= quota), share
         result = train(job, address=cluster.address)
     assert_ledger_exactly_once(result)
     trained = [loop for loop in result.loops if loop.steps]
     assert trained, result.loops
-    cores = min(len(os.sched_getaffinity(0)), quota if quota is not None else float("inf"))
     if cores < 2:
         assert all(loop.parts == 0 for loop in trained), result.loops
         # The controller says where, and why: what the loop and the data server want against what is there.

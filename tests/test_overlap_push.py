@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from prefect_elastic import ElasticJob, TrainResult, train
+from prefect_elastic.cluster import CpuShare, cpu_share
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import Progress
@@ -212,13 +213,20 @@ def default_overlap_job(digits_url: str, job_id: str) -> ElasticJob:
     )  # fmt: skip
 
 
+def cores_here(share: CpuShare | None = None) -> float:
+    """The cores a process with `share` (None: this process's) may use: its CPU set, or fewer where its
+    cgroups' CPU quotas allow fewer."""
+    share = share or cpu_share()
+    return min(float(len(share.cpus)), share.quota if share.quota is not None else float("inf"))
+
+
 def assert_pushed_as_the_cores_allow(result: TrainResult, loops: int) -> None:
     """Every loop pushed whole if this machine runs the `loops` compute loops and the 2 data servers
     holding parameters (one thread each) on fewer cores; else in parts, during backward. (Every worker of
-    a test cluster runs on this machine, with this process's CPU set.)"""
+    a test cluster runs on this machine, with this process's CPU set and cgroup.)"""
     trained = [loop for loop in result.loops if loop.steps]
     assert trained, result.loops
-    if len(os.sched_getaffinity(0)) < 2 + loops:
+    if cores_here() < 2 + loops:
         assert all(loop.parts == 0 for loop in trained), result.loops
     else:
         assert all(loop.parts >= 2 * loop.steps for loop in trained), result.loops

@@ -110,8 +110,8 @@ class Actors:
         the model is big enough for it (`OVERLAP_MIN_BYTES`): off where a machine (one kernel:
         `cluster.machines`) runs compute loops and data servers holding parameters on fewer cores than they
         want (their CPU sets and cgroup CPU quotas: `cluster.machine_cores`; `bucket_push.cores_short`),
-        as the members at the start stand; else left to the loops. Decided
-        once for the job: a shard takes a step's gradients all in parts or all whole."""
+        as the members at the start stand; else left to the loops. Decided once for the job: a shard takes
+        a step's gradients all in parts or all whole."""
         job = self.job
         if job.overlap_push is not None or job.overlap_pull or not self.run.mode.overlaps_push:
             return specs
