@@ -33,7 +33,7 @@ from torch.optim.sgd import sgd
 from prefect_elastic.compute.buckets import BucketHooks
 from prefect_elastic.data_server.bucket_apply import sgd_into
 from prefect_elastic.data_server.bucket_plan import Bucket, bucket_bytes, plan_buckets
-from prefect_elastic.data_server.plan import plan_pieces
+from prefect_elastic.sharding import plan_pieces
 
 from .workloads import LR, MOMENTUM, WORKLOADS
 

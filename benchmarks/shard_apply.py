@@ -2,11 +2,11 @@
 warm and the plain loop's own `optimizer.step()`.
 
 `python -m benchmarks.shard_apply [--workloads mlp,mlp-50] [--repeats 300]`: for each workload, SGD with
-the benchmarks' momentum over one flat tensor of the model's parameter count (a shard holds its parameters
-so: `shard_optimizer.py`), timed (a) warm, step after step as in a tight loop, and (b) cold, after writing
-a buffer larger than the machine's last-level cache, as a shard meets its parameters, momentum and the
-pushed gradient after a compute step of the loop's; and the plain loop's step (forward, backward,
-`optimizer.step()`) with the step alone timed. One thread, as the steady benchmarks run. Medians, ms.
+the benchmarks' momentum over one flat tensor of the model's parameter count (a shard holds its
+parameters so: `data_server/optimizer.py`), timed (a) warm, step after step as in a tight loop, and (b)
+cold, after writing a buffer larger than the machine's last-level cache, as a shard meets its
+parameters, momentum and the pushed gradient after a compute step of the loop's; and the plain loop's
+step (forward, backward, `optimizer.step()`) with the step alone timed. One thread, as the steady benchmarks run. Medians, ms.
 
 Why it is here: on a 2-core machine the update of a small model is on the critical path of every step (the
 loop waits for the shard's answer) and costs what its memory traffic costs from DRAM; this is the floor

@@ -2,7 +2,7 @@
 
 A job's `mode` (`ElasticJob.mode`) is turned into a `Mode` once, when the job is prepared
 (`training.prepare`), and every role is handed the parts of it that it uses: the coordinator its commit
-bookkeeping (`SyncCommits` or `AsyncLeases`), each data server its apply (`SyncCommits` or
+bookkeeping (`SyncCommits` or `AsyncLeases`), each data server its apply (`SyncApplies` or
 `AsyncApplies`), each compute loop its loop (`SyncLoop` or `AsyncLoop`), the checkpoint writer its cadence;
 and the controller the few decisions of its own that differ (below). Outside this module no code asks
 which mode it is in. Why async mode differs: docs/design/async.md.
@@ -19,8 +19,7 @@ from .compute.sync_loop import SyncLoop
 from .coordinator.async_leases import AsyncLeases
 from .coordinator.commit_book import CommitBook
 from .coordinator.sync_commits import SyncCommits
-from .data_server.apply import AsyncApplies
-from .data_server.apply import SyncCommits as SyncApplies
+from .data_server.apply import AsyncApplies, SyncApplies
 from .data_server.step_applies import ApplyMode
 from .errors import JobConfigError
 from .job import ElasticJob

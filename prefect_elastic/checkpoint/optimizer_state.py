@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..data_server.plan import Piece
+from ..sharding import Piece
 
 
 def join_optimizer(

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from ..data_server.plan import Piece, cut, join, plan_pieces
 from ..dataset import explain_storage_error, is_object_store
 from ..errors import CheckpointMismatchError, CheckpointWriteError, FatalError
 from ..job import CheckpointSpec, StateLayout
 from ..messages import EventKind, MembershipEvent, Resume
+from ..sharding import Piece, cut, join, plan_pieces
 from .cadence import CheckpointCadence
 from .optimizer_state import cut_optimizer, join_optimizer
 from .record import Checkpoint, check_compatible, fingerprint

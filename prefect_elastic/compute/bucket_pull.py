@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from ..data_server.bucket_plan import Bucket
-from ..data_server.plan import Piece
 from ..errors import FatalError
+from ..sharding import Piece
 from ..wire import Frame, ShardLink
 from ..wire.codec import _dtype
 from .buckets import Key

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..data_server.bucket_plan import Bucket, plan_buckets
-from ..data_server.plan import Piece
+from ..sharding import Piece
 from ..wire import Entry, Frame, ShardLink
 from .buckets import BucketHooks
 from .outbox import Outbox

@@ -26,8 +26,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ..data_server.bucket_plan import Bucket, bucket_of_tensor
-from ..data_server.plan import part
 from ..errors import FatalError
+from ..sharding import part
 
 Key = tuple[int, int]  # (shard, bucket index)
 Send = Callable[[Bucket, torch.Tensor], None]

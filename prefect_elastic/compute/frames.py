@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..data_server.plan import Piece, split_pieces
 from ..errors import FatalError
 from ..messages import Tensors
+from ..sharding import Piece, split_pieces
 from ..wire import Entry, Frame, ShardLink, contiguous_strides, raise_error
 from .bucket_pull import BucketPull, joined_now
 

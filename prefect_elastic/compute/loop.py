@@ -29,10 +29,10 @@ from typing import Protocol
 import torch
 
 from ..allocator import tune_allocator
-from ..data_server.plan import Piece
 from ..job import LoopSpec, StateLayout
 from ..messages import CoordinatorHandle, Role, direct
 from ..schedule import Schedule
+from ..sharding import Piece
 from ..wire import ChannelAddress, ShardLink, worker_tls
 from .device import SLOWDOWN, training_device
 from .links import registered

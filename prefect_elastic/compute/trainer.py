@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call
 
-from ..data_server.plan import Piece, part, pieces_of
 from ..errors import ModelFailure, RecoverableError
 from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
+from ..sharding import Piece, part, pieces_of
 from ..wire import Entry, Frame, ShardLink
 from .bucket_pull import bucket_pull_for
 from .bucket_push import bucket_push_for
@@ -291,7 +291,7 @@ class MicroBatchTrainer:
                 for frame in frames:
                     frame.header["losses"][str(b)] = loss
                 # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
-                # takes them as one flat gradient without a copy (`shard_optimizer.py`).
+                # takes them as one flat gradient without a copy (`data_server/optimizer.py`).
                 for i in range(len(self.plan)):
                     pieces = self.pieces[i]
                     if not parted[i]:

@@ -2,7 +2,7 @@
 bookkeeping of one job, kept by an async Dask actor on a static worker (`actor.Coordinator`).
 
 - `actor.py`: the actor; compute workers and the controller call it; it makes the calls to the shards
-  (`shard_calls.py`) and, for the static roles, `static_roles.py`.
+  (`shard_calls.py`) and, for the static roles, `role_moves.py`.
 - `state.py`: the bookkeeping as a pure state machine (`CoordinatorState`), over the shared record
   (`record.py`), the workers excluded after their model failed (`exclusion.py`) and the job's commit
   bookkeeping, one `CommitBook` (`commit_book.py`) of two: `SyncCommits` (`sync_commits.py`) or
@@ -19,7 +19,7 @@ from .actor import ROLE_POLL_SECONDS, Coordinator
 from .async_leases import AsyncLeases
 from .commit_book import (
     CommitBook,
-    Promotion,
+    PromotionPlan,
     Reconciliation,
     SnapshotAt,
     SnapshotCommitted,
@@ -29,9 +29,9 @@ from .exclusion import Exclusions
 from .pacing import PACE_STEPS, STEADY_SYNC_SECONDS, SYNC_SECONDS, read_interval
 from .rebuild import rebuild_applied_from
 from .record import CoordinatorRecord, Failure
+from .role_moves import HOLD_WAIT_SECONDS
 from .shard_calls import ShardUnreachable, actor_key
 from .state import CoordinatorState
-from .static_roles import HOLD_WAIT_SECONDS
 from .sync_commits import SyncCommits
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
     "CoordinatorState",
     "Exclusions",
     "Failure",
-    "Promotion",
+    "PromotionPlan",
     "Reconciliation",
     "ShardUnreachable",
     "SnapshotAt",

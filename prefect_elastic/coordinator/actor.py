@@ -6,7 +6,7 @@ step, and shards apply steps without it. It learns what the shards applied by re
 detection (`survival_check`): the decision is the pure `survival.survival_check`, the bookkeeping the pure
 `state.CoordinatorState` with the job's commit bookkeeping (a `CommitBook`); this actor only makes the
 calls they ask for (fence, restore, snapshot on every shard: `shard_calls.ShardCalls`; a data server lost,
-promoted or handed over: `static_roles.StaticRoles`).
+promoted or handed over: `role_moves.RoleMoves`).
 
 Does not own: parameters or data (the data servers), which workers exist (the controller reads the
 scheduler and passes the live list in), process lifecycles (the controller).
@@ -44,9 +44,9 @@ from ..survival import Action, Decision, Policy, spare_what_lost_nothing, surviv
 from ..wire import ChannelAddress
 from .commit_book import CommitBook, SnapshotAt, SnapshotWhereFenced
 from .pacing import STEADY_SYNC_SECONDS, SYNC_SECONDS
+from .role_moves import RoleMoves
 from .shard_calls import ShardUnreachable, fence
 from .state import CoordinatorState
-from .static_roles import StaticRoles
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def finishes_the_step_in_flight(decision: Decision) -> bool:
 ROLE_POLL_SECONDS = 0.5
 
 
-class Coordinator(StaticRoles):
+class Coordinator(RoleMoves):
     def __init__(
         self,
         job_id: str,

@@ -17,7 +17,7 @@ from ..ledger import Ledger
 from ..messages import EventKind, Journal, MembershipEvent, Resume, ShardStatus, StepRecord
 from ..survival import Action, Decision
 from .commit_book import (
-    Promotion,
+    PromotionPlan,
     Reconciliation,
     SnapshotAt,
     SnapshotCommitted,
@@ -221,8 +221,8 @@ class AsyncLeases:
         self._return_leases()
         return 0  # the fence dropped nothing: applies are whole or not made
 
-    def promotion(self) -> Promotion:
-        return Promotion(restore_to=None, asks_applied=True)  # the other shards stay where they stand
+    def promotion(self) -> PromotionPlan:
+        return PromotionPlan(restore_to=None, asks_applied=True)  # the other shards stay where they stand
 
     def shard_promoted(self, index: int, applied: frozenset[int], version: int) -> tuple[int, str]:
         """Shard `index` came back on a standby from its peer's replica of its last snapshot, at `version`,

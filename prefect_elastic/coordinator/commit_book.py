@@ -6,7 +6,7 @@ shard stands at its own version, and nothing is rolled back).
 
 A `CommitBook` keeps the shared record (`record.CoordinatorRecord`) as it commits, and says what the
 actor does where the two differ, as plans (`SnapshotAt`, `SnapshotWhereFenced`, `SnapshotCommitted`,
-`Promotion`) that the actor carries out. Nothing outside `prefect_elastic.modes` asks which
+`PromotionPlan`) that the actor carries out. Nothing outside `prefect_elastic.modes` asks which
 one a job has.
 """
 
@@ -53,7 +53,7 @@ class SnapshotCommitted:
 
 
 @dataclass(frozen=True)
-class Promotion:
+class PromotionPlan:
     """How a standby takes a lost shard's role: the version every other shard goes back to (None: they
     stay where they stand), and whether the promoted shard is asked which batch ids its snapshot holds."""
 
@@ -154,7 +154,7 @@ class CommitBook(Protocol):
         """A shard was lost and the others fenced: how many batch ids the fence dropped."""
         ...
 
-    def promotion(self) -> Promotion:
+    def promotion(self) -> PromotionPlan:
         """How a standby takes a lost shard's role."""
         ...
 

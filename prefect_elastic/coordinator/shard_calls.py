@@ -1,6 +1,6 @@
 """The coordinator actor's calls to the data servers, and what a fence, a restore or a snapshot of every
 shard takes: the base of the actor (`actor.Coordinator`), shared with its static roles
-(`static_roles.StaticRoles`).
+(`role_moves.RoleMoves`).
 
 Every call goes to every shard not lost, at once, each bounded by the call timeout; a shard that does not
 answer raises `ShardUnreachable`, and once a shard is known lost every call waiting on it gives up. The

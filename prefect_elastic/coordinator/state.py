@@ -22,7 +22,7 @@ from ..survival import Action, Decision, Policy
 from ..wire import ChannelAddress
 from .commit_book import (
     CommitBook,
-    Promotion,
+    PromotionPlan,
     Reconciliation,
     SnapshotAt,
     SnapshotCommitted,
@@ -262,7 +262,7 @@ class CoordinatorState(CoordinatorRecord):
         self._forget_open_records()
         return [self.record(EventKind.SHARD_LOST, batches_dropped=dropped, reason=reason, now=now)]
 
-    def promotion(self) -> Promotion:
+    def promotion(self) -> PromotionPlan:
         """How a standby takes a lost shard's role (`CommitBook.promotion`)."""
         return self.commits.promotion()
 

@@ -15,7 +15,7 @@ from ..errors import FatalError
 from ..messages import EventKind, Journal, MembershipEvent, Resume, ShardStatus, StepRecord
 from ..survival import Action, Decision
 from .commit_book import (
-    Promotion,
+    PromotionPlan,
     Reconciliation,
     SnapshotAt,
     SnapshotCommitted,
@@ -186,8 +186,8 @@ class SyncCommits:
             return len(state.schedule.step_batches(state.committed_steps))
         return 0
 
-    def promotion(self) -> Promotion:
-        return Promotion(restore_to=self.state.ledger.snapshot_step, asks_applied=False)
+    def promotion(self) -> PromotionPlan:
+        return PromotionPlan(restore_to=self.state.ledger.snapshot_step, asks_applied=False)
 
     def shard_promoted(self, index: int, applied: frozenset[int], version: int) -> tuple[int, str]:
         steps_lost = self.state.back_to_snapshot()

@@ -3,7 +3,7 @@
 - `actor.py`: `DataServer`, the actor: receives the calls of the coordinator, the controller and the
   peers, and hands them on;
 - `frames.py`: the step path's frames of compute loops, decoded and answered;
-- `apply.py`: the step's apply, `StepApplies`, as `SyncCommits` or `AsyncApplies` (chosen in
+- `apply.py`: the step's apply, `StepApplies`, as `SyncApplies` or `AsyncApplies` (chosen in
   `prefect_elastic.modes`);
 - `records.py`: the open step, the records of applied steps, and the apply's decisions (pure);
 - `state.py`: the shard's tensors, version, generation and snapshots;
@@ -14,10 +14,10 @@
 
 from __future__ import annotations
 
+from ..sharding import Piece, plan_pieces, plan_shards
 from .actor import DataServer
-from .apply import AsyncApplies, SyncCommits
+from .apply import AsyncApplies, SyncApplies
 from .hooks import NoHooks, ServerHooks
-from .plan import Piece, plan_pieces, plan_shards
 from .replicas import join_tensors, split_tensors, warm_standby
 from .state import INLINE_APPLY_ELEMENTS
 from .step_applies import ApplyMode, StepApplies
@@ -31,7 +31,7 @@ __all__ = [
     "Piece",
     "ServerHooks",
     "StepApplies",
-    "SyncCommits",
+    "SyncApplies",
     "join_tensors",
     "plan_pieces",
     "plan_shards",

@@ -44,10 +44,10 @@ from ..errors import FatalError, RecoverableError, StaleGenerationError
 from ..job import ShardSpec
 from ..messages import ShardStatus, SnapshotInfo, Tensors
 from ..schedule import Schedule
-from ..shard_optimizer import Gradient, ShardOptimizer
 from ..wire import ChannelAddress, Frame, ShardServer, worker_tls
 from .frames import ShardFrames
 from .hooks import hooks_of_this_worker
+from .optimizer import Gradient, ShardOptimizer
 from .partition import Partition
 from .replicas import Replicas, fetch_replica, split_tensors
 from .state import ShardState
@@ -70,7 +70,7 @@ class DataServer:
         applied: Sequence[int] = (),
         mode: ApplyMode | None = None,
     ) -> None:
-        """`spec`: the job's settings a data server reads; `mode`: how the shard applies (`SyncCommits` or
+        """`spec`: the job's settings a data server reads; `mode`: how the shard applies (`SyncApplies` or
         `AsyncApplies`, the job's mode's: `modes.py`)."""
         began = time.perf_counter()
         tune_allocator()  # pulls, pushes and snapshots allocate megabytes every step; see allocator.py
@@ -281,7 +281,7 @@ class DataServer:
 
     async def step_back(self, generation: int, version: int) -> int:
         """Come back to `version`: a shard there stays; one a step ahead steps back where its other copy
-        still holds that version (`SyncCommits.step_back`), else RecoverableError. Returns the version."""
+        still holds that version (`SyncApplies.step_back`), else RecoverableError. Returns the version."""
         self.shard.check(generation, "step back")
         if self.shard.version == version:
             return version

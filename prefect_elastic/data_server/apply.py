@@ -1,6 +1,6 @@
 """The step's apply on a shard, in its two modes: two implementations of `StepApplies` (`step_applies.py`).
 
-- `SyncCommits` (sync mode): a step's gradients are collected from every worker's push, and the push that
+- `SyncApplies` (sync mode): a step's gradients are collected from every worker's push, and the push that
   completes the step applies it, summed in batch-id order: the shard is a commit point of its own, with no
   round trip to the coordinator on the step path. A pull of a step waits until the step before is applied.
 - `AsyncApplies` (async mode): each micro-batch's gradient is applied as it arrives, once per batch id,
@@ -23,10 +23,10 @@ import torch
 from ..errors import BackupWanted, FatalError, RecoverableError, StepPassed
 from ..messages import StepRecord, Tensors
 from ..schedule import Schedule
-from ..shard_optimizer import Gradient
 from ..stragglers import RECENT_STEPS, backup_after, backup_due_in
 from .bucketed import OpenBuckets
 from .hooks import ServerHooks
+from .optimizer import Gradient
 from .records import OpenStep, async_verdict, push_refusal, replicas_kept_async, replicas_kept_sync
 from .state import ShardState
 
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 BACKUP_LOOK_SECONDS = 0.02
 
 
-class SyncCommits:
+class SyncApplies:
     """Sync mode: the push that completes a step applies it."""
 
     def __init__(self, state: ShardState, schedule: Schedule, hooks: ServerHooks, max_staleness: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import Piece
+from ..sharding import Piece
 
 # DDP's default bucket (`bucket_cap_mb=25`) and its first bucket (`_DEFAULT_FIRST_BUCKET_BYTES`, 1 MiB).
 DDP_BUCKET_BYTES = 25 * 2**20

@@ -6,7 +6,7 @@ micro-batch (docs/design/overlapped-step.md).
 come, whoever sent them; at the commit the shard applies the mean those sums make, one flat run in the
 shard's order: the very bits `ShardOptimizer.step` gives from whole gradients (each operation of the mean
 is elementwise). The commit itself is unchanged: the shard applies the step when every micro-batch of it is
-sealed (`SyncCommits`), and the seals leave a loop only after all its parts did.
+sealed (`SyncApplies`), and the seals leave a loop only after all its parts did.
 
 Where the shard's optimizer has an out-of-place update (`other_copy.py`), each bucket is applied as soon
 as it is whole, from the published copy into the other one, while the senders' backward still runs; the
@@ -28,8 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import FatalError
-from ..shard_optimizer import ShardOptimizer
 from .bucket_book import BucketBook
+from .optimizer import ShardOptimizer
 from .other_copy import OtherCopy, copy_kind
 
 

@@ -15,10 +15,10 @@ import torch
 
 from ..errors import FatalError, RecoverableError
 from ..messages import Tensors
-from ..shard_optimizer import Gradient
 from ..wire import Entry, Frame, error_header
 from .bucket_book import pull_verdict
 from .bucketed import bucket_sizes
+from .optimizer import Gradient
 from .replicas import Replicas, split_tensors
 from .state import ShardState
 from .step_applies import StepApplies

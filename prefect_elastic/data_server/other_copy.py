@@ -27,9 +27,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..shard_optimizer import ShardOptimizer
 from ..wire.published import empty_flat
 from .bucket_apply import AdamState, adam_into, sgd_into
+from .optimizer import ShardOptimizer
 
 Kind = Literal["sgd", "adam"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 
 from ..messages import StepRecord, Tensors
-from ..shard_optimizer import Gradient
+from .optimizer import Gradient
 
 
 @dataclass

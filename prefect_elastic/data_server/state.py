@@ -20,8 +20,8 @@ import torch
 from ..errors import FatalError, StaleGenerationError
 from ..job import ModelSpec
 from ..messages import Tensors
-from ..shard_optimizer import Gradient, ShardBuffers, ShardOptimizer
 from .bucket_book import TwoCopies
+from .optimizer import Gradient, ShardBuffers, ShardOptimizer
 from .records import StepRecords
 
 # Shards with fewer parameter elements than this apply a step on the event loop; a thread hand-off
@@ -84,7 +84,7 @@ class ShardState:
         `version`, with its own snapshot of it. `owned`: the tensors are this shard's alone (a replica just
         received), so they are taken as they are, and the caller copies the snapshot in the background
         (`start_snapshot`; the first apply waits for it); else both are copies."""
-        # The parameters live in one flat tensor (`shard_optimizer.py`); `params` are views of it.
+        # The parameters live in one flat tensor (`data_server/optimizer.py`); `params` are views of it.
         self.optimizer = ShardOptimizer(self._model, params, owned) if params else None
         self.params = self.optimizer.params if self.optimizer is not None else {}
         # The buffers live in one flat tensor per dtype (`ShardBuffers`); `buffers` are views of them.

@@ -1,5 +1,5 @@
 """What a shard's apply is to the rest of the data server (`StepApplies`), whichever mode's it is
-(`apply.py`: `SyncCommits` in sync mode, `AsyncApplies` in async mode), and what makes one (`ApplyMode`).
+(`apply.py`: `SyncApplies` in sync mode, `AsyncApplies` in async mode), and what makes one (`ApplyMode`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 
 from ..messages import Tensors
 from ..schedule import Schedule
-from ..shard_optimizer import Gradient
 from .hooks import ServerHooks
+from .optimizer import Gradient
 from .state import ShardState
 
 

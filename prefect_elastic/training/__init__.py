@@ -10,14 +10,13 @@ workers (`workers`, every `liveness_interval` and at once on a worker event), ke
 The Prefect flow calls it by phases (`TrainingRun`); users may call `train` directly.
 """
 
-from ..dask_failures import settled_result
-from ..signals import CoordinatorLost, SchedulerGone, StartCancelled, StaticWorkerLeft
 from .api import connect_client, train
-from .calls import controller_handle
+from .calls import controller_handle, settled_result
 from .pacing import PROGRESS_POLL_IDLE_SECONDS, PROGRESS_POLL_SECONDS
 from .prepare import Prepared, build_schedule, prepare
 from .result import FaultInjector, TrainResult
 from .run import TrainingRun
+from .signals import CoordinatorLost, SchedulerGone, StartCancelled, StaticWorkerLeft
 from .workers import WorkersView, standbys
 
 __all__ = [

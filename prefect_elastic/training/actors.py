@@ -44,9 +44,9 @@ from ..messages import (
     ShardHandle,
 )
 from ..registry import claim_job
-from ..signals import StaticWorkerLeft
 from .calls import LEAVING_GRACE_SECONDS, WATCH_WHILE_CALLING_SECONDS, controller_handle
 from .pacing import PROGRESS_POLL_IDLE_SECONDS
+from .signals import StaticWorkerLeft
 from .workers import SILENT_HEARTBEATS
 
 if TYPE_CHECKING:

@@ -7,7 +7,6 @@ import time
 from typing import TYPE_CHECKING
 
 from ..coordinator import ShardUnreachable
-from ..data_server.plan import join
 from ..errors import (
     DataServerLostError,
     FatalError,
@@ -16,6 +15,7 @@ from ..errors import (
     TrainingStopped,
 )
 from ..messages import Outcome, Progress
+from ..sharding import join
 from .result import TrainResult
 
 if TYPE_CHECKING:

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 from distributed import Future
 
 from ..compute import run_loop
-from ..dask_failures import settled_result
-from ..data_server.plan import Piece
 from ..errors import (
     FatalError,
 )
 from ..messages import (
     CoordinatorHandle,
 )
+from ..sharding import Piece
+from .calls import settled_result
 from .workers import WorkersView
 
 if TYPE_CHECKING:

@@ -25,11 +25,11 @@ from ..messages import (
     Promotion,
     ShardHandle,
 )
-from ..signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
 from ..wire import ChannelAddress
 from .actors import START_TRIES
 from .calls import LEAVING_GRACE_SECONDS
 from .pacing import MEMBERSHIP_POLL_SECONDS
+from .signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
 from .workers import pass_over_standby, readiest_first, standbys
 
 if TYPE_CHECKING:

@@ -10,7 +10,6 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from ..dask_failures import settled_result
 from ..data_server import warm_standby
 from ..errors import (
     DataServerLostError,
@@ -20,10 +19,10 @@ from ..messages import (
     Journal,
     MembershipEvent,
 )
-from ..signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
 from .actors import START_TRIES
-from .calls import controller_handle
+from .calls import controller_handle, settled_result
 from .pacing import MEMBERSHIP_POLL_SECONDS
+from .signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
 from .workers import WorkersView, standbys
 
 if TYPE_CHECKING:

@@ -22,7 +22,6 @@ from ..cluster import (
     WORKER_EVENTS_TOPIC,
 )
 from ..compute import MIN_LEASE, LoopStats
-from ..data_server.plan import Piece
 from ..errors import (
     ElasticError,
     FatalError,
@@ -35,7 +34,7 @@ from ..messages import (
     Promotion,
 )
 from ..registry import publish_progress, release_job
-from ..signals import CoordinatorLost, EngineSignal, SchedulerGone
+from ..sharding import Piece
 from ..survival import wait_for_group, wait_for_losses, wait_for_start
 from ..wire import ChannelAddress
 from . import ending
@@ -55,6 +54,7 @@ from .promotion import Promotions
 from .result import FaultInjector, TrainResult
 from .roles import StaticRoles
 from .scheduler import SCHEDULER_GRACE_SECONDS, SCHEDULER_POLL_SECONDS, SchedulerWatch
+from .signals import CoordinatorLost, EngineSignal, SchedulerGone
 from .workers import Workers
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ..errors import (
     SchedulerLostError,
 )
-from ..signals import SchedulerGone
+from .signals import SchedulerGone
 
 if TYPE_CHECKING:
     from .run import TrainingRun

@@ -148,7 +148,7 @@ def decode(
     tensors: list[tuple[Entry, torch.Tensor]] = []
     # Every tensor a view of one tensor over the body: tensors that came back to back (a shard's
     # gradients of one micro-batch) then lie back to back in one storage, and a shard takes them as one
-    # flat tensor without a copy (`shard_optimizer.py`).
+    # flat tensor without a copy (`data_server/optimizer.py`).
     whole: torch.Tensor | None = None
     if len(body):
         whole = (

@@ -12,7 +12,7 @@ How, per connection and per direction:
   from the socket so far) once a body between `MIN_BYTES` and `MAX_BYTES` came through the socket, and
   names it in the header of its next frame to the peer (`advert`: its pid, the descriptor, the slots'
   size, a random token).
-- The sender maps it (`Outbox.open`, through `/proc/<pid>/fd/<fd>`, only if that is the peer's own
+- The sender maps it (`PeerInbox.open`, through `/proc/<pid>/fd/<fd>`, only if that is the peer's own
   sealed inbox: see there), and from then on writes every body
   that fits into a free slot, marks the slot taken, and names the slot in the header (`slot`).
 - The receiver's tensors of that frame are views of the slot. When the last of them is gone (`weakref` on
@@ -131,7 +131,7 @@ class Inbox:
             os.close(fd)
 
 
-class Outbox:
+class PeerInbox:
     """The sender's mapping of its peer's inbox."""
 
     def __init__(self, memory: mmap.mmap, slot_bytes: int, key: str) -> None:
@@ -143,7 +143,7 @@ class Outbox:
         self._array: np.ndarray | None = np.frombuffer(self._view, dtype=np.uint8)
 
     @classmethod
-    def open(cls, advert: Sequence[Any], peer: int) -> Outbox | None:
+    def open(cls, advert: Sequence[Any], peer: int) -> PeerInbox | None:
         """The inbox an `advert` names, mapped; None where this process cannot reach it, or where it is not
         an inbox of `peer` (the pid at the other end of the socket, as the kernel tells it).
 
@@ -207,7 +207,7 @@ class SharedBodies:
         # This end's inboxes, the newest last. An older one stays until the peer writes into a newer
         # one: it may have written into the old before it heard of the new.
         self._inboxes: list[Inbox] = []
-        self.outbox: Outbox | None = None
+        self.outbox: PeerInbox | None = None
         self._advertise = False
         # Bodies received, by the way they came (a server's connections share one count), and
         # `referenced`: tensors sent as a reference to published memory, once there was one.
@@ -251,7 +251,7 @@ class SharedBodies:
         self._published(header)
         advert = header.pop("inbox", None)
         if advert is not None and self.enabled:
-            old, self.outbox = self.outbox, Outbox.open(advert, self.peer)
+            old, self.outbox = self.outbox, PeerInbox.open(advert, self.peer)
             if old is not None:
                 old.close()
         slot = header.pop("slot", None)

@@ -19,7 +19,7 @@ from prefect_elastic.data_server.bucket_plan import (
     plan_buckets,
     ready_order,
 )
-from prefect_elastic.data_server.plan import Piece, part, plan_pieces
+from prefect_elastic.sharding import Piece, part, plan_pieces
 
 
 def model() -> nn.Module:

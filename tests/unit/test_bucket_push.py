@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from prefect_elastic.compute.bucket_push import OVERLAP_MIN_BYTES, BucketPush, bucket_push_for, cores_short
-from prefect_elastic.data_server.plan import Piece
+from prefect_elastic.sharding import Piece
 
 
 def meta(*sizes: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from prefect_elastic.data_server.bucketed import OpenBuckets, bucket_sizes
+from prefect_elastic.data_server.optimizer import _mean
 from prefect_elastic.errors import FatalError
-from prefect_elastic.shard_optimizer import _mean
 
 BOUNDS = [[0, 3], [3, 10], [10, 11]]
 IDS = range(8, 12)

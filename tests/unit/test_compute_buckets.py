@@ -15,7 +15,7 @@ from torch.func import functional_call
 
 from prefect_elastic.compute.buckets import BucketHooks, ForwardGate, key, module_needs, unguarded
 from prefect_elastic.data_server.bucket_plan import Bucket, needed_order, plan_buckets, ready_order
-from prefect_elastic.data_server.plan import part, plan_pieces
+from prefect_elastic.sharding import part, plan_pieces
 
 
 def net() -> nn.Module:

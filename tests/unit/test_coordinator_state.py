@@ -14,7 +14,7 @@ from prefect_elastic.coordinator import (
     CoordinatorState,
     Exclusions,
     Failure,
-    Promotion,
+    PromotionPlan,
     SnapshotAt,
     SnapshotCommitted,
     SnapshotWhereFenced,
@@ -480,7 +480,7 @@ def test_sync_commits_snapshot_one_version_at_a_check_and_the_committed_step_whe
     assert state.snapshot_plan(progressed=True) == SnapshotAt(version=3, keep=0), "one ahead of the shards"
     assert state.snapshot_wanted == 3
     assert isinstance(state.snapshot_when_stopped(), SnapshotCommitted)
-    assert state.promotion() == Promotion(restore_to=0, asks_applied=False), "back to the snapshot"
+    assert state.promotion() == PromotionPlan(restore_to=0, asks_applied=False), "back to the snapshot"
     assert state.rebuild_applied_from(state.journal(0, 0)) is None
 
 
@@ -493,7 +493,7 @@ def test_async_leases_snapshot_where_each_shard_stands_every_few_checks_that_saw
     assert state.snapshot_plan(progressed=True) == SnapshotWhereFenced(), "the second check with progress"
     assert state.snapshot_plan(progressed=True) is None, "and the count starts again"
     assert isinstance(state.snapshot_when_stopped(), SnapshotWhereFenced)
-    assert state.promotion() == Promotion(restore_to=None, asks_applied=True), "nothing goes back"
+    assert state.promotion() == PromotionPlan(restore_to=None, asks_applied=True), "nothing goes back"
     assert state.rebuild_applied_from(state.journal(0, 0)) == 0
     assert (
         CoordinatorState("job", SCHEDULE, 2, "reassign", 1, 10.0, commits=AsyncLeases).snapshot_plan(

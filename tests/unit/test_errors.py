@@ -10,15 +10,15 @@ import pytest
 
 from prefect_elastic import errors
 from prefect_elastic.errors import DataServerLostError, ElasticError, FatalError, SchedulerLostError
-from prefect_elastic.signals import (
+from prefect_elastic.training import TrainingRun
+from prefect_elastic.training.scheduler import SchedulerWatch
+from prefect_elastic.training.signals import (
     CoordinatorLost,
     EngineSignal,
     SchedulerGone,
     StartCancelled,
     StaticWorkerLeft,
 )
-from prefect_elastic.training import TrainingRun
-from prefect_elastic.training.scheduler import SchedulerWatch
 
 from ..conftest import make_job
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prefect_elastic.wire import Entry, Frame, ShardLink, decode, inbox
-from prefect_elastic.wire.inbox import Inbox, Outbox, SharedBodies
+from prefect_elastic.wire.inbox import Inbox, PeerInbox, SharedBodies
 
 from .test_channel import Served
 
@@ -172,26 +172,26 @@ def test_an_advert_is_taken_only_for_the_peers_own_sealed_inbox(tmp_path: Path) 
     try:
         me = os.getpid()
         pid, fd, size, token = box.advert()
-        assert Outbox.open([pid, fd, size, token], me) is not None
-        assert Outbox.open([pid, fd, size, token], me + 1) is None  # not the peer's pid
-        assert Outbox.open([pid, fd, size, token], 0) is None  # a peer in another pid namespace
-        assert Outbox.open([pid, other.fd, size, token], me) is None  # another inbox: not its token
-        assert Outbox.open([pid, fd, 2 << 20, token], me) is None  # not the size it claims
-        assert Outbox.open([pid, fd, size, "00" * 8], me) is None
-        assert Outbox.open(["?"], me) is None
+        assert PeerInbox.open([pid, fd, size, token], me) is not None
+        assert PeerInbox.open([pid, fd, size, token], me + 1) is None  # not the peer's pid
+        assert PeerInbox.open([pid, fd, size, token], 0) is None  # a peer in another pid namespace
+        assert PeerInbox.open([pid, other.fd, size, token], me) is None  # another inbox: not its token
+        assert PeerInbox.open([pid, fd, 2 << 20, token], me) is None  # not the size it claims
+        assert PeerInbox.open([pid, fd, size, "00" * 8], me) is None
+        assert PeerInbox.open(["?"], me) is None
         with victim.open("r+b") as handle:  # a file this process has open, with the inbox's token in it
             handle.write(bytes.fromhex(token))
             handle.flush()
-            assert Outbox.open([pid, handle.fileno(), size, token], me) is None
+            assert PeerInbox.open([pid, handle.fileno(), size, token], me) is None
         unsealed = os.memfd_create("prefect-elastic-inbox", os.MFD_CLOEXEC)
         try:
             os.ftruncate(unsealed, len(_HEADER_AND_SLOTS))
             os.pwrite(unsealed, bytes.fromhex(token), 0)
-            assert Outbox.open([pid, unsealed, size, token], me) is None  # could shrink under the writer
+            assert PeerInbox.open([pid, unsealed, size, token], me) is None  # could shrink under the writer
         finally:
             os.close(unsealed)
         assert victim.read_bytes()[16:] == bytes(_HEADER_AND_SLOTS)[16:]
-        outbox = Outbox.open(box.advert(), me)
+        outbox = PeerInbox.open(box.advert(), me)
         assert outbox is not None
         too_big = memoryview(bytes((1 << 20) + 1))
         assert outbox.place([too_big], too_big.nbytes) is None
@@ -250,7 +250,7 @@ def test_an_outbox_closed_twice_or_under_a_copy_neither_raises_nor_unmaps_the_co
     them copies a body into the peer's inbox."""
     box = Inbox(1 << 20)
     try:
-        outbox = Outbox.open(box.advert(), os.getpid())
+        outbox = PeerInbox.open(box.advert(), os.getpid())
         assert outbox is not None
         copying = outbox._array  # what a copy under way in another thread holds
         assert copying is not None

@@ -93,7 +93,7 @@ def test_the_mode_is_asked_in_one_place() -> None:
 
 
 # The roles that are handed their slice of the job (`job/specs.py`): none of them may reach for the rest.
-HANDED_A_SPEC = ("data_server", "compute", "checkpoint", "shard_optimizer")
+HANDED_A_SPEC = ("data_server", "compute", "checkpoint")
 
 
 def names_the_whole_job(node: ast.AST) -> bool:

@@ -9,8 +9,7 @@ from prefect_elastic.checkpoint.cadence import AsyncCheckpoints, SyncCheckpoints
 from prefect_elastic.compute import AsyncLoop, SyncLoop
 from prefect_elastic.coordinator import AsyncLeases
 from prefect_elastic.coordinator import SyncCommits as SyncBook
-from prefect_elastic.data_server import AsyncApplies
-from prefect_elastic.data_server import SyncCommits as SyncApplies
+from prefect_elastic.data_server import AsyncApplies, SyncApplies
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.job import ElasticJob
 from prefect_elastic.modes import ASYNC, SYNC, mode_of, mode_of_job

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from prefect_elastic.data_server.optimizer import ShardOptimizer
 from prefect_elastic.data_server.other_copy import OtherCopy, copy_kind
-from prefect_elastic.shard_optimizer import ShardOptimizer
 from prefect_elastic.wire.published import region_of
 from tests.unit.test_shard_optimizer import OPTIMIZERS, SHAPES, model_spec
 

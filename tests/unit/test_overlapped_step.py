@@ -16,9 +16,9 @@ from prefect_elastic.compute.buckets import BucketHooks
 from prefect_elastic.data_server.bucket_apply import sgd_into
 from prefect_elastic.data_server.bucket_book import BucketBook, Seal, TwoCopies
 from prefect_elastic.data_server.bucket_plan import Bucket, plan_buckets
-from prefect_elastic.data_server.plan import Piece, cut, join, part, plan_pieces
+from prefect_elastic.data_server.optimizer import ShardOptimizer
 from prefect_elastic.job import ElasticJob
-from prefect_elastic.shard_optimizer import ShardOptimizer
+from prefect_elastic.sharding import Piece, cut, join, part, plan_pieces
 
 LR, MOMENTUM = 0.05, 0.9
 IDS_PER_STEP = 4

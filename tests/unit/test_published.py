@@ -14,8 +14,8 @@ import torch
 
 from prefect_elastic import ElasticJob
 from prefect_elastic.compute import MicroBatchTrainer
+from prefect_elastic.data_server.optimizer import ShardOptimizer
 from prefect_elastic.messages import Role
-from prefect_elastic.shard_optimizer import ShardOptimizer
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import Entry, Frame, ShardLink, decode, encode, memfd, published
 from prefect_elastic.wire.inbox import Inbox, SharedBodies

@@ -1,4 +1,4 @@
-"""A shard's parameters in one flat tensor (`shard_optimizer.py`), without a cluster: the same bits as
+"""A shard's parameters in one flat tensor (`data_server/optimizer.py`), without a cluster: the same bits as
 torch's optimizer over one tensor per parameter, and torch's state_dict form on the way out and in."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from prefect_elastic.compute import PACK_BYTES, gradient_entries, packs, unflatten
+from prefect_elastic.data_server.optimizer import ShardBuffers, ShardOptimizer, _flat_view
 from prefect_elastic.errors import FatalError
 from prefect_elastic.job import ElasticJob, ModelSpec
-from prefect_elastic.shard_optimizer import ShardBuffers, ShardOptimizer, _flat_view
 from prefect_elastic.wire import Entry, Frame, decode, encode
 
 # Odd lengths: the vectorized kernels handle the tail of a tensor apart from its body, and a parameter's

@@ -12,9 +12,9 @@ import torch
 from prefect_elastic import CheckpointMismatchError
 from prefect_elastic.checkpoint import AsyncCheckpoints, Checkpoint, CheckpointStore, Persistence, fingerprint
 from prefect_elastic.checkpoint.optimizer_state import cut_optimizer, join_optimizer
-from prefect_elastic.data_server.plan import Piece, cut, join, part, plan_pieces
+from prefect_elastic.data_server.optimizer import ShardOptimizer
 from prefect_elastic.job import ElasticJob, ModelSpec
-from prefect_elastic.shard_optimizer import ShardOptimizer
+from prefect_elastic.sharding import Piece, cut, join, part, plan_pieces
 
 # One tensor far over a share (split), small ones with odd lengths around it.
 SHAPES = {"big.weight": (300, 250), "big.bias": (300,), "head.weight": (7, 300), "head.bias": (7,)}

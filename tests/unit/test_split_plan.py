@@ -8,7 +8,9 @@ import itertools
 import pytest
 import torch
 
-from prefect_elastic.data_server.plan import (
+from prefect_elastic.errors import JobConfigError
+from prefect_elastic.job.build import ELEMENTWISE_OPTIMIZERS, OPTIMIZERS, splits_tensors
+from prefect_elastic.sharding import (
     SPLIT_MIN_ELEMENTS,
     Piece,
     cut,
@@ -16,8 +18,6 @@ from prefect_elastic.data_server.plan import (
     plan_pieces,
     plan_shards,
 )
-from prefect_elastic.errors import JobConfigError
-from prefect_elastic.job.build import ELEMENTWISE_OPTIMIZERS, OPTIMIZERS, splits_tensors
 
 
 def model_state() -> dict[str, torch.Tensor]:

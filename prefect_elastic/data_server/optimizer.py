@@ -27,10 +27,10 @@ from typing import Any
 import torch
 from torch.optim.sgd import sgd
 
-from .errors import FatalError
-from .job import ModelSpec
-from .messages import Tensors
-from .wire.published import Published, flat_tensor
+from ..errors import FatalError
+from ..job import ModelSpec
+from ..messages import Tensors
+from ..wire.published import Published, flat_tensor
 
 # One micro-batch's gradient of a shard's parameters: by name, or one flat tensor in the shard's order.
 Gradient = Tensors | torch.Tensor

@@ -6,7 +6,7 @@ engine, and one that reaches `train()` unanswered is turned into the public erro
 
 from __future__ import annotations
 
-from .errors import DataServerLostError, FatalError, SchedulerLostError
+from ..errors import DataServerLostError, FatalError, SchedulerLostError
 
 
 class EngineSignal(Exception):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import FatalError
+from .errors import FatalError
 
 # A cut that falls inside a tensor smaller than this moves to the tensor's nearer edge: splitting a small
 # tensor costs one more entry in every frame and saves next to nothing (a shard's load then differs from

@@ -4,7 +4,7 @@ controller (`shards_lost`, `snapshot_version`, `promote`, `hand_over`), and by t
 to a shard fails.
 
 What goes back, and how far, is the state's (`CoordinatorState.lose_shard`, `promote_shard`, and the
-`Promotion` its commit bookkeeping gives); this class makes the calls to the shards.
+`PromotionPlan` its commit bookkeeping gives); this class makes the calls to the shards.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _hold_at(shard: Any, generation: int, version: int, wait: float) -> Awaitabl
     return held
 
 
-class StaticRoles(ShardCalls):
+class RoleMoves(ShardCalls):
     async def shards_lost(self, indices: list[int], reason: str, keys: list[str] | None = None) -> int:
         """The data servers `indices` are gone with their static workers (the controller saw them leave,
         or a call to one failed): fence every other shard into a new generation, so compute loops stop,
