@@ -6,7 +6,8 @@ the benchmarks' momentum over one flat tensor of the model's parameter count (a 
 parameters so: `data_server/optimizer.py`), timed (a) warm, step after step as in a tight loop, and (b)
 cold, after writing a buffer larger than the machine's last-level cache, as a shard meets its
 parameters, momentum and the pushed gradient after a compute step of the loop's; and the plain loop's
-step (forward, backward, `optimizer.step()`) with the step alone timed. One thread, as the steady benchmarks run. Medians, ms.
+step (forward, backward, `optimizer.step()`) with the step alone timed. One thread, as the steady
+benchmarks run. Medians, ms.
 
 Why it is here: on a 2-core machine the update of a small model is on the critical path of every step (the
 loop waits for the shard's answer) and costs what its memory traffic costs from DRAM; this is the floor
