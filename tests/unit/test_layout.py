@@ -80,6 +80,18 @@ def test_no_import_circle() -> None:
     assert not circles, "\n".join(" -> ".join(c) for c in circles)
 
 
+def test_no_two_classes_share_a_name() -> None:
+    """One name, one concept: a newcomer who greps for a class lands on one definition (nested classes
+    and `TYPE_CHECKING` stand-ins included)."""
+    where: dict[str, list[str]] = {}
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert len(where) > 100, len(where)  # (the scan finds the package's classes)
+    assert not {name: at for name, at in where.items() if len(at) > 1}, "name one of each pair apart"
+
+
 def test_the_mode_is_asked_in_one_place() -> None:
     # (A comparison with the mode's name, or of a `.mode`: not other modes, such as a partition's.)
     asked = re.compile(r"""(==|!=)\s*["']a?sync["']|["']a?sync["']\s*(==|!=|in\b)|\.mode\s*(==|!=|in\b)""")
