@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .workloads import Logits, write_once
+from .parts import Logits, write_once
 
 VOCAB = 50_257  # GPT-2's
 SEQUENCE = 32

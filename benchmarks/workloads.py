@@ -28,13 +28,14 @@ pattern's spread), so the loss keeps falling for several epochs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
+
+from .parts import Logits, write_once
 
 BATCH = 128  # samples per optimizer step (one micro-batch of 128, or micro-batches summing to it)
 MNIST_SHAPE = (1, 28, 28)  # one sample of the synthetic data, unless a workload says otherwise
@@ -121,21 +122,6 @@ class RowTransformer(nn.Module):
 
 def transformer() -> nn.Module:
     return RowTransformer()
-
-
-class Logits(nn.Module):
-    """A Hugging Face classifier as a plain module: its input (the keyword `takes`: `pixel_values` for
-    images, `input_ids` for token ids) in, logits out, so that the job's loss (`cross_entropy` of the output
-    and the labels) applies to it as to any other model."""
-
-    def __init__(self, classifier: nn.Module, takes: str = "pixel_values") -> None:
-        super().__init__()
-        self.classifier = classifier
-        self.takes = takes
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.classifier(**{self.takes: x}).logits
-        return logits
 
 
 def resnet18() -> nn.Module:
@@ -254,19 +240,6 @@ def write_dataset(path: str | Path, samples: int, seed: int = 0, shape: tuple[in
     """Write the synthetic dataset (samples of `shape`) as one .npz (arrays `x`, `y`) and return its path.
     An existing file is kept: the path names the data (callers put the shape and the size in it)."""
     return write_once(path, lambda: synthetic_images(samples, seed, shape))
-
-
-def write_once(path: str | Path, make: Callable[[], tuple[np.ndarray, np.ndarray]]) -> str:
-    """`make()`'s arrays written to `path` as one .npz (`x`, `y`) unless it exists (whole or not at all:
-    through a temporary file); its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
-        x, y = make()
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez(tmp, x=x, y=y)
-        tmp.rename(path)
-    return str(path)
 
 
 def load_dataset(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
