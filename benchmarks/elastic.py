@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import signal
 import statistics
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +12,6 @@ from typing import Any
 import numpy as np
 
 from prefect_elastic import ElasticJob
-from prefect_elastic.data_server import plan_shards
-from prefect_elastic.dataset import partition_bounds
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import Progress
 from prefect_elastic.training import TrainResult, train
@@ -359,142 +355,6 @@ def recovery(
     }
 
 
-def longest_gap(commit_times: list[float], after: float) -> tuple[float, float] | None:
-    """The longest time without a committed step among the gaps that end after `after`: (seconds, start).
-
-    A gap that starts before `after` counts whole: the time without a commit is the time since the last
-    one, whatever happened in between.
-    """
-    gaps = [(b - a, a) for a, b in itertools.pairwise(commit_times) if b > after]
-    return max(gaps) if gaps else None
-
-
-def frozen(
-    pool: ClusterPool,
-    workload: str,
-    data: str,
-    policy: str,
-    epochs: int,
-    freeze_s: float,
-    liveness_interval: float = 1.0,
-    settle_steps: int = 20,
-) -> dict[str, Any]:
-    """Two compute workers; once they trained together for `settle_steps` steps, one is frozen (SIGSTOP to
-    its nanny and worker processes: a hung machine, a stuck read) for `freeze_s` s, then woken (SIGCONT)
-    while the job goes on; it is woken in any case before this returns.
-
-    The figure is the longest time without a committed step from the freeze on (`longest_gap`), against
-    2 liveness intervals plus one step of the worker that trains alone meanwhile (micro_batches=2: alone,
-    it computes both micro-batches of a step).
-    """
-    with pool.elastic(2) as cluster:
-        marks: dict[str, float] = {}
-        victim: dict[str, str] = {}
-        lock = threading.Lock()
-        timer: list[threading.Timer] = []
-        together_since: int | None = None
-
-        def wake() -> None:
-            with lock:
-                if "name" not in victim or "cont" in marks:
-                    return
-                marks["cont"] = time.time()
-            cluster.kill_worker(victim["name"], sig=signal.SIGCONT)
-
-        def on_progress(p: Progress) -> None:
-            # Runs in the controller's supervision loop: nothing here may block for long.
-            nonlocal together_since
-            if "stop" in marks:
-                return
-            if len(p.workers) < 2 or p.state != "running":
-                together_since = None
-                return
-            if together_since is None:
-                together_since = p.committed_steps
-            if p.committed_steps < together_since + settle_steps:
-                return
-            address = sorted(p.workers)[0]
-            info = cluster.workers_info().get(address)
-            if info is None:
-                return  # not the scheduler's any more: try again at the next progress
-            with lock:
-                victim.update(address=address, name=str(info["name"]))
-                marks["stop"] = time.time()
-                marks["stop_step"] = p.committed_steps
-            cluster.kill_worker(victim["name"], sig=signal.SIGSTOP)  # its process group: nanny and worker
-            timer.append(threading.Timer(freeze_s, wake))
-            timer[0].daemon = True
-            timer[0].start()
-
-        job = make_job(
-            workload, data, micro_batches=2, epochs=epochs, liveness_interval=liveness_interval,
-            policy=policy, job_id=f"frozen-{policy}",
-        )  # fmt: skip
-        started = time.time()
-        try:
-            result = train(job, cluster=cluster, on_progress=on_progress)
-        finally:
-            for t in timer:
-                t.cancel()
-            wake()  # never leave a stopped worker behind, whatever happened
-        wall = time.time() - started
-    out: dict[str, Any] = {
-        "workload": workload,
-        "policy": policy,
-        "liveness_interval": liveness_interval,
-        "freeze_s": freeze_s,
-        "steps": result.steps,
-        "wall_s": wall,
-        "frozen": "stop" in marks,
-    }
-    if "stop" not in marks:
-        return out
-    stop, cont = marks["stop"], marks.get("cont", result.commit_times[-1])
-    times = result.commit_times
-    before = [b - a for a, b in itertools.pairwise(times) if b <= stop]
-    alone = [b - a for a, b in itertools.pairwise(times) if stop < a and b <= cont]
-    gap = longest_gap(times, stop)
-    left = [e for e in result.membership_events() if e.time > stop and victim["address"] in e.left]
-    joined = [e for e in result.membership_events() if e.time > cont and e.joined]
-    # One step of the worker that trains alone (the median commit interval while it does), or, if the
-    # run had no such steps, twice a step of the two together.
-    step_alone = statistics.median(alone[1:] or alone) if alone else 2 * statistics.median(before or [0.0])
-    bound = 2 * liveness_interval + step_alone
-    out.update(
-        {
-            "stop_t": stop - started,
-            "cont_t": cont - started,
-            "stop_step": marks["stop_step"],
-            "longest_gap_s": gap[0] if gap else None,
-            "longest_gap_at_s": gap[1] - started if gap else None,
-            # The gap at the freeze itself: from the last commit before it to the first one after.
-            "gap_at_stop_s": next((b - a for a, b in itertools.pairwise(times) if b > stop), None),
-            "first_commit_after_stop_s": (nc - stop) if (nc := next_commit(result, stop)) else None,
-            "left_after_s": left[0].time - stop if left else None,
-            "left_kind": str(left[0].kind) if left else None,
-            "steps_lost": [e.steps_lost for e in left],
-            "batches_dropped": [e.batches_dropped for e in left],
-            "rejoined_after_cont_s": joined[0].time - cont if joined else None,
-            "gap_after_cont_s": (g[0] if (g := longest_gap(times, cont)) else None),
-            "step_together_s": statistics.median(before) if before else None,
-            "step_alone_s": step_alone,
-            "bound_s": bound,
-            "events": [
-                {
-                    "kind": str(e.kind),
-                    "t": e.time - started,
-                    "joined": list(e.joined),
-                    "left": list(e.left),
-                    "steps_lost": e.steps_lost,
-                    "batches_dropped": e.batches_dropped,
-                }
-                for e in result.membership_events()
-            ],
-        }
-    )
-    return out
-
-
 def timeline(
     pool: ClusterPool, workload: str, data: str, epochs: int, kill_at: float, join_at: float
 ) -> dict[str, Any]:
@@ -540,74 +400,3 @@ def timeline(
         "events": sorted(({**m, "t": m["t"] - t0} for m in marks), key=lambda m: m["t"]),
         "policy": job.on_membership_change,
     }
-
-
-def _rss(pid: int) -> tuple[int, int]:
-    """(current, peak) resident bytes of a process, from /proc (Linux)."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields["VmRSS"], fields["VmHWM"]
-
-
-def memory(workload: str, data: str, small: str, epochs: int) -> dict[str, Any]:
-    """Peak memory of each data server's worker process over the bytes the data server must hold.
-
-    Baseline: the worker's resident memory before the job (Python, torch, Dask). Peak: its high-water
-    mark at the end. Must hold: data partition + parameter slice + optimizer state (momentum, one more
-    copy) + snapshot (parameters and momentum again) + the replica of its peer's snapshot (the peer's
-    parameters and momentum). The same job on the `small` dataset separates what grows with the
-    data (`marginal_ratio`: extra peak per extra byte held) from a fixed cost.
-    """
-    big_run, small_run = _memory_once(workload, data, epochs), _memory_once(workload, small, epochs)
-    for server, other in zip(big_run, small_run, strict=True):
-        server["growth_small_dataset"] = other["growth"]
-        server["must_hold_small_dataset"] = other["must_hold"]
-        server["marginal_ratio"] = (server["growth"] - other["growth"]) / (
-            server["must_hold"] - other["must_hold"]
-        )
-    return {"workload": workload, "servers": big_run}
-
-
-def _memory_once(workload: str, data: str, epochs: int) -> list[dict[str, Any]]:
-    with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
-        # Data server i (and, with server 0, the coordinator) lives on static-i.
-        static = [cluster.address_of(f"static-{i}") for i in range(2)]
-        pids = [cluster.worker_pid(str(addr)) for addr in static]
-        before = [_rss(pid)[0] for pid in pids]
-        job = make_job(workload, data, epochs=epochs, job_id="memory")
-        result, _ = run(cluster, job)
-        peaks = [_rss(pid)[1] for pid in pids]
-    plan = plan_shards(result.state_dict, job.data_servers, job.min_shard_bytes)
-    with np.load(data) as arrays:
-        per_sample = (arrays["x"].nbytes + arrays["y"].nbytes) // len(arrays["y"])
-        total = len(arrays["y"])
-    servers = []
-
-    def nbytes(names: list[str]) -> int:
-        return sum(result.state_dict[n].numel() * result.state_dict[n].element_size() for n in names)
-
-    for i, names in enumerate(plan):
-        start, stop = partition_bounds(total, job.data_servers, i)
-        params = nbytes(names)
-        replica = 2 * nbytes(plan[(i + 1) % len(plan)]) if job.peer_replicas and len(plan) > 1 else 0
-        must_hold = (stop - start) * per_sample + 4 * params + replica
-        grown = peaks[i] - before[i]
-        servers.append(
-            {
-                "server": i,
-                "holds_coordinator": i == 0,
-                "baseline_rss": before[i],
-                "peak_rss": peaks[i],
-                "growth": grown,
-                "data_bytes": (stop - start) * per_sample,
-                "param_bytes": params,
-                "replica_bytes": replica,
-                "must_hold": must_hold,
-                "ratio": grown / must_hold,
-            }
-        )
-    return servers

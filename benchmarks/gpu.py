@@ -46,7 +46,7 @@ from . import async_mode, elastic
 from .plain import plain_process
 from .workloads import WORKLOADS, write_dataset
 
-SAMPLES = 16384  # 128 steps of 128 an epoch, as benchmarks/run.py (512 of the resnet18's 32)
+SAMPLES = 16384  # 128 steps of 128 an epoch, as benchmarks/sizes.py (512 of the resnet18's 32)
 CHECK_SAMPLES = 4096
 
 

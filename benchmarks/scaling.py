@@ -131,7 +131,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     top = max(args.workers)
     for servers in args.data_servers:
         with LocalElasticCluster(static_workers=servers, elastic_workers=top) as cluster:
-            # A fresh cluster's first job is slower in every phase (benchmarks/run.py): every worker
+            # A fresh cluster's first job is slower in every phase (benchmarks/scenarios.py): every worker
             # trains a few steps first, not counted.
             warm = dataset(workload, folder, 3, top, servers)
             attempt(errors, f"warm-up S={servers}", elastic_run, cluster, workload, warm, top, servers, 1.0)

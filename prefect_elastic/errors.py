@@ -1,10 +1,6 @@
-"""The errors of prefect-elastic, as one small tree that says what each means for recovery.
+"""The errors a user of prefect-elastic catches, as one small tree that says what each means for recovery.
 
     ElasticError
-    +-- RecoverableError          the step in flight is dropped here; training goes on
-    |   +-- StaleGenerationError  a message of an older generation, refused, never applied
-    |   +-- StepPassed            a push or pull of a step the shard applied already (a straggler's)
-    |   +-- BackupWanted          a step's micro-batches are missing: train them for the silent member
     +-- FatalError                the job stops; the controller raises it with a message a user can act on
     |   +-- TrainingFailedError   the model raised, or the loss was not finite (names step and batch)
     |   +-- NotEnoughWorkersError fewer than min_workers for longer than min_workers_timeout
@@ -14,10 +10,11 @@
     |   +-- CheckpointWriteError  checkpoint writes kept failing; it holds the final parameters
     +-- TrainingStopped           the controller was asked to stop; not a failure
     +-- JobConfigError (also ValueError)  an impossible value, before any cluster work
-    +-- ModelFailure              inside a compute loop only: becomes a TrainingFailedError
 
-Compute loops and the coordinator catch `RecoverableError`; a `FatalError` raised by a data server ends a
-compute loop at once (it is never retried).
+Only these leave `train()` and the flow. The engine's own signals are families apart that never derive
+from `ElasticError`: the step path's (`wire/signals.py`: a step dropped, passed or short of micro-batches,
+a model's failure inside a loop) and the controller's (`training/signals.py`). A `FatalError` raised by a
+data server ends a compute loop at once (it is never retried).
 """
 
 from __future__ import annotations
@@ -29,53 +26,7 @@ if TYPE_CHECKING:  # (types only: checkpoint/ imports this module, and errors cr
 
 
 class ElasticError(Exception):
-    """Base of every error prefect-elastic raises on purpose."""
-
-
-class RecoverableError(ElasticError):
-    """The step in flight is dropped; training goes on."""
-
-
-class StaleGenerationError(RecoverableError):
-    """A message carried an older generation than the receiver's; it was rejected, never applied."""
-
-    def __init__(self, got: int, current: int, what: str = "message") -> None:
-        super().__init__(f"stale {what}: generation {got}, current generation is {current}")
-        self.got = got
-        self.current = current
-        self.what = what
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Errors cross processes (actor calls); keep the constructor arguments, not just the message.
-        return (type(self), (self.got, self.current, self.what))
-
-
-class StepPassed(RecoverableError):
-    """A shard refused a push or a pull of `step`: it stands at `version`, past it (the step was applied
-    without this worker, from another member's backup of its share: `stragglers.py`)."""
-
-    def __init__(self, step: int, version: int, index: int = -1) -> None:
-        super().__init__(f"step {step}, but shard {index} is at step {version}")
-        self.step = step
-        self.version = version
-        self.index = index
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.step, self.version, self.index))
-
-
-class BackupWanted(RecoverableError):
-    """A shard's answer to a pull that waited for `step` to be applied: the step stood open too long, and
-    `batch_ids` of it are missing. The loop trains its part of them (`stragglers.backup_share`) and pulls
-    again."""
-
-    def __init__(self, step: int, batch_ids: tuple[int, ...]) -> None:
-        super().__init__(f"step {step} lacks batch ids {list(batch_ids)}: train them as a backup")
-        self.step = step
-        self.batch_ids = batch_ids
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.step, self.batch_ids))
+    """Base of every error that leaves `train()` and the flow (the engine's own signals never derive from it)."""
 
 
 class FatalError(ElasticError):
@@ -169,16 +120,3 @@ class CheckpointWriteError(FatalError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.checkpoint, self.final, self.state_dict, self.step))
-
-
-class ModelFailure(ElasticError):
-    """Raised inside a compute loop when the model raised or its loss was not finite; the loop reports it
-    to the coordinator, which ends the job with a `TrainingFailedError`."""
-
-    def __init__(self, step: int, batch_id: int, message: str) -> None:
-        super().__init__(message)
-        self.step = step
-        self.batch_id = batch_id
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.step, self.batch_id, str(self)))

@@ -41,7 +41,8 @@ from .messages import Progress
 from .reporting import (
     is_outage,
 )
-from .training import PROGRESS_POLL_IDLE_SECONDS, Prepared, TrainingRun, TrainResult, prepare
+from .training import Prepared, TrainingRun, TrainResult, prepare
+from .training.pacing import PROGRESS_POLL_IDLE_SECONDS
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from prefect_elastic import (
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
 from prefect_elastic.coordinator import AsyncLeases, CoordinatorState, rebuild_applied_from
 from prefect_elastic.data_server import DataServer, plan_shards
-from prefect_elastic.errors import DataServerLostError, FatalError, StaleGenerationError
+from prefect_elastic.errors import DataServerLostError, FatalError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
@@ -34,6 +34,7 @@ from prefect_elastic.schedule import Schedule
 from prefect_elastic.survival import survival_check
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import Entry, Frame
+from prefect_elastic.wire.signals import StaleGenerationError
 
 from .conftest import HoldUntilJoined, References, in_process_servers, make_job, top_up
 from .models import GATE

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.elastic import fixed_cost, longest_gap, snapshot_excess
+from benchmarks.elastic import fixed_cost, snapshot_excess
+from benchmarks.frozen import longest_gap
 from benchmarks.report import END, START, figures
 from benchmarks.run import GROUPS
 from benchmarks.scaling import END as SCALING_END

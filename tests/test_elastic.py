@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
-from prefect_elastic.errors import RecoverableError
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
+from prefect_elastic.wire.signals import RecoverableError
 
 from .conftest import (
     HoldUntilJoined,

@@ -19,9 +19,9 @@ from prefect_elastic import (
 )
 from prefect_elastic.compute import MicroBatchTrainer
 from prefect_elastic.dataset import write_npz
-from prefect_elastic.errors import ModelFailure
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import EventKind
+from prefect_elastic.wire.signals import ModelFailure
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job, top_up
 

@@ -17,8 +17,9 @@ from prefect_elastic import SchedulerLostError, train
 from prefect_elastic.checkpoint import CheckpointStore
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.messages import Progress
-from prefect_elastic.training import CoordinatorLost, TrainingRun
+from prefect_elastic.training import TrainingRun
 from prefect_elastic.training.scheduler import SchedulerWatch
+from prefect_elastic.training.signals import CoordinatorLost
 
 from .conftest import References, assert_ledger_exactly_once, assert_same_parameters, make_job
 

@@ -23,18 +23,15 @@ from distributed.actor import Actor
 from prefect_elastic import train
 from prefect_elastic.coordinator import Coordinator
 from prefect_elastic.data_server import DataServer
-from prefect_elastic.errors import DataServerLostError, RecoverableError
+from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
-from prefect_elastic.training import (
-    CoordinatorLost,
-    StartCancelled,
-    controller_handle,
-    prepare,
-    settled_result,
-)
+from prefect_elastic.training import prepare
+from prefect_elastic.training.calls import controller_handle, settled_result
+from prefect_elastic.training.signals import CoordinatorLost, StartCancelled
+from prefect_elastic.wire.signals import RecoverableError
 
 from .conftest import (
     HoldUntilJoined,

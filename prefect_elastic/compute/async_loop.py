@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import FatalError, ModelFailure, RecoverableError, StaleGenerationError
+from ..errors import FatalError
+from ..wire.signals import ModelFailure, RecoverableError, StaleGenerationError
 from .async_session import AsyncSession
 from .loop import LoopContext, ask_role, reconnect
 from .stats import LoopStats

@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from ..allocator import freeze_startup_objects
-from ..errors import StaleGenerationError
 from ..messages import CoordinatorHandle, Role, Tensors
 from ..schedule import Schedule
 from ..sharding import join, part
 from ..wire import Entry, Frame, ShardLink, raise_error
+from ..wire.signals import StaleGenerationError
 from .stats import LoopStats
 from .trainer import MicroBatchTrainer
 

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from ..errors import RecoverableError
+from ..wire.signals import RecoverableError
 
 Item = TypeVar("Item")
 

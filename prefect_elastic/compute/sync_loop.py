@@ -25,17 +25,11 @@ import time
 from dataclasses import dataclass
 
 from ..allocator import freeze_startup_objects
-from ..errors import (
-    BackupWanted,
-    FatalError,
-    ModelFailure,
-    RecoverableError,
-    StaleGenerationError,
-    StepPassed,
-)
+from ..errors import FatalError
 from ..messages import Role
 from ..stragglers import backup_share, catch_up
 from ..wire import unread_answers_dropped
+from ..wire.signals import BackupWanted, ModelFailure, RecoverableError, StaleGenerationError, StepPassed
 from .frames import Ahead
 from .loop import MAX_CONSECUTIVE_CALL_ERRORS, LoopContext, ask_role, reconnect
 from .stats import LoopStats

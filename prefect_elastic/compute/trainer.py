@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call
 
-from ..errors import ModelFailure, RecoverableError
 from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
 from ..sharding import Piece, part, pieces_of
 from ..wire import Entry, Frame, ShardLink
+from ..wire.signals import ModelFailure, RecoverableError
 from .bucket_pull import bucket_pull_for
 from .bucket_push import bucket_push_for
 from .buckets import ForwardGate, unguarded

@@ -40,11 +40,12 @@ import torch
 
 from ..allocator import freeze_startup_objects, tune_allocator
 from ..dataset import DatasetInfo
-from ..errors import FatalError, RecoverableError, StaleGenerationError
+from ..errors import FatalError
 from ..job import ShardSpec
 from ..messages import ShardStatus, SnapshotInfo, Tensors
 from ..schedule import Schedule
 from ..wire import ChannelAddress, Frame, ShardServer, worker_tls
+from ..wire.signals import RecoverableError, StaleGenerationError
 from .frames import ShardFrames
 from .hooks import hooks_of_this_worker
 from .optimizer import Gradient, ShardOptimizer

@@ -20,10 +20,11 @@ import time
 
 import torch
 
-from ..errors import BackupWanted, FatalError, RecoverableError, StepPassed
+from ..errors import FatalError
 from ..messages import StepRecord, Tensors
 from ..schedule import Schedule
 from ..stragglers import RECENT_STEPS, backup_after, backup_due_in
+from ..wire.signals import BackupWanted, RecoverableError, StepPassed
 from .bucketed import OpenBuckets
 from .hooks import ServerHooks
 from .optimizer import Gradient

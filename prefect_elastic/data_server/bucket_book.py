@@ -27,8 +27,9 @@ from typing import Literal
 
 import torch
 
-from ..errors import FatalError, RecoverableError, StaleGenerationError
+from ..errors import FatalError
 from ..messages import StepRecord, Tensors
+from ..wire.signals import RecoverableError, StaleGenerationError
 
 Taken = Literal["held", "folded", "duplicate"]
 

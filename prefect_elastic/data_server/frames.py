@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from ..errors import FatalError, RecoverableError
+from ..errors import FatalError
 from ..messages import Tensors
 from ..wire import Entry, Frame, error_header
+from ..wire.signals import RecoverableError
 from .bucket_book import pull_verdict
 from .bucketed import bucket_sizes
 from .optimizer import Gradient

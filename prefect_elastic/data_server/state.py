@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from ..errors import FatalError, StaleGenerationError
+from ..errors import FatalError
 from ..job import ModelSpec
 from ..messages import Tensors
+from ..wire.signals import StaleGenerationError
 from .bucket_book import TwoCopies
 from .optimizer import Gradient, ShardBuffers, ShardOptimizer
 from .records import StepRecords

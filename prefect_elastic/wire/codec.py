@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import BackupWanted, FatalError, RecoverableError, StaleGenerationError, StepPassed
+from ..errors import FatalError
 from .inbox import SharedBodies
+from .signals import BackupWanted, RecoverableError, StaleGenerationError, StepPassed
 
 _LENGTH = struct.Struct("!I")  # a frame's header length, before the header
 _DTYPES: dict[str, torch.dtype] = {}  # a header's dtype name -> the dtype (looked up once per name)

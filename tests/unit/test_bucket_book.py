@@ -14,8 +14,9 @@ import torch
 
 from prefect_elastic.data_server.bucket_book import BucketBook, Seal, TwoCopies, pull_verdict
 from prefect_elastic.data_server.optimizer import ShardOptimizer
-from prefect_elastic.errors import FatalError, RecoverableError, StaleGenerationError
+from prefect_elastic.errors import FatalError
 from prefect_elastic.job import ElasticJob
+from prefect_elastic.wire.signals import RecoverableError, StaleGenerationError
 
 SIZES = (5, 64, 3, 129)  # a shard's buckets (odd lengths: vectorized kernels treat tails apart)
 IDS = (12, 13, 14, 15)  # a step of four micro-batches

@@ -19,11 +19,12 @@ from prefect_elastic.compute import MicroBatchTrainer
 from prefect_elastic.compute.bucket_pull import joined_now
 from prefect_elastic.compute.stats import LoopStats
 from prefect_elastic.data_server import DataServer
-from prefect_elastic.errors import FatalError, ModelFailure, StaleGenerationError
+from prefect_elastic.errors import FatalError
 from prefect_elastic.messages import Role, Tensors
 from prefect_elastic.sharding import Piece
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import Frame, ShardLink, unread_answers_dropped
+from prefect_elastic.wire.signals import ModelFailure, StaleGenerationError
 
 from ..conftest import in_process_servers, make_job
 from .test_channel import Served

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from prefect_elastic.errors import FatalError, RecoverableError, StaleGenerationError
+from prefect_elastic.errors import FatalError
 from prefect_elastic.wire import Entry, Frame, ShardLink, ShardServer, decode, encode
+from prefect_elastic.wire.signals import RecoverableError, StaleGenerationError
 
 
 class Served:

@@ -4,6 +4,8 @@ when nothing inside the engine answered it. Without a cluster: the decision alon
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +21,8 @@ from prefect_elastic.training.signals import (
     StartCancelled,
     StaticWorkerLeft,
 )
+from prefect_elastic.wire import signals as step_signals
+from prefect_elastic.wire.signals import StepSignal
 
 from ..conftest import make_job
 
@@ -31,6 +35,62 @@ def test_the_engines_signals_are_no_public_error() -> None:
         assert isinstance(signal, EngineSignal) and not isinstance(signal, ElasticError), type(signal)
     public = [v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)]
     assert not [e for e in public if issubclass(e, EngineSignal)]
+
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def public_errors() -> dict[str, type[Exception]]:
+    """The public errors: every exception class that `prefect_elastic.errors` defines."""
+    return {
+        name: value
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, Exception) and value.__module__ == errors.__name__
+    }
+
+
+def tree_in(page: str, section: str) -> list[tuple[str, str | None]]:
+    """The error tree in `page`'s `section` (its first fenced block): each class with its parent there, read
+    from the indent of its `+--`."""
+    text = (DOCS / page).read_text()
+    block = text[text.index("```", text.index(f"\n## {section}")) :].split("```")[1]
+    tree: list[tuple[str, str | None]] = []
+    path: list[str] = []
+    for line in block.strip("\n").splitlines():
+        if branch := re.match(r"^((?:\|   |    )*)\+-- ([A-Za-z]+)", line):
+            depth, name = len(branch[1]) // 4 + 1, branch[2]
+        elif root := re.match(r"^([A-Za-z]+)", line):
+            depth, name = 0, root[1]
+        else:
+            continue  # (a description's second line)
+        del path[depth:]
+        tree.append((name, path[-1] if path else None))
+        path.append(name)
+    return tree
+
+
+@pytest.mark.parametrize(
+    ("page", "section"), [("guide.md", "Errors"), ("architecture.md", "Errors: the contract")]
+)
+def test_the_docs_error_tree_is_the_codes(page: str, section: str) -> None:
+    """Every public error appears once, under its real parent, and nothing else does."""
+    tree = tree_in(page, section)
+    assert len(tree) == len({name for name, _ in tree}), "a class listed twice"
+    real = {
+        name: next((b.__name__ for b in cls.__bases__ if issubclass(b, errors.ElasticError)), None)
+        for name, cls in public_errors().items()
+    }
+    assert dict(tree) == real
+
+
+def test_the_step_paths_signals_are_no_public_error() -> None:
+    family = [v for v in vars(step_signals).values() if isinstance(v, type) and issubclass(v, Exception)]
+    assert {c.__name__ for c in family} >= {"StepSignal", "RecoverableError", "StaleGenerationError",
+                                            "StepPassed", "BackupWanted", "ModelFailure"}  # fmt: skip
+    for signal in family:
+        assert issubclass(signal, StepSignal) and not issubclass(signal, errors.ElasticError), signal
+    assert not [e for e in public_errors().values() if issubclass(e, (StepSignal, EngineSignal))]
+    assert not set(public_errors()) & {c.__name__ for c in family}
 
 
 def a_run(status: str = "running") -> TrainingRun:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from prefect_elastic.compute.outbox import Outbox
-from prefect_elastic.errors import RecoverableError
+from prefect_elastic.wire.signals import RecoverableError
 
 
 def test_each_links_items_are_written_in_order_and_drain_waits_for_all() -> None:

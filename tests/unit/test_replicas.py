@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from prefect_elastic.data_server import DataServer, join_tensors, split_tensors
-from prefect_elastic.errors import FatalError, StaleGenerationError
-from prefect_elastic.training import prepare, standbys
+from prefect_elastic.errors import FatalError
+from prefect_elastic.training import prepare
+from prefect_elastic.training.workers import standbys
+from prefect_elastic.wire.signals import StaleGenerationError
 
 from ..conftest import in_process_servers, make_job
 

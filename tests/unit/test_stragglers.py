@@ -13,7 +13,6 @@ import torch
 from prefect_elastic.compute import LoopStats, MicroBatchTrainer, Pipelined, ShardByShard
 from prefect_elastic.compute.frames import Ahead
 from prefect_elastic.data_server import DataServer
-from prefect_elastic.errors import BackupWanted, StepPassed
 from prefect_elastic.messages import Role, Tensors
 from prefect_elastic.schedule import Schedule
 from prefect_elastic.stragglers import (
@@ -28,6 +27,7 @@ from prefect_elastic.stragglers import (
 )
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import Frame, ShardLink
+from prefect_elastic.wire.signals import BackupWanted, StepPassed
 
 from ..conftest import in_process_servers, make_job
 from .test_channel import Served
