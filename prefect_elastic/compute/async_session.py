@@ -42,7 +42,7 @@ from ..allocator import freeze_startup_objects
 from ..messages import CoordinatorHandle, Role, Tensors
 from ..schedule import Schedule
 from ..sharding import join, part
-from ..wire import Entry, Frame, ShardLink, raise_error
+from ..wire import Apply, Current, Entry, Frame, Pull, ShardLink, Then, raise_error
 from ..wire.signals import StaleGenerationError
 from .stats import LoopStats
 from .trainer import MicroBatchTrainer
@@ -185,9 +185,8 @@ class AsyncSession:
 
     def _fetch_batch(self, generation: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """On the fetcher's thread: batch id `b`'s inputs and targets, from the shard that holds them."""
-        then = {"step": None, "wait": 0.0, "batches": [b]}
         link = self.data[self.schedule.server_of(b)]
-        frame = link.request(Frame({"op": "pull", "generation": generation, "then": then}), self.timeout)
+        frame = link.request(Pull(generation, Then(None, 0.0, [b])).frame(), self.timeout)
         raise_error(frame.header.get("next_error") or {})
         xs = {e.batch_id: t for e, t in frame.tensors if e.kind == "x"}
         ys = {e.batch_id: t for e, t in frame.tensors if e.kind == "y"}
@@ -202,7 +201,7 @@ class AsyncSession:
     def _fetch_state(self) -> None:
         """The parameters of every shard as they are now (a new generation, or after a failed call)."""
         began = time.perf_counter()
-        frame = Frame({"op": "current", "generation": self.role.generation})
+        frame = Current(self.role.generation).frame()
         for link in self.shards:
             link.send(frame)
         self.state, self.versions = [], []
@@ -248,19 +247,11 @@ class AsyncSession:
         frames = []
         for i, names in enumerate(trainer.shard_params):
             pieces = trainer.pieces[i]
-            header = {
-                "op": "apply",
-                "generation": gen,
-                "worker": self.address,
-                "batch_id": b,
-                "computed_on": base[i],
-                "loss": loss,
-                "then": {"state": True},
-            }
+            apply = Apply(gen, self.address, b, base[i], loss)
             tensors = [(Entry("grad", b, n), part(grads[n], pieces[n])) for n in names if n in grads]
             # (Grouped by dtype, as a sync push sends them: the shard updates a run at once.)
             tensors += [(Entry("buffer", b, n), part(bufs[n], pieces[n])) for n in trainer.buffer_order[i]]
-            frames.append(Frame(header, tensors))
+            frames.append(apply.frame(tensors))
         self.exchange = self.postman.submit(self._exchange, frames)
         self.pending.append(Pending(b))
         self.stats.batches += 1

@@ -34,6 +34,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -42,11 +43,11 @@ import torch
 from ..data_server.bucket_plan import Bucket
 from ..errors import FatalError
 from ..sharding import Piece
-from ..wire import Frame, ShardLink
+from ..wire import Frame, ShardLink, Then
 from ..wire.codec import _dtype
 from .buckets import Key
 
-Ask = dict[str, Any] | None
+Ask = Then | None
 
 
 class BucketPull:
@@ -82,12 +83,15 @@ class BucketPull:
 
     def ask(self, links: Sequence[ShardLink], asks: list[Ask]) -> list[Ask]:
         """`asks` (one per shard, for the next step), those for parameters asking for them in buckets."""
-        for i, ask in enumerate(asks):
-            if ask is None or ask.get("step") is None or not self.plan[i]:
-                continue
-            if self._everywhere or not links[i].local:
-                ask["buckets"] = self._bounds[i]
-        return asks
+        return [
+            replace(ask, buckets=self._bounds[i])
+            if ask is not None
+            and ask.step is not None
+            and self.plan[i]
+            and (self._everywhere or not links[i].local)
+            else ask
+            for i, ask in enumerate(asks)
+        ]
 
     def expect(self, header: dict[str, Any]) -> torch.Tensor:
         """An answer whose parameters follow in buckets: the flat tensor they are read into (the step's

@@ -1,7 +1,7 @@
 """A sync step's gradients leaving bucket by bucket during backward (`ElasticJob.overlap_push`).
 
 `BucketPush` arms the backward hooks (`buckets.BucketHooks`) on the step's parameters; each bucket whose
-gradients are all in goes to its shard as a quiet frame (op `part`: the generation, the step, the batch
+gradients are all in goes to its shard as a quiet frame (a `Part`: the generation, the step, the batch
 id, the bucket and every bucket's range of the shard's flat parameters), written by the link's sender
 thread (`outbox.Outbox`) while backward goes on. The shard sums the parts in batch-id order as they come
 (`data_server/bucketed.py`). The step's push to each shard then carries no gradient: it seals the share's
@@ -13,13 +13,12 @@ across shards: docs/design/overlapped-step.md).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 
 from ..data_server.bucket_plan import Bucket, plan_buckets
 from ..sharding import Piece
-from ..wire import Entry, Frame, ShardLink
+from ..wire import Entry, Frame, Part, ShardLink
 from .buckets import BucketHooks
 from .outbox import Outbox
 
@@ -71,7 +70,7 @@ class BucketPush:
         self.gets_parts = [bool(buckets) for buckets in plan]  # (a shard without parameters gets seals only)
         self._links: list[ShardLink] = []
         self._outbox: Outbox[Frame] | None = None
-        self._head: dict[str, Any] = {}
+        self._step = (-1, -1)  # (generation, step) of the parts being sent
         self._batch = -1
 
     def start(
@@ -82,7 +81,7 @@ class BucketPush:
         self._links = links
         if self._outbox is None:
             self._outbox = Outbox([self._writer(i) for i in range(len(self.plan))], name="bucket-push")
-        self._head = {"op": "part", "quiet": True, "generation": generation, "step": step}
+        self._step = (generation, step)
         return BucketHooks(self.plan, leaves, self._send)
 
     def micro_batch(self, batch_id: int) -> None:
@@ -127,9 +126,9 @@ class BucketPush:
         assert self._outbox is not None
         if run.device.type != "cpu":
             run = run.cpu()  # (a GPU's buckets are copied out on a stream of their own: later)
-        header = {**self._head, "batch": self._batch, "bucket": bucket.index}
-        header["bounds"] = self.bounds[bucket.shard]
-        self._outbox.put(bucket.shard, Frame(header, [(Entry("part", self._batch, ""), run)]))
+        generation, step = self._step
+        part = Part(generation, step, self._batch, bucket.index, self.bounds[bucket.shard])
+        self._outbox.put(bucket.shard, part.frame([(Entry("part", self._batch, ""), run)]))
 
 
 def bucket_push_for(

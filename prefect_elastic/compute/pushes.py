@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from ..wire import Frame, ShardLink, raise_error
+from ..wire import Frame, Pull, ShardLink, Then, raise_error
 from .frames import receive_all, send_all
 
 # The name of a Dask worker plugin that, where present, is told of every push (a `PushObserver`).
 PUSH_HOOK = "prefect-elastic-push-hook"
 
-Ask = dict[str, Any] | None
+Ask = Then | None
 
 
 class PushObserver(Protocol):
@@ -109,8 +109,8 @@ class ShardByShard:
             link.request(frame, timeout)
 
             def wait_applied(link: ShardLink = link) -> None:
-                wait = {"step": step + 1, "wait": pull_wait, "batches": []}
-                answer = link.request(Frame({"op": "pull", "generation": generation, "then": wait}), timeout)
+                wait = Then(step + 1, pull_wait)
+                answer = link.request(Pull(generation, wait).frame(), timeout)
                 raise_error(answer.header.get("next_error") or {})
 
             self.observer.after_push(i, step, wait_applied)

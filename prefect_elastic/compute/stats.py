@@ -1,8 +1,10 @@
 """What a compute loop measured of itself (`LoopStats`): the controller collects one per loop that ended
-and sums them into the run's figures (`TrainResult.loops`, docs/benchmarks.md)."""
+and sums them into the run's figures (`TrainResult.loops`, docs/benchmarks.md). A step's phases are timed
+by a `PhaseClock`."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 # Steps a loop trains before its phases count as steady (`LoopStats.steady_phases`).
@@ -46,3 +48,17 @@ class LoopStats:
         if self.steps >= WARMUP_STEPS:
             self.steady_steps += 1
         self.steps += 1
+
+
+class PhaseClock:
+    """The seconds of a step's phases as they end, one after another, into the loop's `stats`."""
+
+    def __init__(self, stats: LoopStats) -> None:
+        self.stats = stats
+        self._at = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        """Phase `phase` ends now (it began where the last one ended)."""
+        now = time.perf_counter()
+        self.stats.add(phase, now - self._at)
+        self._at = now

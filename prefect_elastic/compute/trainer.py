@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,7 +24,7 @@ from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
 from ..sharding import Piece, part, pieces_of
-from ..wire import Entry, Frame, ShardLink
+from ..wire import Entry, Pull, Push, ShardLink, Then
 from ..wire.signals import ModelFailure, RecoverableError
 from .bucket_pull import bucket_pull_for
 from .bucket_push import bucket_push_for
@@ -41,7 +42,7 @@ from .frames import (
     send_all,
 )
 from .pushes import Pipelined, StepPush
-from .stats import LoopStats
+from .stats import LoopStats, PhaseClock
 
 if TYPE_CHECKING:
     import numpy as np
@@ -148,7 +149,7 @@ class MicroBatchTrainer:
         params: bool = True,
         batches: bool = True,
         share: tuple[int, ...] | None = None,
-    ) -> list[dict[str, Any] | None]:
+    ) -> list[Then | None]:
         """What to ask every shard for `step`: its parameters (the shard waits until it has applied the
         step before, or asks this worker for a backup of it: `stragglers.py`) and the batches of this
         worker's share (`share`, where not its own) that it holds. None where there is nothing to ask
@@ -159,13 +160,13 @@ class MicroBatchTrainer:
             share = schedule.share(step, role.rank, role.size)
         wanted = share if batches else ()
         worker = role.members[role.rank]
-        asks: list[dict[str, Any] | None] = []
+        asks: list[Then | None] = []
         for i in range(len(self.plan)):
             held = [b for b in wanted if schedule.server_of(b) == i]
             if params:
-                asks.append({"step": step, "wait": self.pull_wait, "batches": held, "worker": worker})
+                asks.append(Then(step, self.pull_wait, held, worker))
             elif held:
-                asks.append({"step": None, "wait": self.pull_wait, "batches": held})
+                asks.append(Then(None, self.pull_wait, held))
             else:
                 asks.append(None)
         return asks
@@ -190,7 +191,7 @@ class MicroBatchTrainer:
         # holds its batch ids from that push may apply the step, writing its parameters, while this loop
         # computes the step again for the shards that lack them.
         frames = [
-            Frame({"op": "pull", "generation": role.generation, "then": then and {**then, "copy": True}})
+            Pull(role.generation, None if then is None else replace(then, copy=True)).frame()
             for then in self.then(role, step, schedule, share=share)
         ]
         return Ahead(role.generation, step, exchange(shards, frames, self.spec.call_timeout))
@@ -210,64 +211,87 @@ class MicroBatchTrainer:
         """Train this worker's share of `step` (`backup`: batch ids of it that another member did not
         push, `stragglers.py`) and push it (`pushes`); returns the answers for its next step (`step + 1`
         in either case), where the push asked for them."""
-        timeout = self.spec.call_timeout
-        clock = time.perf_counter()
-
-        def lap(phase: str) -> None:
-            nonlocal clock
-            now = time.perf_counter()
-            stats.add(phase, now - clock)
-            clock = now
-
-        gen = role.generation
-        pull = self.bucket_pull
-        if pull is not None:
-            pull.drop()  # (a step that failed in `unpack` left buckets owed: its links were closed)
-        if ahead is None or (ahead.generation, ahead.step) != (gen, step):
-            ahead = self.fetch(role, step, shards, schedule, share)
-        state, batches = ahead.unpack(self.shapes, self.plan, pull, self.wholes)
-        del ahead
+        clock = PhaseClock(stats)
+        state, batches = self.pull(role, step, share, shards, schedule, ahead)
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
-        early_asks = [
-            None if then is None else Frame({"op": "pull", "generation": gen, "then": then})
-            for then in pushes.ahead(self.then(role, step + 1, schedule, params=False))
+        asks = pushes.ahead(self.then(role, step + 1, schedule, params=False))
+        send_all(shards, [None if then is None else Pull(role.generation, then).frame() for then in asks])
+        clock.lap("pull")
+        following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
+        if self.bucket_pull is not None and self.guards(batches[share[0]][0]):
+            following = self.bucket_pull.ask(shards, following)
+        losses, sent = self.compute(role.generation, step, share, shards, state, batches, clock)
+        # (The step's parameters and batches go before the push: a loop on the shard's machine holds its
+        # answers' memory until then, `wire/inbox.py`.)
+        del state, batches
+        worker = role.members[role.rank]
+        frames = [
+            # (A data server that holds no state is asked nothing: its answer is read before the next push.)
+            Push(
+                role.generation, step, worker, losses, None if idle else then, order, backup, bucketed
+            ).frame(tensors)
+            for then, order, idle, bucketed, tensors in zip(
+                following, self.shard_params, self.stateless, self.parted, sent, strict=True
+            )
         ]
-        send_all(shards, early_asks)
-        lap("pull")
+        answers = pushes.deliver(
+            shards,
+            frames,
+            role.generation,
+            step,
+            self.push_order,
+            self.stateless,
+            self.pull_wait,
+            self.spec.call_timeout,
+        )
+        clock.lap("push")
+        return Ahead(role.generation, step + 1, answers) if following[0] is not None else None
+
+    def pull(
+        self,
+        role: Role,
+        step: int,
+        share: tuple[int, ...],
+        shards: list[ShardLink],
+        schedule: Schedule,
+        ahead: Ahead | None,
+    ) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+        """The parameters and buffers of `step`, and the batches of `share` by batch id: from the answers
+        asked for with the last push (`ahead`), where they are this step's, else fetched now."""
+        if self.bucket_pull is not None:
+            self.bucket_pull.drop()  # (a step that failed in `unpack` left buckets owed: its links closed)
+        if ahead is None or (ahead.generation, ahead.step) != (role.generation, step):
+            ahead = self.fetch(role, step, shards, schedule, share)
+        return ahead.unpack(self.shapes, self.plan, self.bucket_pull, self.wholes)
+
+    def compute(
+        self,
+        generation: int,
+        step: int,
+        share: tuple[int, ...],
+        shards: list[ShardLink],
+        state: Tensors,
+        batches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        clock: PhaseClock,
+    ) -> tuple[dict[int, float], list[list[tuple[Entry, torch.Tensor]]]]:
+        """Every micro-batch of `share`, against the pulled `state`: the losses by batch id, and for every
+        shard the gradients and buffers its push carries (where gradients leave in parts during backward,
+        `bucket_push.py`, those sent and every part written)."""
+        stats = clock.stats
         params = self.on_device(state)
         buffers = {n: t for n, t in state.items() if n not in params}
-
-        following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
-        if pull is not None and self.guards(batches[share[0]][0]):
-            following = pull.ask(shards, following)
-        parted = self.parted
-        frames = [
-            Frame(
-                {
-                    "op": "push",
-                    "generation": gen,
-                    "step": step,
-                    "worker": role.members[role.rank],
-                    "losses": {},
-                    "then": None if stateless else then,
-                    "order": names,  # the parameters a packed gradient covers (`gradient_entries`)
-                    "backup": backup,
-                    "bucketed": bucketed,  # its gradients went before, in parts: this push seals them
-                }
-            )
-            for then, names, stateless, bucketed in zip(
-                following, self.shard_params, self.stateless, parted, strict=True
-            )
-        ]
-        hooks = self.bucket_push.start(shards, gen, step, params) if self.bucket_push else None
+        pull = self.bucket_pull
+        losses: dict[int, float] = {}
+        sent: list[list[tuple[Entry, torch.Tensor]]] = [[] for _ in self.plan]
+        hooks = self.bucket_push.start(shards, generation, step, params) if self.bucket_push else None
         gate = None
         try:
             if pull is not None and pull.owed:
                 # Buckets that follow the answers are read from now on, a thread per shard, and each
                 # module's forward waits for its own. Every one is in by the end of the first forward
-                # (`done`): the loop sends nothing on those links meanwhile (the batch requests above
-                # left before), and the sender threads post backward's parts only after.
+                # (`done`): the loop sends nothing on those links meanwhile (the batch requests left
+                # before, in `step`), and the sender threads post backward's parts only after.
                 to_come = pull.start(shards)
                 gate = ForwardGate(
                     self.model, to_come, pull.receive, self.aliases, done=pull.rest, reads=self.early_reads
@@ -288,22 +312,12 @@ class MicroBatchTrainer:
                 self.slow_down(time.perf_counter() - began)
                 # Every shard hears of every batch id (the losses name them), also a shard that holds no
                 # parameters or no buffers: each applies the step when it holds all of its batch ids.
-                for frame in frames:
-                    frame.header["losses"][str(b)] = loss
-                # A micro-batch's gradients back to back, in the plan's order, then its buffers: the shard
-                # takes them as one flat gradient without a copy (`data_server/optimizer.py`).
-                for i in range(len(self.plan)):
-                    pieces = self.pieces[i]
-                    if not parted[i]:
-                        frames[i].tensors += gradient_entries(
-                            b, [(n, part(g[n], pieces[n])) for n in self.shard_params[i]], self.packed[i]
-                        )
-                    frames[i].tensors += [
-                        (Entry("buffer", b, n), part(bufs[n], pieces[n])) for n in self.buffer_order[i]
-                    ]
-                lap("compute")
+                losses[b] = loss
+                for i, entries in enumerate(self.entries(b, g, bufs)):
+                    sent[i] += entries
+                clock.lap("compute")
             if self.bucket_push is not None:
-                self.bucket_push.drain(timeout)  # every part written before any seal leaves
+                self.bucket_push.drain(self.spec.call_timeout)  # every part written before any seal leaves
         finally:
             if gate is not None:
                 gate.remove()
@@ -312,12 +326,25 @@ class MicroBatchTrainer:
             if hooks is not None and self.bucket_push is not None:
                 hooks.remove()
                 self.bucket_push.settle()
-        del state, params, buffers, batches
-        answers = pushes.deliver(
-            shards, frames, gen, step, self.push_order, self.stateless, self.pull_wait, timeout
-        )
-        lap("push")
-        return Ahead(gen, step + 1, answers) if following[0] is not None else None
+        return losses, sent
+
+    def entries(
+        self, batch_id: int, grads: Tensors, buffers: Tensors
+    ) -> list[list[tuple[Entry, torch.Tensor]]]:
+        """One micro-batch's tensors for every shard's push: its gradients back to back, in the plan's
+        order (the shard takes them as one flat gradient without a copy: `data_server/optimizer.py`),
+        unless they went in parts, then its buffers."""
+        every = []
+        for i, pieces in enumerate(self.pieces):
+            entries: list[tuple[Entry, torch.Tensor]] = []
+            if not self.parted[i]:
+                held = [(n, part(grads[n], pieces[n])) for n in self.shard_params[i]]
+                entries += gradient_entries(batch_id, held, self.packed[i])
+            entries += [
+                (Entry("buffer", batch_id, n), part(buffers[n], pieces[n])) for n in self.buffer_order[i]
+            ]
+            every.append(entries)
+        return every
 
     def guards(self, x: torch.Tensor) -> bool:
         """Whether a forward gate can hold each parameter until it arrived, decided once, on the meta model

@@ -44,7 +44,7 @@ from ..errors import FatalError
 from ..job import ShardSpec
 from ..messages import ShardStatus, SnapshotInfo, Tensors
 from ..schedule import Schedule
-from ..wire import ChannelAddress, Frame, ShardServer, worker_tls
+from ..wire import Apply, ChannelAddress, Frame, Push, ShardServer, worker_tls
 from ..wire.signals import RecoverableError, StaleGenerationError
 from .frames import ShardFrames
 from .hooks import hooks_of_this_worker
@@ -179,7 +179,8 @@ class DataServer:
         loss: float,
     ) -> tuple[str, int]:
         """Async mode: apply the gradient of one micro-batch now (`AsyncApplies.apply_one`)."""
-        return await self.applies.apply_one(generation, worker, batch_id, computed_on, grads, buffers, loss)
+        apply = Apply(generation, worker, batch_id, computed_on, loss)
+        return await self.applies.apply_one(apply, grads, buffers)
 
     async def current(self, generation: int) -> tuple[int, Tensors]:
         """Async mode: the version and a copy of the parameters and buffers as they are now."""
@@ -203,7 +204,7 @@ class DataServer:
     ) -> None:
         """The gradients (of this shard's parameters), updated buffers and losses of the batch ids in
         `losses`; the push that completes step `step` applies it."""
-        await self.applies.push(generation, step, worker, grads, buffers, losses)
+        await self.applies.push(Push(generation, step, worker, losses), grads, buffers)
 
     # -- the coordinator -------------------------------------------------------------------------
 

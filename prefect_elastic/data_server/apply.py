@@ -24,6 +24,7 @@ from ..errors import FatalError
 from ..messages import StepRecord, Tensors
 from ..schedule import Schedule
 from ..stragglers import RECENT_STEPS, backup_after, backup_due_in
+from ..wire import Apply, Part, Push
 from ..wire.signals import BackupWanted, RecoverableError, StepPassed
 from .bucketed import OpenBuckets
 from .hooks import ServerHooks
@@ -56,18 +57,10 @@ class SyncApplies:
         self._behind: set[int] = set()
         self._parts = OpenBuckets(state.index)  # the open step's gradients where they come in parts
 
-    async def push(
-        self,
-        generation: int,
-        step: int,
-        worker: str,
-        grads: dict[int, Gradient],
-        buffers: dict[int, Tensors],
-        losses: dict[int, float],
-        backup: bool = False,
-        bucketed: bool = False,
-    ) -> None:
+    async def push(self, push: Push, grads: dict[int, Gradient], buffers: dict[int, Tensors]) -> None:
         """The push that completes step `step` applies it."""
+        generation, step, worker, losses = push.generation, push.step, push.worker, push.losses
+        backup, bucketed = push.backup, push.bucketed
         state = self._state
         state.check(generation, "push")
         if self._parts.error is not None:
@@ -97,22 +90,15 @@ class SyncApplies:
             )
         await self.advance()
 
-    async def part(
-        self,
-        generation: int,
-        step: int,
-        batch_id: int,
-        bucket: int,
-        bounds: list[list[int]],
-        run: torch.Tensor,
-    ) -> None:
+    async def part(self, part: Part, run: torch.Tensor) -> None:
         """Summed into the open step's book; dropped when of another generation or step (`bucketed.py`)."""
+        generation, step, batch_id = part.generation, part.step, part.batch
         state = self._state
         # (Another generation's or step's is dropped: the seal after it on its connection is refused.)
         if generation == state.generation and step == state.version and not state.applying:
             numel = state.optimizer.numel if state.optimizer is not None else None
             batches = self._schedule.step_batches(step)
-            self._parts.take(generation, step, batches, batch_id, bucket, bounds, numel, run)
+            self._parts.take(generation, step, batches, batch_id, part.bucket, part.bounds, numel, run)
             # A bucket whole (every micro-batch's part in) is applied now, into the copy loops do not read.
             copy = self._parts.other_copy(state.optimizer)
             if copy is not None and self._parts.ready():
@@ -178,17 +164,8 @@ class SyncApplies:
             self._open.told[asker] = time.monotonic()
         return BackupWanted(step, tuple(self._open.missing(self._schedule.step_batches(step))))
 
-    async def apply_one(
-        self,
-        generation: int,
-        worker: str,
-        batch_id: int,
-        computed_on: int,
-        grads: Tensors,
-        buffers: Tensors,
-        loss: float,
-    ) -> tuple[str, int]:
-        self._state.check(generation, "apply")
+    async def apply_one(self, apply: Apply, grads: Tensors, buffers: Tensors) -> tuple[str, int]:
+        self._state.check(apply.generation, "apply")
         raise FatalError(f"shard {self._state.index} got an async gradient in a sync job")
 
     async def current(self, generation: int) -> tuple[int, Tensors]:
@@ -332,48 +309,23 @@ class AsyncApplies:
         self._max_staleness = max_staleness
         self._published: tuple[int, Tensors] | None = None  # (version, a copy of the state) for pulls
 
-    async def push(
-        self,
-        generation: int,
-        step: int,
-        worker: str,
-        grads: dict[int, Gradient],
-        buffers: dict[int, Tensors],
-        losses: dict[int, float],
-        backup: bool = False,
-        bucketed: bool = False,
-    ) -> None:
-        self._state.check(generation, "push")
+    async def push(self, push: Push, grads: dict[int, Gradient], buffers: dict[int, Tensors]) -> None:
+        self._state.check(push.generation, "push")
         raise FatalError(f"shard {self._state.index} got a sync push in an async job")
 
-    async def part(
-        self,
-        generation: int,
-        step: int,
-        batch_id: int,
-        bucket: int,
-        bounds: list[list[int]],
-        run: torch.Tensor,
-    ) -> None:
-        self._state.check(generation, "push")
+    async def part(self, part: Part, run: torch.Tensor) -> None:
+        self._state.check(part.generation, "push")
         raise FatalError(f"shard {self._state.index} got a gradient in parts in an async job")
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         self._state.check(generation, "pull")
         raise FatalError(f"shard {self._state.index} got a pull of step {step} in an async job")
 
-    async def apply_one(
-        self,
-        generation: int,
-        worker: str,
-        batch_id: int,
-        computed_on: int,
-        grads: Tensors,
-        buffers: Tensors,
-        loss: float,
-    ) -> tuple[str, int]:
+    async def apply_one(self, apply: Apply, grads: Tensors, buffers: Tensors) -> tuple[str, int]:
         """Apply the gradient of one micro-batch now, unless this shard applied that batch id already or
         it is too stale (`async_verdict`). Returns the outcome and the staleness."""
+        generation, worker, batch_id = apply.generation, apply.worker, apply.batch_id
+        computed_on, loss = apply.computed_on, apply.loss
         state = self._state
         state.check(generation, "apply")
         if not 0 <= batch_id < self._total_batches or computed_on < 0:

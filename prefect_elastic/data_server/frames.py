@@ -15,7 +15,19 @@ import torch
 
 from ..errors import FatalError
 from ..messages import Tensors
-from ..wire import Entry, Frame, error_header
+from ..wire import (
+    Apply,
+    Current,
+    Entry,
+    Frame,
+    Part,
+    Pull,
+    Push,
+    ReplicaAsk,
+    Then,
+    decode_message,
+    error_header,
+)
 from ..wire.signals import RecoverableError
 from .bucket_book import pull_verdict
 from .bucketed import bucket_sizes
@@ -43,56 +55,48 @@ class ShardFrames:
         and/or what it needs next (`then`: the parameters of a step, once applied here, and batches that
         live here). A failed push fails the frame; a failed `then` (not ready within its wait, a fence)
         is answered as `next_error`, since the push itself went in."""
-        header = frame.header
-        generation = int(header["generation"])
-        if header["op"] == "apply":
-            return await self._on_apply(generation, frame)
-        if header["op"] == "current":
-            version, state = await self._applies.current_for_answer(generation)
-            return Frame(
-                {"ok": True, "version": version, "shard": self._shard.index},
-                [(Entry("state", -1, n), t) for n, t in state.items()],
-            )
-        if header["op"] == "replica":
-            # A standby taking shard `source`'s role reads the replica's tensors here (`adopt`).
-            # Each tensor's place in the outline (`replica_outline`) goes as the entry's batch id.
-            _, held = split_tensors(self._replicas.replica(int(header["source"]), int(header["version"])))
-            return Frame({"ok": True}, [(Entry("replica", place, ""), t) for place, t in held], True)
-        if header["op"] == "part":
-            # A bucket of one micro-batch's gradient, sent during backward (quiet: nothing is answered).
-            ((_, run),) = frame.tensors
-            await self._applies.part(
-                generation,
-                int(header["step"]),
-                int(header["batch"]),
-                int(header["bucket"]),
-                header["bounds"],
-                run,
-            )
-            return Frame({"ok": True})
-        if header["op"] == "push":
-            grads: dict[int, Gradient] = {}
-            buffers: dict[int, Tensors] = {}
-            for entry, tensor in frame.tensors:
-                if entry.kind == "grads":  # packed: one flat run over the parameters `order` names
-                    grads[entry.batch_id] = self._packed(header.get("order") or [], tensor)
-                    continue
-                target: dict[int, Any] = grads if entry.kind == "grad" else buffers
-                target.setdefault(entry.batch_id, {})[entry.name] = tensor
-            losses = {int(b): float(v) for b, v in header["losses"].items()}
-            if header.get("bucketed"):
-                self._check_order(header.get("order") or [])
-            await self._applies.push(
-                generation,
-                int(header["step"]),
-                str(header["worker"]),
-                grads,
-                buffers,
-                losses,
-                bool(header.get("backup")),
-                bool(header.get("bucketed")),
-            )
-        then = header.get("then")
+        message = decode_message(frame.header)
+        match message:
+            case Apply():
+                return await self._on_apply(message, frame)
+            case Current():
+                version, state = await self._applies.current_for_answer(message.generation)
+                return Frame(
+                    {"ok": True, "version": version, "shard": self._shard.index},
+                    [(Entry("state", -1, n), t) for n, t in state.items()],
+                )
+            case ReplicaAsk():
+                # A standby taking shard `source`'s role reads the replica's tensors here (`adopt`).
+                # Each tensor's place in the outline (`replica_outline`) goes as the entry's batch id.
+                _, held = split_tensors(self._replicas.replica(message.source, message.version))
+                return Frame({"ok": True}, [(Entry("replica", place, ""), t) for place, t in held], True)
+            case Part():
+                # A bucket of one micro-batch's gradient, sent during backward (quiet: nothing is answered).
+                ((_, run),) = frame.tensors
+                await self._applies.part(message, run)
+                return Frame({"ok": True})
+            case Push():
+                await self._on_push(message, frame)
+                return await self._then(message.generation, message.then)
+            case Pull():
+                return await self._then(message.generation, message.then)
+        raise TypeError(f"no answer to {message!r}")
+
+    async def _on_push(self, push: Push, frame: Frame) -> None:
+        grads: dict[int, Gradient] = {}
+        buffers: dict[int, Tensors] = {}
+        for entry, tensor in frame.tensors:
+            if entry.kind == "grads":  # packed: one flat run over the parameters `order` names
+                grads[entry.batch_id] = self._packed(push.order, tensor)
+                continue
+            target: dict[int, Any] = grads if entry.kind == "grad" else buffers
+            target.setdefault(entry.batch_id, {})[entry.name] = tensor
+        if push.bucketed:
+            self._check_order(push.order)
+        await self._applies.push(push, grads, buffers)
+
+    async def _then(self, generation: int, then: Then | None) -> Frame:
+        """The answer to what a loop needs next (`then`), or a bare `ok` where it needs nothing."""
         if then is None:
             return Frame({"ok": True})
         # (`shard`: a loop joins the parts of a tensor split across data servers by who sent them.)
@@ -100,22 +104,23 @@ class ShardFrames:
         tensors: list[tuple[Entry, torch.Tensor]] = []
         following = None
         try:
-            if then.get("step") is not None:
+            if then.step is not None:
                 tensors += await self._params_for_answer(generation, then, answer)
-                if answer.get("follow"):
-                    following = self._buckets(generation, int(then["step"]), then["buckets"])
-            for b in then["batches"]:
-                x, y = await self._get_batch(generation, int(b))
-                tensors += [(Entry("x", int(b), ""), x), (Entry("y", int(b), ""), y)]
+                if answer.get("follow") and then.buckets is not None:
+                    following = self._buckets(generation, then.step, then.buckets)
+            for b in then.batches:
+                x, y = await self._get_batch(generation, b)
+                tensors += [(Entry("x", b, ""), x), (Entry("y", b, ""), y)]
         except Exception as exc:
             return Frame({"ok": True, "next_error": error_header(exc)})
         return Frame(answer, tensors, following=following)
 
     async def _params_for_answer(
-        self, generation: int, then: dict[str, Any], answer: dict[str, Any]
+        self, generation: int, then: Then, answer: dict[str, Any]
     ) -> list[tuple[Entry, torch.Tensor]]:
-        asker = then.get("worker")  # (a loop that may be asked for a backup instead: `stragglers.py`)
-        state = await self._applies.pull(generation, int(then["step"]), float(then["wait"]), asker)
+        assert then.step is not None
+        # (`then.worker`: a loop that may be asked for a backup instead, `stragglers.py`.)
+        state = await self._applies.pull(generation, then.step, then.wait, then.worker)
         tensors: list[tuple[Entry, torch.Tensor]] = []
         optimizer = self._shard.optimizer
         if optimizer is not None and optimizer.flat is not None:
@@ -123,12 +128,12 @@ class ShardFrames:
             # to encode instead of one per parameter (the loop takes views of it, of this shard's
             # own memory where it reads them in place, unless it asks for a copy: `fetch`).
             answer["params"] = optimizer.names
-            flat = optimizer.flat.clone() if then.get("copy") else optimizer.flat
-            if then.get("buckets") and not then.get("copy"):
+            flat = optimizer.flat.clone() if then.copy else optimizer.flat
+            if then.buckets and not then.copy:
                 # Bucket by bucket, in forward order, each a frame of its own after this one (`_buckets`):
                 # the loop's forward starts once the first is in. The ranges are the loop's bucket plan.
-                bucket_sizes(then["buckets"], optimizer.numel, self._shard.index)
-                answer.update(follow=len(then["buckets"]), numel=optimizer.numel, dtype=str(flat.dtype))
+                bucket_sizes(then.buckets, optimizer.numel, self._shard.index)
+                answer.update(follow=len(then.buckets), numel=optimizer.numel, dtype=str(flat.dtype))
             else:
                 tensors = [(Entry("params", -1, ""), flat)]
             state = self._shard.buffers
@@ -178,29 +183,19 @@ class ShardFrames:
             )
         return self._shard.optimizer.packed(order, flat)
 
-    async def _on_apply(self, generation: int, frame: Frame) -> Frame:
+    async def _on_apply(self, apply: Apply, frame: Frame) -> Frame:
         """Async mode: one micro-batch's gradient (with the version of this shard it was computed on),
-        applied at once; the answer says what became of it and, if asked (`then`), carries the
-        parameters as they are after it and the batches asked for."""
-        header = frame.header
+        applied at once; the answer says what became of it and, if asked (`state`), carries the
+        parameters as they are after it."""
         grads: Tensors = {}
         buffers: Tensors = {}
         for entry, tensor in frame.tensors:
             (grads if entry.kind == "grad" else buffers)[entry.name] = tensor
-        outcome, staleness = await self._applies.apply_one(
-            generation,
-            str(header["worker"]),
-            int(header["batch_id"]),
-            int(header["computed_on"]),
-            grads,
-            buffers,
-            float(header["loss"]),
-        )
+        outcome, staleness = await self._applies.apply_one(apply, grads, buffers)
         answer = {"ok": True, "outcome": outcome, "staleness": staleness, "shard": self._shard.index}
-        then = header.get("then") or {}
         tensors: list[tuple[Entry, torch.Tensor]] = []
-        if then.get("state"):
-            version, state = await self._applies.current_for_answer(generation)
+        if apply.state:
+            version, state = await self._applies.current_for_answer(apply.generation)
             answer["version"] = version
             tensors = [(Entry("state", -1, name), t) for name, t in state.items()]
         return Frame(answer, tensors)

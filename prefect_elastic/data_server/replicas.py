@@ -22,7 +22,7 @@ from ..allocator import freeze_startup_objects, tune_allocator
 from ..errors import FatalError
 from ..job import ShardSpec
 from ..messages import direct
-from ..wire import ChannelAddress, Frame, ShardLink, worker_tls
+from ..wire import ChannelAddress, Frame, ReplicaAsk, ShardLink, worker_tls
 from .state import ShardState, Snapshot
 from .step_applies import StepApplies
 
@@ -175,7 +175,7 @@ async def fetch_replica(
     began = time.perf_counter()
     address, outline = await asyncio.gather(peer.open_channel(), peer.replica_outline(index, version))
     asked = time.perf_counter() - began
-    ask = Frame({"op": "replica", "generation": generation, "source": index, "version": version})
+    ask = ReplicaAsk(generation, index, version).frame()
 
     def fetch(address: ChannelAddress) -> Frame:
         link = ShardLink(address, timeout, worker_tls("connect"))

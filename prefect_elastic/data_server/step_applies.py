@@ -10,6 +10,7 @@ import torch
 
 from ..messages import Tensors
 from ..schedule import Schedule
+from ..wire import Apply, Part, Push
 from .hooks import ServerHooks
 from .optimizer import Gradient
 from .state import ShardState
@@ -18,48 +19,21 @@ from .state import ShardState
 class StepApplies(Protocol):
     """How a shard takes gradients and applies them, and what that means for a fence and its replicas."""
 
-    async def push(
-        self,
-        generation: int,
-        step: int,
-        worker: str,
-        grads: dict[int, Gradient],
-        buffers: dict[int, Tensors],
-        losses: dict[int, float],
-        backup: bool = False,
-        bucketed: bool = False,
-    ) -> None:
-        """The gradients, buffers and losses of some batch ids of step `step` (sync mode); `backup`: trained
-        for a member that did not push them (`stragglers.py`); `bucketed`: their gradients came before, in
-        parts (`part`), and this push seals them."""
+    async def push(self, push: Push, grads: dict[int, Gradient], buffers: dict[int, Tensors]) -> None:
+        """The gradients and buffers (by batch id) of the batch ids `push.losses` names, of step `push.step`
+        (sync mode); where `push.bucketed`, their gradients came before, in parts (`part`), and this push
+        seals them."""
 
-    async def part(
-        self,
-        generation: int,
-        step: int,
-        batch_id: int,
-        bucket: int,
-        bounds: list[list[int]],
-        run: torch.Tensor,
-    ) -> None:
-        """One micro-batch's gradient of one bucket of the shard's flat parameters (`bounds`: every
-        bucket's range), sent during backward (sync mode, `overlap_push`); never answered."""
+    async def part(self, part: Part, run: torch.Tensor) -> None:
+        """One micro-batch's gradient (`run`) of one bucket of the shard's flat parameters (`part.bounds`:
+        every bucket's range), sent during backward (sync mode, `overlap_push`); never answered."""
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         """The parameters and buffers as of `step`, waiting up to `wait` s for them (sync mode). `asker`:
         the worker that asks, which may be asked instead to train the micro-batches the step before lacks
         (`BackupWanted`); None: never."""
 
-    async def apply_one(
-        self,
-        generation: int,
-        worker: str,
-        batch_id: int,
-        computed_on: int,
-        grads: Tensors,
-        buffers: Tensors,
-        loss: float,
-    ) -> tuple[str, int]:
+    async def apply_one(self, apply: Apply, grads: Tensors, buffers: Tensors) -> tuple[str, int]:
         """One micro-batch's gradient, applied at once (async mode): the outcome and its staleness."""
 
     async def current(self, generation: int) -> tuple[int, Tensors]:

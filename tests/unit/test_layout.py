@@ -174,3 +174,37 @@ def _is_module(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+STEP_MESSAGES = "prefect_elastic.wire.step_messages"
+
+
+def reads_or_builds_an_op(node: ast.AST) -> bool:
+    """A header's op, built (`{"op": ...}`, `dict(op=...)`) or read (`header["op"]`, `.get("op")`)."""
+    if isinstance(node, ast.Dict):
+        return any(isinstance(k, ast.Constant) and k.value == "op" for k in node.keys)
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "op"
+    if isinstance(node, ast.Call):
+        if any(k.arg == "op" for k in node.keywords) and ast.unparse(node.func) == "dict":
+            return True
+        method = node.func.attr if isinstance(node.func, ast.Attribute) else ""
+        return method in {"get", "pop"} and any(
+            isinstance(a, ast.Constant) and a.value == "op" for a in node.args[:1]
+        )
+    return False
+
+
+def test_a_step_message_is_built_and_read_in_the_protocol_module_only() -> None:
+    """Every message of the step channel is a class of `wire/step_messages.py`, which alone reads or writes
+    a header's op: a loop builds the message, the shard dispatches on its type."""
+    mods = modules()
+    assert any(reads_or_builds_an_op(n) for n in ast.walk(ast.parse(mods[STEP_MESSAGES].read_text())))
+    where = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for name, path in mods.items()
+        if name != STEP_MESSAGES
+        for node in ast.walk(ast.parse(path.read_text()))
+        if reads_or_builds_an_op(node)
+    ]
+    assert not where, "build a message of wire/step_messages.py instead: " + ", ".join(where)

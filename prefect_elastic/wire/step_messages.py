@@ -1,0 +1,262 @@
+"""The messages of the step channel: what a compute loop sends a shard, each a small frozen class with its
+op, its fields and its header (`header`, `frame`), and `decode_message`, the one place that reads a
+header's op. The loop's side (`compute/`) and a standby fetching a replica (`data_server/replicas.py`)
+build them; the shard's side (`data_server/frames.py`) dispatches on their type.
+
+    Pull        what a loop needs next (`Then`), nothing pushed: a step's first fetch, batches ahead
+    Push        a sync share of a step: its losses (and the gradients and buffers the frame carries)
+    Part        one micro-batch's gradient of one bucket, during backward (quiet: never answered)
+    Apply       async mode: one micro-batch's gradient, applied at once
+    Current     async mode: the parameters as they are now
+    ReplicaAsk  a standby taking a shard's role: the replica of its snapshot that a peer holds
+
+The frame's encoding (the header as JSON, the tensors' bytes) is `codec.py`'s; a message is its header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .codec import Entry, Frame
+
+
+@dataclass(frozen=True)
+class Then:
+    """What a loop asks a shard for, for its next step: the parameters of `step` (None: none), sent once
+    the shard applied the step before, waiting up to `wait` s; and the batches of `batches` that live
+    there. `worker`: the asker, whom the shard may ask to train a backup instead (`stragglers.py`; None:
+    never); `copy`: the parameters as a copy, never read in place (`wire/published.py`); `buckets`: the
+    ranges of the shard's flat parameters to answer bucket by bucket, in forward order (`bucket_pull.py`;
+    None: whole)."""
+
+    step: int | None
+    wait: float
+    batches: list[int] = field(default_factory=list)
+    worker: str | None = None
+    copy: bool = False
+    buckets: list[list[int]] | None = None
+
+    def header(self) -> dict[str, Any]:
+        asked: dict[str, Any] = {"step": self.step, "wait": self.wait, "batches": self.batches}
+        if self.worker is not None:
+            asked["worker"] = self.worker
+        if self.copy:
+            asked["copy"] = True
+        if self.buckets is not None:
+            asked["buckets"] = self.buckets
+        return asked
+
+    @classmethod
+    def of(cls, asked: dict[str, Any] | None) -> Then | None:
+        if asked is None:
+            return None
+        step = asked.get("step")
+        return cls(
+            None if step is None else int(step),
+            float(asked["wait"]),
+            [int(b) for b in asked["batches"]],
+            asked.get("worker"),
+            bool(asked.get("copy")),
+            asked.get("buckets") or None,
+        )
+
+
+class StepMessage:
+    """One message of the step channel: its op, and its fields as a frame's header."""
+
+    op: ClassVar[str]
+
+    def fields(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, **self.fields()}
+
+    def frame(self, tensors: list[tuple[Entry, torch.Tensor]] | None = None) -> Frame:
+        return Frame(self.header(), tensors if tensors is not None else [])
+
+
+@dataclass(frozen=True)
+class Pull(StepMessage):
+    """What a loop needs next (`then`; None: nothing, answered with a bare `ok`), pushing nothing."""
+
+    op: ClassVar[str] = "pull"
+    generation: int
+    then: Then | None
+
+    def fields(self) -> dict[str, Any]:
+        return {"generation": self.generation, "then": None if self.then is None else self.then.header()}
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Pull:
+        return cls(int(header["generation"]), Then.of(header.get("then")))
+
+
+@dataclass(frozen=True)
+class Push(StepMessage):
+    """The gradients, buffers and losses of some batch ids of step `step` (sync mode), from `worker`: every
+    batch id the push covers has its loss in `losses`, also where the frame carries no tensor of it to this
+    shard. `then`: what the loop needs next, answered once the shard applied the step; `order`: the
+    parameters a packed gradient covers (`gradient_entries`); `backup`: trained for a member that did not
+    push them (`stragglers.py`); `bucketed`: their gradients came before, in parts (`Part`), and this push
+    seals them."""
+
+    op: ClassVar[str] = "push"
+    generation: int
+    step: int
+    worker: str
+    losses: dict[int, float]
+    then: Then | None = None
+    order: list[str] = field(default_factory=list)
+    backup: bool = False
+    bucketed: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "step": self.step,
+            "worker": self.worker,
+            "losses": {str(b): loss for b, loss in self.losses.items()},
+            "then": None if self.then is None else self.then.header(),
+            "order": self.order,
+            "backup": self.backup,
+            "bucketed": self.bucketed,
+        }
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Push:
+        return cls(
+            int(header["generation"]),
+            int(header["step"]),
+            str(header["worker"]),
+            {int(b): float(v) for b, v in header["losses"].items()},
+            Then.of(header.get("then")),
+            list(header.get("order") or []),
+            bool(header.get("backup")),
+            bool(header.get("bucketed")),
+        )
+
+
+@dataclass(frozen=True)
+class Part(StepMessage):
+    """One micro-batch's (`batch`) gradient of one bucket (`bucket`) of the shard's flat parameters, sent
+    during backward (sync mode, `overlap_push`); `bounds`: every bucket's range. Quiet: the shard answers
+    nothing, and the step's push seals the parts."""
+
+    op: ClassVar[str] = "part"
+    generation: int
+    step: int
+    batch: int
+    bucket: int
+    bounds: list[list[int]]
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "quiet": True,  # (read by the channel: no answer is written or awaited)
+            "generation": self.generation,
+            "step": self.step,
+            "batch": self.batch,
+            "bucket": self.bucket,
+            "bounds": self.bounds,
+        }
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Part:
+        return cls(
+            int(header["generation"]),
+            int(header["step"]),
+            int(header["batch"]),
+            int(header["bucket"]),
+            header["bounds"],
+        )
+
+
+@dataclass(frozen=True)
+class Apply(StepMessage):
+    """Async mode: the gradient of batch id `batch_id` from `worker`, computed on version `computed_on` of
+    the shard, applied at once; `state`: answered with the parameters as they are after it."""
+
+    op: ClassVar[str] = "apply"
+    generation: int
+    worker: str
+    batch_id: int
+    computed_on: int
+    loss: float
+    state: bool = True
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "worker": self.worker,
+            "batch_id": self.batch_id,
+            "computed_on": self.computed_on,
+            "loss": self.loss,
+            "then": {"state": self.state},
+        }
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Apply:
+        return cls(
+            int(header["generation"]),
+            str(header["worker"]),
+            int(header["batch_id"]),
+            int(header["computed_on"]),
+            float(header["loss"]),
+            bool((header.get("then") or {}).get("state")),
+        )
+
+
+@dataclass(frozen=True)
+class Current(StepMessage):
+    """Async mode: the shard's version and its parameters and buffers as they are now."""
+
+    op: ClassVar[str] = "current"
+    generation: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"generation": self.generation}
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Current:
+        return cls(int(header["generation"]))
+
+
+@dataclass(frozen=True)
+class ReplicaAsk(StepMessage):
+    """A standby taking shard `source`'s role: the tensors of the replica of its snapshot of `version` that
+    this shard, its peer, holds (`DataServer.adopt`)."""
+
+    op: ClassVar[str] = "replica"
+    generation: int
+    source: int
+    version: int
+
+    def fields(self) -> dict[str, Any]:
+        return {"generation": self.generation, "source": self.source, "version": self.version}
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> ReplicaAsk:
+        return cls(int(header["generation"]), int(header["source"]), int(header["version"]))
+
+
+_BY_OP: dict[str, Callable[[dict[str, Any]], StepMessage]] = {
+    Pull.op: Pull.of,
+    Push.op: Push.of,
+    Part.op: Part.of,
+    Apply.op: Apply.of,
+    Current.op: Current.of,
+    ReplicaAsk.op: ReplicaAsk.of,
+}
+
+
+def decode_message(header: dict[str, Any]) -> StepMessage:
+    """The message a frame's header is (the frame's tensors travel beside it)."""
+    op = header.get("op")
+    decoder = _BY_OP.get(op) if isinstance(op, str) else None
+    if decoder is None:
+        raise ValueError(f"a frame of no step message: op {op!r}")
+    return decoder(header)
