@@ -161,9 +161,9 @@ def accuracy(workdir: str, workers: int, epochs: int, repeats: int) -> dict[str,
     def job(mode: str, seed: int) -> ElasticJob:
         # Micro-batches of 16 in both modes. A sync step averages `workers` of them into one update; in
         # async mode each is an update of its own, so its learning rate is divided by `workers`: each
-        # sample moves the model as far in both modes (the linear scaling rule; docs/design/async.md).
-        # Measured 2026-11-27, 20 epochs: at sync's learning rate async ended 1 to 2 points lower (97.0
-        # to 98.0% against 98.7); with updates as large as sync's step (micro-batches of 64), 2 to 4.
+        # sample moves the model as far in both modes (the linear scaling rule; docs/design/async.md). What
+        # sync's learning rate, or updates as large as sync's step, gave instead: docs/benchmarks.md,
+        # "Async mode".
         return ElasticJob(
             job_id=f"accuracy-{mode}",
             seed=seed,  # (the model's initial weights and every micro-batch's draws: a repeat of its own)

@@ -1,8 +1,8 @@
 """Recovery and scale-up side by side with an older commit of this repository, in one run.
 
 Issue 9's recovery and scale-up targets are "no worse than before the issue". This machine's speed drifts
-by half within hours (a recovery step took 0.074 s one day, 0.124 s another), so a figure stored from an
-earlier day says little: both codes run here, alternating, and the result is a ratio.
+from hour to hour (docs/benchmarks.md, "How each figure is measured": against an older commit), so a
+figure stored from an earlier day says little: both codes run here, alternating, and the result is a ratio.
 
 Each run is a subprocess whose `PYTHONPATH` starts with one tree: this checkout, or the older commit
 extracted with `git archive`. It calls that tree's own `benchmarks.elastic.recovery` (the function, and

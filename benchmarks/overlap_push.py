@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_SNAPSHOTS = 1e6  # a liveness interval longer than any run: no periodic snapshot
 START = "<!-- overlap-push:start (written by python -m benchmarks.overlap_push; edit outside these marks) -->"
 END = "<!-- overlap-push:end -->"
-# Epochs by workload: 10 to 30 s of the plain loop each on this machine's 2 cores.
+# Epochs by workload: a steady run of each (its length: docs/benchmarks.md, "Gradients that leave during
+# backward").
 EPOCHS = {"resnet18": 1, "gpt2": 1, "mlp-50": 1, "mlp": 10, "cnn-20": 5, "transformer": 5}
 SAMPLES = 16384  # the MNIST-shaped data of the steady group
 EXTRA_SAMPLES = {"resnet18": 4096, "gpt2": 2048}  # their own data: 128 steps of 32, of 16

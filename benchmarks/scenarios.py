@@ -51,8 +51,8 @@ def steady_figures(
     `sizes.extra_steady_epochs`), else on those of `sizes.steady_epochs`."""
     default = dict(sizes.steady_epochs)
     extra = dict(sizes.extra_steady_epochs)
-    # The first job on a fresh cluster ran up to 20% slower in every phase (workers still settling, caches
-    # cold): one short job first, not counted.
+    # The first job on a fresh cluster runs slower in every phase (workers still settling, caches cold; by
+    # how much: docs/benchmarks.md, "How each figure is measured"): one short job first, not counted.
     attempt(results, "warm-up", elastic.steady, pool, "cnn-20", data, 1, NO_SNAPSHOTS)
     for w in workloads or default:  # (not cnn-gpu: too slow on CPUs; benchmarks/gpu.py measures it)
         if w in default:
@@ -69,8 +69,8 @@ def steady_figures(
         for i in range(sizes.light_repeats if w in sizes.light else sizes.repeats):
             # Odd repeats run in the opposite order, so a drift of the machine over time (or the first run
             # after another kind of run being slower) weighs on both sides of each ratio alike. The two
-            # runs of the ratio over plain come next to each other either way: this machine's speed moved
-            # by up to a fifth within minutes (the plain transformer's step 13.8 to 18.5 ms in one A/B).
+            # runs of the ratio over plain come next to each other either way: this machine's speed moves
+            # within minutes (docs/benchmarks.md, "What the figures say": this machine drifts).
             order = ["tuned", "plain", "snapshots", "none"]
             got: dict[str, Any] = {}
             for kind in order if i % 2 == 0 else order[::-1]:

@@ -12,17 +12,17 @@ from . import standby
 class Sizes:
     samples: int = 16384  # 128 steps of 128 per epoch
     memory_samples: int = 60000  # a data server must hold 94 MB of it
-    # Epochs of a steady-state run, by workload: about 20 s each on 2 cores, so a run holds 20 snapshots.
-    # (The machine's speed drifts: on 2026-11-23 the plain cnn took 150 to 230 ms a step, not 90.)
+    # Epochs of a steady-state run, by workload: a run of each long enough to hold about 20 snapshots (its
+    # length, and how it moves with the machine: docs/benchmarks.md, "How each figure is measured").
     steady_epochs: tuple[tuple[str, int], ...] = (("cnn", 1), ("cnn-20", 5), ("transformer", 5), ("mlp", 10))
     # The workloads of the bench extra, measured only when named (`--workloads`), on data of their own shape
-    # of `extra_samples` samples: the resnet18, 128 steps of 32 an epoch (about 15 s of the plain loop's
-    # steps on 2 idle cores, at its 114 ms a step).
+    # of `extra_samples` samples: the resnet18, 128 steps of 32 an epoch (its plain step: docs/benchmarks.md,
+    # "Models and data from outside this repository").
     extra_steady_epochs: tuple[tuple[str, int], ...] = (("resnet18", 2),)
     extra_samples: int = 4096
     repeats: int = 3  # runs of each steady-state figure, interleaved; medians are reported
-    # The same for the workloads of a step of about 15 to 20 ms: their ratio over plain lies within this
-    # machine's noise of its 0.90 target (3 repeats gave cnn-20 0.88 in one run, 0.98 in another).
+    # The same for the light workloads: their ratio over plain lies within this machine's noise of its
+    # target (docs/benchmarks.md, "What the figures say": this machine drifts).
     light_repeats: int = 7
     light: tuple[str, ...] = ("cnn-20", "transformer")
     # 2 compute workers against torchrun DDP with 2 processes: epochs of 64 steps of 2 x 128 samples (the
@@ -50,8 +50,10 @@ class Sizes:
     coordinator_kills: int = 5
     restore_repeats: int = 5  # a 200 MB shard from the peer's memory, and from a checkpoint file
     restore_model: str = "benchmarks.workloads:wide_mlp"  # (the 200 MB shard)
-    replica_epochs: int = 5  # cnn-20: about 15 s a run
-    replica_repeats: int = 5  # the pairs spread by ±5%: more pairs than 3 steady the median, not enough
+    replica_epochs: int = 5  # of cnn-20 (a run's length: docs/benchmarks.md, "How each figure is measured")
+    # The pairs spread by more than the replicas cost (docs/benchmarks.md, "Standby static workers"): more
+    # pairs than 3 steady the median, not enough
+    replica_repeats: int = 5
     scaling_workers: tuple[int, ...] = (1, 2, 4)
     scaling_epochs: int = 3
     timeline_epochs: int = 6
@@ -61,8 +63,8 @@ class Sizes:
     call_repeats: int = 200
     # Async mode (issue 11): 4 compute workers, one 3x slower, sync against async to a target loss; and 1
     # worker in async mode over the plain loop (mlp, communication-bound).
-    # (the transformer: a 15 to 20 ms step, and its loss falls within the run; cnn-20's hardly moves in 4
-    # epochs of the synthetic data)
+    # (the transformer: a light step, and its loss falls within the run; cnn-20's hardly moves in 4 epochs
+    # of the synthetic data)
     straggler_workload: str = "transformer"
     straggler_workers: int = 4
     straggler_epochs: int = 4
@@ -70,7 +72,7 @@ class Sizes:
     async_steady_epochs: int = 10
     async_steady_repeats: int = 3
     # Final accuracy, async against sync, on held-out digits (same data and epochs, 4 compute workers):
-    # 20 epochs, where sync has converged (at 10, async was still 1 to 2 points behind, 2026-11-27).
+    # 20 epochs, where sync has converged and async has caught up (docs/benchmarks.md, "Async mode").
     accuracy_workers: int = 4
     accuracy_epochs: int = 20
     accuracy_repeats: int = 3

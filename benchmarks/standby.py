@@ -165,8 +165,8 @@ def restart_from_checkpoint(workload: str, data: str, epochs: int, kill_at: int 
         # Twice from the same checkpoint (each run goes on writing its own copy): as a user runs a job
         # again, in a new process (a script, `prefect-elastic train`), and in this process, whose imports
         # and connection are warm already (the floor of any run again). Each on a static worker just
-        # started, as after a real loss: the first run on a new worker pays its imports (about 0.9 s here),
-        # and a second run on the same worker would not.
+        # started, as after a real loss: the first run on a new worker pays its imports (docs/benchmarks.md,
+        # "Standby static workers": a standby must be warm), and a second run on the same worker would not.
         copy = Path(folder) / "copy"
         shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("copy"))
         fresh = cluster.add_worker(static=True, wait=True)
@@ -226,7 +226,8 @@ def replica_cost(workload: str, data: str, epochs: int, repeats: int) -> dict[st
     Inside each run too (`elastic.snapshot_excess`): what the steps near a snapshot took over the others,
     a snapshot's window running from the shards' own copies to the end of their copies to the peers. With
     replicas it is what snapshots and replicas cost together, a bound on the replicas' share that no drift
-    of the machine between two runs moves (the pairs spread by ±5% here)."""
+    of the machine between two runs moves (how far the pairs spread: docs/benchmarks.md, "Standby static
+    workers")."""
     with LocalElasticCluster(static_workers=2, elastic_workers=1) as cluster:
         job = make_job(workload, data, epochs=epochs, job_id="replicas")
         train(job.model_copy(update={"epochs": 1}), cluster=cluster)  # warm-up, uncounted

@@ -3,8 +3,8 @@ transformers' `GPT2ForSequenceClassification` with GPT-2's vocabulary of 50,257 
 256 (4 heads), sequences of 32 tokens, 10 classes. Its word embedding (51.5 MB of float32) is nine tenths
 of the model's 58 MB: on 2 data servers it is split between them, so a loop on their machine joins it from
 two pieces every step. It is the model for the case of a cut inside a large tensor
-(`compute/bucket_pull.py`: the whole tensor kept from step to step). A step of batch 16 takes about 85 ms
-on one thread here, half of it the embedding's dense gradient.
+(`compute/bucket_pull.py`: the whole tensor kept from step to step). What its step costs, and how much of
+it is the embedding's dense gradient: docs/benchmarks.md, "Models and data from outside this repository".
 
     python -m benchmarks.text_model tokens.npz [--samples 2048]   # the synthetic token data
     python -m benchmarks.user_model --model benchmarks.text_model:gpt2_classifier \\

@@ -287,9 +287,10 @@ def timeline(
     the group re-forms with world 2 (again from the last checkpoint). The first agent hosts the rendezvous
     store, as the endpoint host does on a real cluster; killing it instead ends the job (the store dies with
     it), so the second node is the one that dies. `kill_at`, `join_at` and `duration` count from the
-    group's first step, as prefect-elastic's timeline does: torchrun's start-up (5 to 6 s here, more on a
-    loaded machine) is not in them. If no step comes within `startup_limit` s, nothing is killed and the
-    result says so (`started` False). Times in the result are seconds from the start of the first agent.
+    group's first step, as prefect-elastic's timeline does: torchrun's start-up (docs/benchmarks.md, "What
+    the figures say": the plot) is not in them. If no step comes within `startup_limit` s, nothing is
+    killed and the result says so (`started` False). Times in the result are seconds from the start of the
+    first agent.
     """
     log_file, checkpoint, output = prepare(workdir, f"timeline-{workload}")
     port = free_port()

@@ -1,15 +1,16 @@
-"""The workloads every system is measured on, fixed here so that all of them train the same thing.
+"""The workloads every system is measured on, fixed here so that all of them train the same thing. What a
+step of each takes on this machine is in docs/benchmarks.md (its list of workloads, at the top).
 
 - `cnn`: compute-bound; a small CNN on 28x28 images (three 3x3 convolutions of 32, 64 and 64 channels,
   global average pooling, a linear layer; 56,394 parameters, 226 KB), batch 128: nearly all of a step is
-  convolution (90 ms a step on one thread on the machine of the first runs).
+  convolution.
 - `cnn-20`: the same network narrower (8, 16 and 32 channels; 6,218 parameters, 25 KB), batch 128: a
-  fifth of the cnn's step, so about 20 ms where the cnn takes 90 ms; the step of a model a user brings to
-  a GPU (5 to 30 ms), where the framework's fixed cost per step decides the throughput.
+  fifth of the cnn's step, the step of a model a user brings to a GPU (5 to 30 ms), where the framework's
+  fixed cost per step decides the throughput.
 - `transformer`: a model built from torch's own modules rather than this repository's layers (one
   `nn.TransformerEncoderLayer`, d_model 32, 2 heads, feed-forward 64, dropout 0.1), reading each image as
-  28 tokens of 28 pixels, then mean pooling and a linear layer (9,802 parameters), batch 128: about 17 ms
-  a step here, in the 5 to 30 ms a step takes on a GPU; dropout draws random numbers every step.
+  28 tokens of 28 pixels, then mean pooling and a linear layer (9,802 parameters), batch 128: a light step,
+  as cnn-20's; dropout draws random numbers every step.
 - `mlp`: communication-bound; 784-512-512-10 (669,706 parameters, 2.68 MB of float32), batch 128 (a
   step moves the parameters and their gradient, and computes little).
 - `resnet18`: a model of the size people train, from a package a user takes it from rather than from this
@@ -67,8 +68,8 @@ def cnn() -> nn.Module:
 
 
 # Chosen by timing the plain loop (one thread, batch 128) at several widths in fresh processes, on an idle
-# machine, beside the cnn: (8, 16, 32) took 0.18 to 0.23 of the cnn's step (2026-11-23: 28 to 41 ms
-# against 148 to 228 ms; 23 ms in a faster hour); (8, 16, 16) 25 to 33 ms, (8, 8, 16) 21 to 28 ms.
+# machine, beside the cnn: the width whose step is about a fifth of the cnn's (the timings of each width:
+# docs/benchmarks.md, its list of workloads).
 CNN20_CHANNELS = (8, 16, 32)
 
 
