@@ -3,30 +3,23 @@ the one-worker, no-fault run and the ledger holds every batch id exactly once.""
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import itertools
 import signal
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 from prefect_elastic import ElasticJob, TrainResult, train
 from prefect_elastic.local.cluster import LocalElasticCluster
 from prefect_elastic.local.faults import FaultSchedule
 from prefect_elastic.messages import EventKind, Progress
-from prefect_elastic.wire.signals import RecoverableError
 
 from .conftest import (
     HoldUntilJoined,
     References,
     assert_ledger_exactly_once,
     assert_same_parameters,
-    in_process_servers,
     make_job,
     top_up,
     train_killed_between_pushes,
@@ -83,18 +76,6 @@ def first_members(result: TrainResult) -> set[str]:
     return set(result.membership_events()[0].workers)
 
 
-def silent_steps(result: TrainResult, worker: str) -> range:
-    """The steps between the last one `worker` pushed to before it froze and the next one it pushed to.
-
-    The step it froze in is read from the ledger, not from the fault's record: that record holds the
-    coordinator's count of committed steps, and the shards can run a step or more ahead of it."""
-    steps = sorted({e.step for e in result.ledger if e.worker == worker})
-    froze_in = next((a for a, b in itertools.pairwise(steps) if b > a + 1), steps[-1])
-    assert steps[: steps.index(froze_in) + 1] == list(range(froze_in + 1)), "it trained every step until then"
-    back = next((b for b in steps if b > froze_in), result.total_steps)
-    return range(froze_in + 1, back)
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 def test_worker_killed_between_its_pushes_to_two_shards(
     cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
@@ -148,99 +129,6 @@ def test_a_small_model_on_one_data_server_trains_bit_for_bit_as_when_spread_over
     assert result.shard_phases[1]["params_in_place"] > 0
     assert all(shard["params_in_place"] == 0 for shard in spread.shard_phases)
     assert faults.log[0].target in lost_workers(result)
-
-
-def test_a_stateless_data_server_keeps_a_push_that_overtook_another_workers(digits_url: str) -> None:
-    """A loop does not wait for a stateless data server's answer to its push (`MicroBatchTrainer.step`), so
-    its push of the next step can reach that server before another worker's push of this one: the server
-    keeps it and applies both steps in order. A fence drops what it kept; a data server that holds state
-    refuses a push ahead of its version, which no loop can send."""
-    default = ElasticJob.model_fields["min_shard_bytes"].default
-    (free, holder), plan = in_process_servers(digits_url, min_shard_bytes=default)
-    assert plan[0] == [] and free.stateless and not holder.stateless
-    step0, step1 = (free._schedule.step_batches(s) for s in (0, 1))
-
-    def half(ids: Any, lower: bool) -> dict[int, float]:
-        return {b: float(b) for b in (ids[:2] if lower else ids[2:])}
-
-    async def overtaken() -> None:
-        await free.push(0, 0, "a", {}, {}, half(step0, True))
-        await free.push(0, 1, "a", {}, {}, half(step1, True))  # a's next push, before b's of step 0
-        assert free.version == 0
-        await free.push(0, 0, "b", {}, {}, half(step0, False))
-        assert free.version == 1, "step 0 applied, step 1 open with a's half in it"
-        await free.push(0, 1, "b", {}, {}, half(step1, False))
-        assert free.version == 2
-        records = {r.step: r for r in (await free.status(0)).records}
-        assert [records[s].batch_ids for s in (0, 1)] == [tuple(sorted(step0)), tuple(sorted(step1))]
-        assert records[1].workers == {**dict.fromkeys(step1[:2], "a"), **dict.fromkeys(step1[2:], "b")}
-        # Kept pushes of a generation that a fence ended are dropped with it.
-        await free.push(0, 3, "a", {}, {}, half(free._schedule.step_batches(3), True))
-        await free.fence(1)
-        await free.push(1, 2, "a", {}, {}, half(free._schedule.step_batches(2), True))
-        await free.push(1, 2, "b", {}, {}, half(free._schedule.step_batches(2), False))
-        assert free.version == 3 and not free.applies._later  # type: ignore[attr-defined]
-        with pytest.raises(RecoverableError, match="push for step 1, but shard 1 is at step 0"):
-            await holder.push(0, 1, "a", {}, {}, half(step1, True))
-
-    asyncio.run(overtaken())
-
-
-def test_a_fence_and_a_status_carry_the_records_from_the_step_asked_for(digits_url: str) -> None:
-    """The coordinator asks for the records of the steps it has not committed (a long run holds one per
-    step: all of them on every fence would be megabytes on the path of every recovery), and has the
-    shard drop those of the steps the controller's copy of the record holds."""
-    (free, _), _ = in_process_servers(
-        digits_url, min_shard_bytes=ElasticJob.model_fields["min_shard_bytes"].default
-    )
-
-    async def three_steps_then_fences() -> None:
-        for step in range(3):
-            await free.push(0, step, "a", {}, {}, {b: float(b) for b in free._schedule.step_batches(step)})
-        assert [r.step for r in (await free.status(1)).records] == [1, 2]
-        assert [r.step for r in (await free.fence(1, 2)).records] == [2]
-        assert [r.step for r in (await free.fence(2)).records] == [0, 1, 2]
-        assert (await free.fence(3, 3)).records == ()
-        # Steps the controller's copy holds: their records go, for good (a long run holds one per step);
-        # not at the word of a coordinator of an older generation (its successor may need them).
-        assert [r.step for r in (await free.status(0, keep_from=2, generation=2)).records] == [0, 1, 2]
-        assert [r.step for r in (await free.status(1, keep_from=2, generation=3)).records] == [2]
-        assert [r.step for r in (await free.fence(4)).records] == [2]
-
-    asyncio.run(three_steps_then_fences())
-
-
-def test_a_fence_waits_for_a_step_being_applied_in_a_thread(digits_url: str) -> None:
-    """A shard too big to apply a step on its event loop applies it in a thread; a fence that comes
-    meanwhile answers once the step is applied, with the version after it, so that no restore copies a
-    snapshot into tensors the thread is still changing and the version does not move after the answer."""
-    server = in_process_servers(digits_url)[0][0]
-    ids = server._schedule.step_batches(0)
-    grads = {b: {n: torch.ones_like(p) for n, p in server._params.items()} for b in ids}
-    server.shard.apply_inline = False  # (as for a big shard)
-    applying = server.shard.apply
-
-    started, release = threading.Event(), threading.Event()
-
-    def slow(*args: Any) -> None:
-        started.set()
-        release.wait(10)
-        applying(*args)
-
-    server.shard.apply = slow  # type: ignore[method-assign]
-
-    async def fenced_mid_apply() -> None:
-        push = asyncio.ensure_future(server.push(0, 0, "a", grads, {}, {b: 1.0 for b in ids}))
-        assert await asyncio.to_thread(started.wait, 10), "the step is being applied in its thread"
-        fence = asyncio.ensure_future(server.fence(1))
-        await asyncio.sleep(0)  # (the fence runs up to its wait)
-        assert not fence.done() and server.shard.applying
-        release.set()
-        status = await fence
-        assert (status.version, server.version, server.shard.applying) == (1, 1, False)
-        await push
-
-    asyncio.run(fenced_mid_apply())
 
 
 def test_the_processes_that_train_freeze_their_startup_objects(
@@ -474,185 +362,6 @@ def test_random_kills_and_joins(
     assert [r.kind for r in faults.log] == planned, "every planned fault ran"
     processes = {w for e in result.membership_events() for w in e.workers + e.left + e.joined}
     assert len(processes) >= 6, f"at least six worker processes took part: {sorted(processes)}"
-
-
-def test_frozen_worker_leaves_the_membership_and_its_stale_messages_are_refused(
-    cluster: LocalElasticCluster, reference: References, digits_url: str
-) -> None:
-    """Invariant 4: a SIGSTOPped worker stays in the scheduler for minutes (worker-ttl), but it stops
-    sending heartbeats, so it leaves the membership and training goes on without it. Woken, it finishes
-    the step it was in: its push, of an old generation, is refused, and it joins again as a new member."""
-    top_up(cluster, 2)
-    job = make_job(
-        digits_url, "reassign", model="tests.models:gated_slow_mlp", liveness_interval=1.0, job_id="frozen"
-    )
-    faults = FaultSchedule(seed=8).freeze_worker(at_step=6)
-    seen: dict[str, float] = {}
-
-    def freeze_mid_step(p: Progress) -> None:
-        # From step 6 the model waits in its forward pass until the freeze is recorded: the frozen worker
-        # is then in the middle of its share of a step.
-        if p.committed_steps >= 6 and not faults.log:
-            GATE.touch()
-            return
-        if not faults.log:
-            GATE.unlink(missing_ok=True)
-            return
-        frozen = faults.log[0].target
-        seen.setdefault("frozen", faults.log[0].time)
-        if frozen not in p.workers and "left" not in seen:
-            seen["left"] = time.time()
-            cluster.kill_worker(frozen, sig=signal.SIGCONT)  # wake it while the others train
-        if "left" in seen and frozen in p.workers:
-            seen.setdefault("back", time.time())
-        # Training goes on until it left; once woken, it waits (at the gate) for the worker to be a
-        # member again, so the job cannot end before it rejoins, however long that takes.
-        if "left" not in seen or "back" in seen or p.committed_steps < 30:
-            GATE.unlink(missing_ok=True)
-        else:
-            GATE.touch()
-
-    try:
-        result = train(job, cluster=cluster, faults=faults, on_progress=freeze_mid_step)
-    finally:
-        GATE.unlink(missing_ok=True)
-        faults.thaw()
-    assert [r.kind for r in faults.log] == ["freeze"]
-    frozen = faults.log[0].target
-    assert_same_parameters(result, reference(job))
-    assert_ledger_exactly_once(result)
-    assert frozen in lost_workers(result), "out of the membership while the scheduler still listed it"
-    (left,) = [e for e in result.membership_events() if frozen in e.left]
-    assert left.step >= faults.log[0].step and left.kind == EventKind.REASSIGN
-    print(f"frozen worker out of the membership {left.time - seen['frozen']:.2f} s after the SIGSTOP")
-    assert result.counters["stale_messages"] >= 1, "its push of an old generation was refused"
-    assert [e for e in result.membership_events() if frozen in e.joined and e.time > left.time], (
-        "woken, it joined again"
-    )
-    # It froze in the step the fault recorded or (the shards ahead of the coordinator) a later one. The
-    # steps after it, until it left, were trained by the others from backups of its share: what it pushed
-    # on waking was refused, and it pushed again only as a new member.
-    silent = silent_steps(result, frozen)
-    assert silent.start >= faults.log[0].step and silent, "the others trained on while it was frozen"
-    assert silent.stop >= left.step, "no push of its old membership was taken"
-
-
-def test_a_frozen_members_steps_are_finished_by_the_others_and_woken_it_trains_beside_them_again(
-    cluster: LocalElasticCluster, reference: References, digits_url: str
-) -> None:
-    """A SIGSTOPped member whose silence survival detection does not act on yet (a liveness interval
-    longer than the run) holds no step up: the shards ask the members that pushed for its micro-batches
-    (a backup, `stragglers.py`), and the steps commit without it, bit for bit. Woken, its push of the step
-    it froze in is refused (the shards went past it), it goes on beside the others, and no batch id is
-    committed twice. No membership change at all."""
-    top_up(cluster, 3)
-    job = make_job(
-        digits_url,
-        "rollback",
-        model="tests.models:gated_slow_mlp",
-        liveness_interval=600.0,
-        epochs=3,
-        job_id="backup",
-    )
-    faults = FaultSchedule(seed=8).freeze_worker(at_step=6)
-    seen: dict[str, int] = {}
-
-    def freeze_then_wake(p: Progress) -> None:
-        # From step 6 the model waits in its forward pass until the freeze is recorded: the frozen worker
-        # is then in the middle of its share of a step.
-        if p.committed_steps >= 6 and not faults.log:
-            GATE.touch()
-            return
-        GATE.unlink(missing_ok=True)
-        if faults.log and "woken" not in seen:
-            seen.setdefault("frozen", p.committed_steps)
-            if p.committed_steps >= seen["frozen"] + 10:  # ten steps committed without it: wake it
-                seen["woken"] = p.committed_steps
-                cluster.kill_worker(faults.log[0].target, sig=signal.SIGCONT)
-
-    try:
-        result = train(job, cluster=cluster, faults=faults, on_progress=freeze_then_wake)
-    finally:
-        GATE.unlink(missing_ok=True)
-        faults.thaw()
-    assert [r.kind for r in faults.log] == ["freeze"] and "woken" in seen
-    frozen = faults.log[0].target
-    assert_same_parameters(result, reference(job))
-    assert_ledger_exactly_once(result)
-    assert [e.kind for e in result.membership_events()] == [EventKind.START], "it never left"
-    assert result.steps_lost == 0
-    # Its share of every step committed while it was frozen was trained by the others. The step it froze in
-    # is read from the ledger: the shards can be a step or more ahead of the coordinator's count.
-    (start,) = result.membership_events()
-    rank = start.workers.index(frozen)
-    while_frozen = silent_steps(result, frozen)
-    assert while_frozen.start >= faults.log[0].step and while_frozen, while_frozen
-    backed_up = [
-        e for e in result.ledger if e.step in while_frozen and e.batch_id % job.micro_batches % 3 == rank
-    ]
-    assert backed_up and all(e.worker not in ("", frozen) for e in backed_up), backed_up
-    assert sum(loop.backups for loop in result.loops) >= len(backed_up)
-    assert [e for e in result.ledger if e.worker == frozen and e.step > seen["woken"]], "it trains again"
-
-
-def test_batchnorm_buffers_stay_equal(
-    cluster: LocalElasticCluster, reference: References, digits_url: str
-) -> None:
-    top_up(cluster, 2)
-    job = make_job(digits_url, "rollback", model="tests.models:cnn_bn", epochs=2, job_id="bn")
-    faults = FaultSchedule(seed=6).kill_worker(at_step=6).add_worker(at_step=7)
-    result = train(job, cluster=cluster, faults=faults)
-    expected = reference(job)
-    check_run(result, expected, "rollback")
-    buffers = [k for k in result.state_dict if "running_" in k or "num_batches_tracked" in k]
-    assert buffers, "the model has BatchNorm buffers"
-    assert int(result.state_dict[buffers[-1]]) == result.total_steps, "a step counts once"
-    initial = job.initial_state()
-    assert not all(ts_equal(result.state_dict[k], initial[k]) for k in buffers), "running stats moved"
-
-
-def test_tied_weights_dropout_and_tiny_shards(
-    cluster: LocalElasticCluster, reference: References, digits_url: str
-) -> None:
-    """Tied weights are trained once, dropout draws per batch id, and a shard may hold very little."""
-    top_up(cluster, 2)
-    job = make_job(digits_url, "reassign", model="tests.models:tied_dropout", data_servers=4, job_id="tied")
-    faults = FaultSchedule(seed=7).kill_worker(at_step=5).add_worker(at_step=6)
-    result = train(job, cluster=cluster, faults=faults)
-    expected = reference(job)
-    check_run(result, expected, "reassign")
-    assert result.state_dict["again.weight"] is result.state_dict["hidden.weight"], "exported tied"
-    initial = job.initial_state()
-    assert not torch.equal(result.state_dict["hidden.weight"], initial["hidden.weight"]), (
-        "the tied weight trained"
-    )
-    assert "scale" not in result.state_dict
-
-
-def test_a_language_model_on_token_sequences(
-    cluster: LocalElasticCluster, reference: References, tokens_url: str
-) -> None:
-    """A model unlike the digits ones, as a user brings it: integer token inputs, an embedding, a
-    two-layer LSTM with dropout, LayerNorm, an output layer tied to the embedding and a loss of the user's
-    own over (N, T) targets. A worker killed mid-run still leaves the one-worker run's bits."""
-    top_up(cluster, 2)
-    job = make_job(
-        tokens_url, "rollback", model="tests.models:char_lm", loss="tests.models:sequence_loss",
-        batch_size=16, epochs=2, job_id="lm",
-    )  # fmt: skip
-    faults = FaultSchedule(seed=8).kill_worker(at_step=5)
-    result = train(job, cluster=cluster, faults=faults)
-    expected = reference(job)
-    check_run(result, expected, "rollback")
-    assert result.state_dict["out.weight"] is result.state_dict["embed.weight"], "exported tied"
-    assert result.history[-1] < result.history[0], "the loss fell"
-
-
-def ts_equal(a: object, b: object) -> bool:
-    import torch
-
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    return torch.equal(a, b)
 
 
 def test_fault_schedule_random_is_reproducible() -> None:
