@@ -21,9 +21,6 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Literal
-
-Policy = Literal["rollback", "reassign"]
 
 
 class Action(StrEnum):
@@ -32,6 +29,22 @@ class Action(StrEnum):
     SNAPSHOT = "snapshot"
     ROLLBACK = "rollback"
     REASSIGN = "reassign"
+
+
+class Policy(StrEnum):
+    """What a membership change undoes, chosen once per job (`ElasticJob.on_membership_change`, whose
+    string values these are): every shard back to the last snapshot, or only the step in flight."""
+
+    ROLLBACK = "rollback"
+    REASSIGN = "reassign"
+
+    @property
+    def on_change(self) -> Action:
+        """The action a membership change of members that held work takes."""
+        return _ON_CHANGE[self]
+
+
+_ON_CHANGE = {Policy.ROLLBACK: Action.ROLLBACK, Policy.REASSIGN: Action.REASSIGN}
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,9 @@ class SurvivalState:
     committed_steps: int
     snapshot_step: int
     below_min_since: float | None = None  # when live workers first fell below min_workers
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))  # (named by the job's setting's string)
 
 
 @dataclass(frozen=True)
@@ -74,7 +90,7 @@ def survival_check(state: SurvivalState, live_workers: frozenset[str] | set[str]
         generation = state.generation + 1
         reason = _describe(joined, left)
     elif changed:
-        action = Action.ROLLBACK if state.policy == "rollback" else Action.REASSIGN
+        action = state.policy.on_change
         generation = state.generation + 1
         reason = _describe(joined, left)
     else:

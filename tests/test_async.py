@@ -23,7 +23,7 @@ from prefect_elastic import (
     train,
 )
 from prefect_elastic.checkpoint import Checkpoint, CheckpointStore
-from prefect_elastic.coordinator import AsyncLeases, CoordinatorState, rebuild_applied_from
+from prefect_elastic.coordinator import AsyncLeases, CoordinatorSpec, CoordinatorState, rebuild_applied_from
 from prefect_elastic.data_server import DataServer, plan_shards
 from prefect_elastic.errors import DataServerLostError, FatalError
 from prefect_elastic.local import slow
@@ -47,7 +47,7 @@ SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=1, epochs=1, seed=0)
 
 
 def new_state(policy: str = "rollback") -> CoordinatorState:
-    return CoordinatorState("job", SCHEDULE, 2, policy, 1, 10.0, commits=AsyncLeases)  # type: ignore[arg-type]
+    return CoordinatorState(CoordinatorSpec("job", SCHEDULE, 2, policy, 1, 10.0, commits=AsyncLeases))  # type: ignore[arg-type]
 
 
 def applied(index: int, generation: int, *applies: tuple[int, str, int]) -> ShardStatus:
@@ -352,7 +352,7 @@ def test_async_mode_asks_for_no_snapshot_mid_run() -> None:
 
 
 def test_leases_are_for_async_mode_only() -> None:
-    state = CoordinatorState("job", SCHEDULE, 2, "rollback", 1, 10.0)
+    state = CoordinatorState(CoordinatorSpec("job", SCHEDULE, 2, "rollback", 1, 10.0))
     with pytest.raises(FatalError, match="async mode only"):
         state.lease("a", 0, 1)
 

@@ -21,7 +21,7 @@ import torch
 from distributed.actor import Actor
 
 from prefect_elastic import train
-from prefect_elastic.coordinator import Coordinator
+from prefect_elastic.coordinator import Coordinator, CoordinatorSpec
 from prefect_elastic.data_server import DataServer
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.local import slow
@@ -812,7 +812,9 @@ def test_a_loss_reported_after_the_standby_took_the_role_is_ignored(digits_url: 
     job = make_job(digits_url, "rollback")
     prepared = prepare(job)
     coordinator = Coordinator(
-        job.job_id, prepared.schedule, 2, "rollback", 1, 60.0, 5.0, None, prepared.mode.commits
+        CoordinatorSpec(job.job_id, prepared.schedule, 2, "rollback", 1, 60.0, prepared.mode.commits),
+        None,
+        5.0,
     )
     for server, key in zip(servers, ("data-server-0-a", "data-server-1-b"), strict=True):
         server.key = key  # type: ignore[attr-defined]  (what a Dask actor handle carries)

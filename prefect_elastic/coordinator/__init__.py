@@ -7,6 +7,7 @@ bookkeeping of one job, kept by an async Dask actor on a static worker (`actor.C
   (`record.py`), the workers excluded after their model failed (`exclusion.py`) and the job's commit
   bookkeeping, one `CommitBook` (`commit_book.py`) of two: `SyncCommits` (`sync_commits.py`) or
   `AsyncLeases` (`async_leases.py`).
+- `spec.py`: what the coordinator is made with (`CoordinatorSpec`), built once by the controller.
 - `rebuild.py`: a coordinator rebuilt from the controller's copy of the record; `pacing.py`: how often the
   shards are read.
 
@@ -31,6 +32,7 @@ from .rebuild import rebuild_applied_from
 from .record import CoordinatorRecord, Failure
 from .role_moves import HOLD_WAIT_SECONDS
 from .shard_calls import ShardUnreachable, actor_key
+from .spec import CoordinatorSpec
 from .state import CoordinatorState
 from .sync_commits import SyncCommits
 
@@ -44,6 +46,7 @@ __all__ = [
     "CommitBook",
     "Coordinator",
     "CoordinatorRecord",
+    "CoordinatorSpec",
     "CoordinatorState",
     "Exclusions",
     "Failure",

@@ -39,13 +39,13 @@ from ..messages import (
     ShardStatus,
     direct,
 )
-from ..schedule import Schedule
-from ..survival import Action, Decision, Policy, spare_what_lost_nothing, survival_check
+from ..survival import Action, Decision, spare_what_lost_nothing, survival_check
 from ..wire import ChannelAddress
-from .commit_book import CommitBook, SnapshotAt, SnapshotWhereFenced
+from .commit_book import SnapshotAt, SnapshotWhereFenced
 from .pacing import STEADY_SYNC_SECONDS, SYNC_SECONDS
 from .role_moves import RoleMoves
 from .shard_calls import ShardUnreachable, fence
+from .spec import CoordinatorSpec
 from .state import CoordinatorState
 
 log = logging.getLogger(__name__)
@@ -72,30 +72,13 @@ ROLE_POLL_SECONDS = 0.5
 class Coordinator(RoleMoves):
     def __init__(
         self,
-        job_id: str,
-        schedule: Schedule,
-        shards: int,
-        policy: Policy,
-        min_workers: int,
-        min_workers_timeout: float,
-        call_timeout: float,
+        spec: CoordinatorSpec,
         resume: Resume | None,
-        commits: type[CommitBook],
-        snapshot_every: int = 0,
+        call_timeout: float,
         steady_sync: float = STEADY_SYNC_SECONDS,
     ) -> None:
-        state = CoordinatorState(
-            job_id,
-            schedule,
-            shards,
-            policy,
-            min_workers,
-            min_workers_timeout,
-            resume,
-            commits,
-            snapshot_every,
-        )
-        super().__init__(job_id, state, call_timeout)
+        state = CoordinatorState(spec, resume)
+        super().__init__(spec.job_id, state, call_timeout)
         # How often a sync job's steady state reads the shards (`CoordinatorState.sync_interval`): the
         # controller asks for `SYNC_SECONDS` where its caller acts on steps as they commit (faults, a
         # progress callback, which it polls every 20 ms).
@@ -315,7 +298,7 @@ class Coordinator(RoleMoves):
             # one shard and not to another, so it gets a clean start in a new generation.
             decision = replace(
                 decision,
-                action=Action.ROLLBACK if state.policy == "rollback" else Action.REASSIGN,
+                action=state.policy.on_change,
                 generation=state.generation + 1,
                 reason="a compute loop started over",
             )

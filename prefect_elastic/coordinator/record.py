@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..ledger import Ledger
 from ..messages import EventKind, Journal, MembershipEvent, Resume, Role, ShardStatus
 from ..schedule import Schedule
 from ..survival import Decision, Policy, SurvivalState
 from ..wire import ChannelAddress
+
+if TYPE_CHECKING:  # (the spec names the commit books, which keep this record)
+    from .spec import CoordinatorSpec
 
 
 @dataclass(frozen=True)
@@ -29,22 +33,13 @@ class Failure:
 
 
 class CoordinatorRecord:
-    def __init__(
-        self,
-        job_id: str,
-        schedule: Schedule,
-        shards: int,
-        policy: Policy,
-        min_workers: int,
-        min_workers_timeout: float,
-        resume: Resume | None = None,
-    ) -> None:
-        self.job_id = job_id
-        self.schedule = schedule
-        self.shards = shards
-        self.policy: Policy = policy
-        self.min_workers = min_workers
-        self.min_workers_timeout = min_workers_timeout
+    def __init__(self, spec: CoordinatorSpec, resume: Resume | None = None) -> None:
+        self.job_id = spec.job_id
+        self.schedule: Schedule = spec.schedule
+        self.shards = spec.shards
+        self.policy: Policy = spec.policy
+        self.min_workers = spec.min_workers
+        self.min_workers_timeout = spec.min_workers_timeout
         self.ledger = Ledger()
         self.generation = 0
         self.members: tuple[str, ...] = ()

@@ -17,8 +17,7 @@ from collections.abc import Iterable
 
 from ..errors import FatalError
 from ..messages import EventKind, Journal, MembershipEvent, Progress, Resume, ShardStatus
-from ..schedule import Schedule
-from ..survival import Action, Decision, Policy
+from ..survival import Action, Decision
 from ..wire import ChannelAddress
 from .commit_book import (
     CommitBook,
@@ -31,26 +30,13 @@ from .commit_book import (
 from .exclusion import Exclusions
 from .rebuild import check_shards
 from .record import CoordinatorRecord
-from .sync_commits import SyncCommits
+from .spec import CoordinatorSpec
 
 
 class CoordinatorState(CoordinatorRecord):
-    def __init__(
-        self,
-        job_id: str,
-        schedule: Schedule,
-        shards: int,
-        policy: Policy,
-        min_workers: int,
-        min_workers_timeout: float,
-        resume: Resume | None = None,
-        commits: type[CommitBook] = SyncCommits,
-        snapshot_every: int = 0,
-    ) -> None:
-        super().__init__(job_id, schedule, shards, policy, min_workers, min_workers_timeout, resume)
-        # Async leases: snapshot (a brief pause of every shard) every this many survival checks that saw
-        # progress; 0: only when the run stops or ends. (Set where the job writes checkpoints.)
-        self.commits: CommitBook = commits(self, resume, snapshot_every)
+    def __init__(self, spec: CoordinatorSpec, resume: Resume | None = None) -> None:
+        super().__init__(spec, resume)
+        self.commits: CommitBook = spec.commits(self, resume, spec.snapshot_every)
         self.exclusions = Exclusions()
 
     # -- where the job is ------------------------------------------------------------------------

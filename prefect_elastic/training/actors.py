@@ -32,7 +32,7 @@ from ..cluster import (
     scheduler_view_of_workers,
 )
 from ..compute.bucket_push import OVERLAP_MIN_BYTES, cores_short, cores_wanted
-from ..coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator
+from ..coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator, CoordinatorSpec
 from ..data_server import DataServer, Piece, plan_pieces
 from ..errors import (
     DataServerLostError,
@@ -44,6 +44,7 @@ from ..messages import (
     ShardHandle,
 )
 from ..registry import claim_job
+from ..survival import Policy
 from .calls import LEAVING_GRACE_SECONDS, WATCH_WHILE_CALLING_SECONDS, controller_handle
 from .pacing import PROGRESS_POLL_IDLE_SECONDS
 from .signals import StaticWorkerLeft
@@ -290,13 +291,15 @@ class Actors:
     def submit_coordinator(self, where: str, resume: Resume | None) -> Future:
         job = self.job
         self.placed_on(where)
-        return self.client.submit(
-            Coordinator, job.job_id, self.run.schedule, job.data_servers, job.on_membership_change,
-            job.min_workers, job.min_workers_timeout, job.call_timeout, resume, self.run.mode.commits,
+        spec = CoordinatorSpec(
+            job.job_id, self.run.schedule, job.data_servers, Policy(job.on_membership_change),
+            job.min_workers, job.min_workers_timeout, self.run.mode.commits,
             self.run.mode.snapshot_every_checks(
                 job.checkpoint_every, bool(job.checkpoint), job.peer_replicas and job.data_servers > 1
             ),
-            self.steady_sync(),
+        )  # fmt: skip
+        return self.client.submit(
+            Coordinator, spec, resume, job.call_timeout, self.steady_sync(),
             actor=True, workers=[where], allow_other_workers=False, pure=False,
             key=f"prefect-elastic-{job.job_id}-{self.run.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip

@@ -1,0 +1,31 @@
+"""What one job's coordinator is made with (`CoordinatorSpec`): the controller builds it once from the job,
+its schedule and its mode (`training/actors.py`), and the actor, its state and its record each take it whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..schedule import Schedule
+from ..survival import Policy
+from .commit_book import CommitBook
+from .sync_commits import SyncCommits
+
+
+@dataclass(frozen=True)
+class CoordinatorSpec:
+    """The job's coordinator: its id, schedule and data servers (`shards`), the policy of a membership
+    change, how few workers it waits for and for how long, its commit bookkeeping (the mode's), and how
+    many survival checks that saw progress go between two snapshots of async leases (0: at the end only)."""
+
+    job_id: str
+    schedule: Schedule
+    shards: int
+    policy: Policy
+    min_workers: int
+    min_workers_timeout: float
+    commits: type[CommitBook] = SyncCommits
+    snapshot_every: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))  # (named by the job's setting's string)
