@@ -18,7 +18,6 @@ sequence of events can be unit-tested.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -126,55 +125,6 @@ def _describe(joined: frozenset[str], left: frozenset[str]) -> str:
     if joined:
         parts.append("joined " + ", ".join(sorted(joined)))
     return "; ".join(parts)
-
-
-def wait_for_group(
-    known: frozenset[str] | set[str],
-    live: frozenset[str] | set[str],
-    pending: int,
-    waited: float,
-    limit: float,
-) -> bool:
-    """Whether to hold a membership check back so that workers joining together join as one group (seed
-    001's node groups: `cluster.scale(+4)`, a SLURM job array): only when the change is joins alone (a
-    loss is acted on at once), the cluster still has `pending` workers it started that have not
-    registered yet, and the first of these joins has waited less than `limit` seconds (one liveness
-    interval)."""
-    joins_only = set(live) > set(known)
-    return joins_only and pending > 0 and waited < limit
-
-
-def wait_for_start(known: Collection[str], live: Collection[str], starting: bool, restarts: bool) -> bool:
-    """Whether a check that a worker event triggered can wait for a worker that is still starting: a
-    worker registers while "init", so the check its add-worker event triggers would find the membership
-    unchanged (and at most take a snapshot) while the worker turns "running" a few milliseconds later.
-    Only when nothing else changed: no member lost or joined, no member's compute loop to start over. The
-    worker's turn to "running" (`cluster.plugins.AnnounceRunning`) triggers the check that admits it."""
-    return starting and set(live) == set(known) and not restarts
-
-
-def wait_for_losses(
-    known: frozenset[str] | set[str],
-    live: frozenset[str] | set[str],
-    waited: float,
-    window: float,
-    answering: frozenset[str] | set[str] = frozenset(),
-) -> bool:
-    """Whether to hold a membership check back so that workers lost together (a rack, a SLURM job array
-    ending, `cluster.scale(-4)`) leave as one group: when the change includes a loss first seen less than
-    `window` seconds ago, and some member still listed is not known to be alive. The scheduler removes
-    workers killed at once a few milliseconds apart (5 to 35 ms here); without the wait each would make a
-    generation of its own (and under `rollback`, a rollback each).
-
-    `answering`: the members whose worker answered a connection's handshake just now
-    (`cluster.workers.answering`). A process killed with the lost ones answers nothing (its kernel may still
-    accept the connection until its memory is torn down, which is also when the scheduler notices); when
-    every member still listed answers, none is on its way out and the check goes on at once. The wait is
-    on every recovery's path (the survivors' new roles go out after it), so it is paid only when a member
-    may be leaving."""
-    if not set(known) - set(live) or waited >= window:
-        return False
-    return not (set(known) & set(live)) <= set(answering)
 
 
 def spare_what_lost_nothing(decision: Decision, graceful: frozenset[str]) -> Decision:

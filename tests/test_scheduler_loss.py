@@ -74,8 +74,7 @@ def test_a_rebuild_broken_by_the_schedulers_loss_ends_in_scheduler_lost_error() 
     run.committed_seen = 7
     run.schedule = SimpleNamespace(total_steps=56)  # type: ignore[assignment]
     run.persistence = SimpleNamespace(last_written=None)  # type: ignore[assignment]
-    run._scheduler_gone_since = None
-    run.scheduler = SchedulerWatch(run)
+    run.scheduler = SchedulerWatch(run.client, run.job)
 
     def lose_the_coordinator() -> None:
         raise CoordinatorLost("its static worker was lost")

@@ -107,7 +107,8 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def _exit(self, code: int) -> None:
+    def exited(self, code: int) -> None:
+        """The fork server reported this child's end with `code`."""
         self.returncode = code
         self._exited.set()
 
@@ -228,7 +229,7 @@ class ForkServer:
             self._children[child.pid] = child
             early = self._early_exits.pop(child.pid, None)
         if early is not None:
-            child._exit(early)
+            child.exited(early)
         return child
 
     def close(self, grace: float = 5.0) -> None:
@@ -279,7 +280,7 @@ class ForkServer:
                         if child is None:
                             self._early_exits[pid] = code
                         else:
-                            child._exit(code)
+                            child.exited(code)
                     else:
                         self._replies[int(message["id"])] = message
                         self._replied.notify_all()
@@ -290,7 +291,7 @@ class ForkServer:
             children, self._children = list(self._children.values()), {}
             self._replied.notify_all()
         for child in children:
-            child._exit(-signal.SIGKILL)
+            child.exited(-signal.SIGKILL)
 
 
 def fork_server_wanted(given: bool | None) -> bool:

@@ -57,7 +57,7 @@ def mark_group(leader: Leader, marker: str) -> None:
     _MARKERS[leader] = marker
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def end_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: SIGTERM the child when the thread that started it ends (even by SIGKILL of the process)."""
     with contextlib.suppress(Exception):
         import ctypes
@@ -89,7 +89,7 @@ def start_group(
             env={**env, GROUP_ENV: marker},
             cwd=cwd,
             start_new_session=True,
-            preexec_fn=_die_with_parent if die_with_parent and sys.platform == "linux" else None,
+            preexec_fn=end_with_parent if die_with_parent and sys.platform == "linux" else None,
         )
     _MARKERS[proc] = marker
     return proc

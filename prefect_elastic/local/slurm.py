@@ -261,7 +261,7 @@ class LocalSlurm(processes.Service):
                 user="munge",
                 group="munge",
                 extra_groups=[],
-                preexec_fn=processes._die_with_parent,
+                preexec_fn=processes.end_with_parent,
             )
         self.wait_until(self._munge_answers, 30.0, "munged answering `munge -n`", poll=0.1)
 

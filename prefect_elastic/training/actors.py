@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from distributed import Future
+from distributed import Client, Future
 from distributed.comm import get_address_host
 
 from ..checkpoint import ShardStart
@@ -26,7 +26,6 @@ from ..cluster import (
     cpu_share,
     has_plugin,
     is_static_worker,
-    load_engine,
     machine_cores,
     machines,
     scheduler_view_of_workers,
@@ -39,9 +38,7 @@ from ..errors import (
     FatalError,
 )
 from ..messages import (
-    CoordinatorHandle,
     Resume,
-    ShardHandle,
 )
 from ..registry import claim_job
 from ..survival import Policy
@@ -52,7 +49,11 @@ from .workers import SILENT_HEARTBEATS
 
 if TYPE_CHECKING:
     from ..job import RoleSpecs
-    from .run import TrainingRun
+    from .calls import Calls
+    from .engine import EngineLoads
+    from .prepare import Prepared
+    from .role_table import RoleTable
+    from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +62,32 @@ START_TRIES = 3
 
 
 class Actors:
-    """(of a `TrainingRun`)"""
+    """The job's actors placed: the job id registered, the engine loaded before a role, the data servers
+    and the coordinator started (recorded in the `RoleTable`)."""
 
-    def __init__(self, run: TrainingRun) -> None:
-        self.run = run
-        self.job = run.job
-        self.client = run.client
+    def __init__(
+        self,
+        client: Client,
+        prepared: Prepared,
+        run_id: str,
+        progress_poll: float,
+        roles: RoleTable,
+        workers: Workers,
+        engine: EngineLoads,
+        calls: Calls,
+    ) -> None:
+        self.client = client
+        self.prepared = prepared
+        self.job = prepared.job
+        self.mode = prepared.mode
+        self.persistence = prepared.persistence
+        self.run_id = run_id
+        self.progress_poll = progress_poll
+        self.roles = roles
+        self.workers = workers
+        self.engine = engine
+        self.calls = calls
+        self.registered = False
 
     def register(self) -> None:
         # Roles register under the job id: a second live controller of the same job would
@@ -79,13 +100,13 @@ class Actors:
             self.client.register_plugin(NannyKeepsWorkerOnSigterm(), name=NannyKeepsWorkerOnSigterm.name)
         if not self.client.run_on_scheduler(has_plugin, name=AnnounceRunning.name):
             self.client.register_plugin(AnnounceRunning(), name=AnnounceRunning.name)
-        holder = claim_job(self.client, self.job.job_id, self.run.run_id)
+        holder = claim_job(self.client, self.job.job_id, self.run_id)
         if holder is not None:
             raise FatalError(
                 f"job_id={self.job.job_id!r} is already training on this cluster "
                 f"(controller {holder['client']}); give this job another job_id or wait for that one to end"
             )
-        self.run.registered = True
+        self.registered = True
 
     def static_workers(self) -> list[str]:
         # Read on the scheduler, not from `Client.scheduler_info()`: the client's periodic refresh of that
@@ -96,7 +117,7 @@ class Actors:
             for r in view["workers"]
             if is_static_worker(r, self.job.static_resource)
             and r["status"] in ("running", "paused")
-            and r["address"] not in self.run.left
+            and r["address"] not in self.workers.left
         ]
         if not static:
             raise FatalError(
@@ -114,13 +135,13 @@ class Actors:
         as the members at the start stand; else left to the loops. Decided once for the job: a shard takes
         a step's gradients all in parts or all whole."""
         job = self.job
-        if job.overlap_push is not None or job.overlap_pull or not self.run.mode.overlaps_push:
+        if job.overlap_push is not None or job.overlap_pull or not self.mode.overlaps_push:
             return specs
         members = sorted(loops)
-        size = sum(t.numel() * t.element_size() for t in self.run.persistence.initial.values())
+        size = sum(t.numel() * t.element_size() for t in self.persistence.initial.values())
         if size < OVERLAP_MIN_BYTES or not members:
             return specs
-        holders = [where for where, pieces in zip(self.run.placement, plan, strict=True) if pieces]
+        holders = [where for where, pieces in zip(self.roles.placement, plan, strict=True) if pieces]
         workers = sorted({*holders, *members})
         try:
             hosts = {w: get_address_host(w) for w in workers}
@@ -157,26 +178,27 @@ class Actors:
         found: dict[str, CpuShare] = await asyncio.wait_for(run, timeout)
         return found
 
-    def start_servers(self) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[Piece]]]:
+    def start_servers(self) -> None:
         """Start the data servers and the coordinator on the static workers. Nothing is trained before they
         all stand, so a static worker lost meanwhile costs nothing but the start: it is tried again on the
         static workers left (a standby is one more of them), up to `START_TRIES` times."""
         job = self.job
         # (A tensor larger than a data server's share is split across several, where the job allows it.)
-        plan = plan_pieces(self.run.persistence.initial, job.data_servers, job.min_shard_bytes, job.splits)
-        self.run.persistence.plan = plan  # (a checkpoint joins the parts by it)
+        plan = plan_pieces(self.persistence.initial, job.data_servers, job.min_shard_bytes, job.splits)
+        self.persistence.plan = plan  # (a checkpoint joins the parts by it)
         tries = 0
         while True:
             static = self.static_workers()
             for where in static:  # (a standby's engine loads too: it may be promoted soon)
-                self.load_engine(where)
+                self.engine.load(where)
             try:
-                return self.start_servers_on(static, plan)
+                self.start_servers_on(static, plan)
+                return
             except Exception as exc:
                 gone = sorted(
                     w
-                    for w in {*self.run.placement, self.run.coordinator_at} - {""}
-                    if self.run.calls.leaves_soon(w, LEAVING_GRACE_SECONDS, heard=False)
+                    for w in {*self.roles.placement, self.roles.coordinator_at} - {""}
+                    if self.workers.leaves_soon(w, LEAVING_GRACE_SECONDS, heard=False)
                 )
                 if not gone:
                     raise
@@ -194,85 +216,45 @@ class Actors:
                     job.job_id, ", ".join(gone), type(exc).__name__, exc,
                 )  # fmt: skip
 
-    def start_servers_on(
-        self, static: list[str], plan: list[list[Piece]]
-    ) -> tuple[CoordinatorHandle, list[ShardHandle], list[list[Piece]]]:
+    def start_servers_on(self, static: list[str], plan: list[list[Piece]]) -> None:
         job = self.job
-        self.run.placement = [static[i % len(static)] for i in range(len(plan))]
-        self.run.coordinator_at = static[0]
-        for where in sorted(set(self.run.placement)):
+        roles = self.roles
+        roles.place(static, len(plan))
+        for where in sorted(set(roles.placement)):
             self.await_engine(where, self.startup_timeout(), heard=False)
         for i, names in enumerate(plan):
-            start = self.run.persistence.shard_start(i, names)
-            self.run.actor_futures.append(self.submit_data_server(i, self.run.placement[i], start))
-        self.run.coordinator_future = self.submit_coordinator(
-            self.run.coordinator_at, self.run.persistence.resume()
+            start = self.persistence.shard_start(i, names)
+            roles.submitted(self.submit_data_server(i, roles.placement[i], start))
+        roles.submitted(
+            self.submit_coordinator(roles.coordinator_at, self.persistence.resume()), coordinator=True
         )
         # Reading a partition may take a while on a big dataset; the wait is still bounded.
         slow = self.startup_timeout()
         shards = [
-            self.run.calls.wait_unless_left(f, self.run.placement[i], slow, heard=False)
-            for i, f in enumerate(self.run.actor_futures)
+            self.calls.wait_unless_left(f, roles.placement[i], slow, heard=False)
+            for i, f in enumerate(roles.actor_futures)
         ]
         coordinator = controller_handle(
-            self.run.calls.wait_unless_left(
-                self.run.coordinator_future, self.run.coordinator_at, slow, heard=False
-            )
+            self.calls.wait_unless_left(roles.coordinator_future, roles.coordinator_at, slow, heard=False)
         )
         # The step path's own connections (wire/channel.py): compute loops reach each shard there.
-        self.run.channels = [
-            self.run.calls.wait_unless_left(
-                s.open_channel(), self.run.placement[i], job.call_timeout, heard=False
-            )
+        channels = [
+            self.calls.wait_unless_left(s.open_channel(), roles.placement[i], job.call_timeout, heard=False)
             for i, s in enumerate(shards)
         ]
-        self.run.calls.wait_unless_left(
-            coordinator.attach(shards, self.run.channels),
-            self.run.coordinator_at,
+        roles.started(coordinator, list(shards), channels, plan)
+        self.calls.wait_unless_left(
+            coordinator.attach(shards, channels),
+            roles.coordinator_at,
             job.call_timeout,
             heard=False,
         )
-        return coordinator, shards, plan
 
     def abandon_start(self) -> None:
         """Drop what a start that lost a static worker made: its actors (on the workers left) and places."""
-        futures = [
-            *self.run.actor_futures,
-            *([self.run.coordinator_future] if self.run.coordinator_future else []),
-        ]
+        futures = self.roles.abandon()
         with contextlib.suppress(Exception):
             self.client.cancel(futures)
-        self.run.actor_futures.clear()
-        self.run.coordinator_future = None
-        self.run.placement = []
-        self.run.coordinator_at = ""
-
-    def load_engine(self, where: str) -> Future | None:
-        """The task that imports the engine on `where` (`cluster.workers.load_engine`), started once;
-        None once it has ended. (Its future is then dropped: a worker holding its result would have to hand
-        it to another before it could retire, and would stay "closing_gracefully" meanwhile, a graceful
-        leave taken for a loss.)"""
-        if where in self.run.engine_loaded:
-            return None
-        future = self.run.engine.get(where)
-        if future is not None and future.done():
-            del self.run.engine[where]
-            self.run.engine_loaded.add(where)
-            return None
-        if future is None:
-            self.run._loop_serial += 1
-            future = self.run.engine[where] = self.client.submit(
-                load_engine, workers=[where], allow_other_workers=False, pure=False,
-                key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-load-{where}-{self.run._loop_serial}",
-            )  # fmt: skip
-            # Its end may make a member: look at once, not at the next poll.
-            future.add_done_callback(lambda _: self.run._check_soon())
-        return future
-
-    def engine_loaded_on(self, workers: Iterable[str]) -> set[str]:
-        """Of `workers`, those that imported the engine; it starts loading on the others. (A load that
-        failed counts as loaded: the role it was for fails there, and says why, as it would have.)"""
-        return {w for w in workers if self.load_engine(w) is None}
 
     def await_engine(
         self,
@@ -283,39 +265,32 @@ class Actors:
         gone: Callable[[], bool] | None = None,
     ) -> None:
         """Wait for the engine to be loaded on `where` (`Calls.wait_unless_left`, with its options)."""
-        future = self.load_engine(where)
+        future = self.engine.load(where)
         if future is not None:
-            self.run.calls.wait_unless_left(future, where, timeout, elastic, heard, gone)
-            self.load_engine(where)  # (drops the future)
+            self.calls.wait_unless_left(future, where, timeout, elastic, heard, gone)
+            self.engine.load(where)  # (drops the future)
 
     def submit_coordinator(self, where: str, resume: Resume | None) -> Future:
         job = self.job
-        self.placed_on(where)
+        self.workers.placed_on(where)
         spec = CoordinatorSpec(
-            job.job_id, self.run.schedule, job.data_servers, Policy(job.on_membership_change),
-            job.min_workers, job.min_workers_timeout, self.run.mode.commits,
-            self.run.mode.snapshot_every_checks(
+            job.job_id, self.prepared.schedule, job.data_servers, Policy(job.on_membership_change),
+            job.min_workers, job.min_workers_timeout, self.mode.commits,
+            self.mode.snapshot_every_checks(
                 job.checkpoint_every, bool(job.checkpoint), job.peer_replicas and job.data_servers > 1
             ),
         )  # fmt: skip
         return self.client.submit(
             Coordinator, spec, resume, job.call_timeout, self.steady_sync(),
             actor=True, workers=[where], allow_other_workers=False, pure=False,
-            key=f"prefect-elastic-{job.job_id}-{self.run.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
+            key=f"prefect-elastic-{job.job_id}-{self.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip
 
     def steady_sync(self) -> float:
         """How often the coordinator reads the shards in a sync job's steady state: as often as near the
         end where this controller polls progress for a caller that acts on steps as they commit (faults,
         `on_progress`), whose fault at step 5 of a short job would otherwise come after its end."""
-        return SYNC_SECONDS if self.run.progress_poll < PROGRESS_POLL_IDLE_SECONDS else STEADY_SYNC_SECONDS
-
-    def placed_on(self, where: str) -> None:
-        """A role goes to the live static worker `where`: from now on `left` tells whether it left since.
-        A worker the scheduler removed once and that came back at the same address (a paused process
-        that resumed and registered again) stayed in `left`, and a role put there later was taken for
-        lost at its first call (the chaos soak: a coordinator rebuilt there failed the job)."""
-        self.run.left.discard(where)
+        return SYNC_SECONDS if self.progress_poll < PROGRESS_POLL_IDLE_SECONDS else STEADY_SYNC_SECONDS
 
     def startup_timeout(self) -> float:
         return max(self.job.call_timeout, 600.0)
@@ -335,12 +310,12 @@ class Actors:
             tensors = self.client.sync(
                 self.scatter_unless_left, [start.params, start.buffers, start.optimizer_state], where
             )
-        self.placed_on(where)
+        self.workers.placed_on(where)
         return self.client.submit(
-            DataServer, index, self.run.specs.shard, self.run.dataset, self.run.schedule, *tensors, version,
-            applied, self.run.mode.applies,
+            DataServer, index, self.prepared.specs.shard, self.prepared.dataset, self.prepared.schedule,
+            *tensors, version, applied, self.mode.applies,
             actor=True, workers=[where], allow_other_workers=False,
-            key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",
+            key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",
             pure=False,
         )  # fmt: skip
 
@@ -353,6 +328,6 @@ class Actors:
             if done:
                 futures: list[Future] = scatter.result()
                 return futures
-            if where in self.run.left:
+            if where in self.workers.left:
                 scatter.cancel()
                 raise StaticWorkerLeft(where)

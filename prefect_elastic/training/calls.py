@@ -14,9 +14,6 @@ import distributed
 from distributed import Client, Future
 from distributed.actor import Actor
 
-from ..cluster import (
-    answering,
-)
 from ..dask_failures import actor_lost
 from ..errors import (
     DataServerLostError,
@@ -24,7 +21,9 @@ from ..errors import (
 from .signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
 
 if TYPE_CHECKING:
-    from .run import TrainingRun
+    from ..job import ElasticJob
+    from .role_table import RoleTable
+    from .workers import Workers
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +80,6 @@ CALL_SLICE_SECONDS = 0.05
 # scheduler has removed the worker.
 LEAVING_GRACE_SECONDS = 2.0
 
-# How many times a data server taken for lost may keep its role because it answered (`answering`): a
-# worker that stays silent to the scheduler while it answers would otherwise be fenced over and over.
-KEEP_TRIES = 3
-
 
 class ControllerCoordinatorHandle(Actor):
     """The controller's handle on its coordinator: a Dask `Actor` whose calls raise `CoordinatorLost`
@@ -113,12 +108,15 @@ def controller_handle(coordinator: Actor) -> ControllerCoordinatorHandle:
 
 
 class Calls:
-    """(of a `TrainingRun`)"""
+    """The controller's calls to its actors, each bounded, each given up as soon as the static worker it
+    depends on is seen gone (`Workers`); it changes nothing in the role table but the losses it told the
+    coordinator of (`RoleTable.newly_lost`)."""
 
-    def __init__(self, run: TrainingRun) -> None:
-        self.run = run
-        self.job = run.job
-        self.client = run.client
+    def __init__(self, job: ElasticJob, roles: RoleTable, workers: Workers, total_steps: int) -> None:
+        self.job = job
+        self.total_steps = total_steps
+        self.roles = roles
+        self.workers = workers
 
     def call(self, future: Any, timeout: float | None = None) -> Any:
         """The answer to a call to the coordinator. If its static worker leaves meanwhile, raises
@@ -129,9 +127,9 @@ class Calls:
             try:
                 return future.result(timeout=max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
             except TimeoutError as exc:
-                if self.run.coordinator_at in self.run.left:
+                if self.roles.coordinator_at in self.workers.left:
                     raise CoordinatorLost(
-                        f"its static worker {self.run.coordinator_at} left the cluster"
+                        f"its static worker {self.roles.coordinator_at} left the cluster"
                     ) from exc
                 now = time.monotonic()
                 if now >= next_look:
@@ -140,7 +138,7 @@ class Calls:
                 if now < deadline:
                     continue
                 raise DataServerLostError(
-                    f"the coordinator of job {self.job.job_id} on {self.run.coordinator_at} did not answer "
+                    f"the coordinator of job {self.job.job_id} on {self.roles.coordinator_at} did not answer "
                     f"within {timeout or self.job.call_timeout:g} s; its static worker is probably frozen"
                 ) from exc
             except (OSError, RuntimeError) as exc:
@@ -148,7 +146,7 @@ class Calls:
                     raise
                 # The connection to its worker broke, or the scheduler said the worker is gone.
                 raise CoordinatorLost(
-                    f"its static worker {self.run.coordinator_at} was lost ({type(exc).__name__}: {exc})"
+                    f"its static worker {self.roles.coordinator_at} was lost ({type(exc).__name__}: {exc})"
                 ) from exc
 
     def wait_unless_left(
@@ -174,11 +172,11 @@ class Calls:
                 return settled_result(future, slice_s)
             except TimeoutError:
                 now = time.monotonic()
-                if worker in self.run.left:
+                if worker in self.workers.left:
                     raise StaticWorkerLeft(worker) from None
                 if now >= next_look:
                     next_look = now + WATCH_WHILE_CALLING_SECONDS
-                    if gone() if gone is not None else not self.listed(worker, elastic, heard):
+                    if gone() if gone is not None else not self.workers.listed(worker, elastic, heard):
                         raise StaticWorkerLeft(worker) from None
                 if now >= deadline:
                     raise
@@ -187,27 +185,9 @@ class Calls:
             except Exception as exc:
                 # The call broke: if `worker` is gone, that is why (the error itself may be any of
                 # Dask's: a closed comm, an actor whose worker was lost, one from a worker in its death).
-                if not elastic and self.leaves_soon(worker, LEAVING_GRACE_SECONDS, heard):
+                if not elastic and self.workers.leaves_soon(worker, LEAVING_GRACE_SECONDS, heard):
                     raise StaticWorkerLeft(worker) from exc
                 raise
-
-    def listed(self, worker: str, elastic: bool = False, heard: bool = True) -> bool:
-        """Whether `worker` is still there: an elastic one listed by the scheduler; a static one listed and
-        (with `heard`) heard from lately."""
-        view = self.run.workers.view()
-        if elastic:
-            return worker in view.listed
-        return worker in view.static or (not heard and worker in view.silent_static)
-
-    def leaves_soon(self, worker: str, grace: float, heard: bool = True) -> bool:
-        """Whether the static worker `worker` is gone, or goes within `grace` seconds."""
-        deadline = time.monotonic() + grace
-        while True:
-            if worker in self.run.left or not self.listed(worker, heard=heard):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(WATCH_WHILE_CALLING_SECONDS)
 
     def answering(self, indices: Iterable[int]) -> set[int]:
         """Of the data servers `indices`, taken for lost, those that answer a call within `call_timeout`.
@@ -220,15 +200,14 @@ class Calls:
         silent ones are asked first: one that answers is not lost, and its answer counts as a heartbeat
         (for one silence limit). A worker being handed over is not asked, nor one whose data server was kept
         `KEEP_TRIES` times (silent to the scheduler while it answers, it would be fenced over and over)."""
-        view = self.run.workers.view()
+        view = self.workers.view()
         listed = {*view.static, *view.silent_static}  # (heard again, perhaps, since it was taken for lost)
         asked: dict[int, Any] = {}
         for i in sorted(set(indices)):
-            where = self.run.placement[i]
-            if where not in listed or where in self.run.leaving or self.run._kept[(i, where)] >= KEEP_TRIES:
+            if self.roles.placement[i] not in listed or not self.roles.may_ask(i):
                 continue  # gone; handing its roles over; or kept too often already
             with contextlib.suppress(RuntimeError):  # Dask already knows its worker is gone
-                asked[i] = self.run.shards[i].status(self.run.schedule.total_steps)
+                asked[i] = self.roles.shards[i].status(self.total_steps)
         if asked:
             log.warning(
                 "job %s: data servers %s, taken for lost, are still listed by the scheduler; asking them "
@@ -239,7 +218,7 @@ class Calls:
         deadline = time.monotonic() + self.job.call_timeout
         while asked and time.monotonic() < deadline:
             for i, future in list(asked.items()):
-                if self.run.placement[i] in self.run.left:
+                if self.roles.placement[i] in self.workers.left:
                     del asked[i]  # the scheduler removed its worker: lost after all
                     continue
                 try:
@@ -251,7 +230,7 @@ class Calls:
                     continue
                 del asked[i]
                 answered.add(i)
-                self.run._answered_at[self.run.placement[i]] = time.monotonic()
+                self.workers.heard(self.roles.placement[i])
         if answered:
             log.warning("job %s: data servers %s answered: not lost", self.job.job_id, sorted(answered))
         return answered
@@ -260,29 +239,16 @@ class Calls:
         """While a coordinator call waits (it may be calling every shard), look at the static workers: a
         call to a shard whose worker just died waits for Dask's connect timeout, so the coordinator is told
         of the loss at once (`shards_lost`, not waited for), which makes it give that call up."""
-        static = set(self.run.workers.view().static)
-        if self.run.coordinator_at not in static:
-            raise CoordinatorLost(f"its static worker {self.run.coordinator_at} left the cluster")
-        if self.run._promoting is not None and self.run._promoting[1] not in static:
+        static = set(self.workers.view().static)
+        roles = self.roles
+        if roles.coordinator_at not in static:
+            raise CoordinatorLost(f"its static worker {roles.coordinator_at} left the cluster")
+        if roles.promoting is not None and roles.promoting[1] not in static:
             # Told again at each look while the promotion lasts: a report that reaches the coordinator
             # before the promotion put the standby's data server in place does not match its key.
-            index, standby, key = self.run._promoting
-            self.run.coordinator.shards_lost([index], f"standby {standby} left during its promotion", [key])
-        for i, where in enumerate(self.run.placement):
-            if where not in static and i not in self.run._told_lost:
-                self.run._told_lost.add(i)
-                # Not waited for: the answer may come after the promotion, which the key fences out.
-                self.run.coordinator.shards_lost([i], f"static worker {where} left", [self.run.shards[i].key])
-
-    def members_answering(self, workers: set[str], timeout: float) -> frozenset[str]:
-        """The workers among `workers` whose process answers a connection within `timeout` seconds
-        (`cluster.workers.answering`); none if asking fails."""
-        if not workers:
-            return frozenset()
-        try:
-            alive: frozenset[str] = self.client.sync(
-                answering, workers, timeout, callback_timeout=timeout + 1, **self.client.connection_args
-            )
-        except Exception:  # (the client's loop closing under it: nothing is known, so wait)
-            return frozenset()
-        return alive
+            index, standby, key = roles.promoting
+            roles.coordinator.shards_lost([index], f"standby {standby} left during its promotion", [key])
+        for i in roles.newly_lost(static):
+            # Not waited for: the answer may come after the promotion, which the key fences out.
+            where = roles.placement[i]
+            roles.coordinator.shards_lost([i], f"static worker {where} left", [roles.shards[i].key])

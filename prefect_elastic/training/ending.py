@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
 def finish(run: TrainingRun, progress: Progress) -> TrainResult:
     """Write the last checkpoint and collect the result; raise what ended a failed or stopped run."""
-    coordinator, shards = run.coordinator, run.shards
+    table = run.role_table
+    coordinator, shards = table.coordinator, table.shards
     timeout = run.job.call_timeout
-    if run._stopping and progress.state in ("running", "waiting"):
+    if run.stopping and progress.state in ("running", "waiting"):
         # Every shard fenced and brought to one version, which is snapshotted: the last checkpoint
         # holds every step committed before the stop.
         run.calls.call(coordinator.stop("stopped by the controller"), timeout=3 * timeout)
@@ -47,7 +48,7 @@ def finish(run: TrainingRun, progress: Progress) -> TrainResult:
                 )
             ) from exc
         run.persistence.write(coordinator, shards, timeout)
-    if run._stopping:
+    if run.stopping:
         run.compute.stop()
         raise TrainingStopped(
             f"job {run.job.job_id} stopped at step {progress.committed_steps} of {progress.total_steps}"
@@ -59,34 +60,34 @@ def finish(run: TrainingRun, progress: Progress) -> TrainResult:
         raise failure_error(progress)
     parts = [f.result(timeout=run.job.call_timeout) for f in [s.state() for s in shards]]
     # (Whole tensors: the parts of one split across data servers joined.)
-    state = join(parts, run.plan, {n: t.shape for n, t in run.persistence.initial.items()})
+    state = join(parts, table.plan, {n: t.shape for n, t in run.persistence.initial.items()})
     shard_phases = [f.result(timeout=timeout) for f in [s.phases() for s in shards]]
     run.compute.stop()
     return TrainResult(
         job=run.job,
-        state_dict=run.layout.export(state),
+        state_dict=run.persistence.layout.export(state),
         ledger=outcome.ledger,
         events=sorted([*outcome.events, *run.persistence.events], key=lambda e: e.time),
         history=outcome.history,
         generation=outcome.generation,
         counters={
             **outcome.counters,
-            "loop_failures": run.loop_failures,
-            "candidate_steps": sum(loop.candidate_steps for loop in run.loop_stats),
-            "stale_refusals": sum(loop.refused for loop in run.loop_stats),
+            "loop_failures": run.compute.failures,
+            "candidate_steps": sum(loop.candidate_steps for loop in run.compute.stats),
+            "stale_refusals": sum(loop.refused for loop in run.compute.stats),
             # Sync mode: micro-batches trained for a member that had not pushed them (`stragglers.py`).
-            "backups": sum(loop.backups for loop in run.loop_stats),
+            "backups": sum(loop.backups for loop in run.compute.stats),
         },
         elapsed=time.monotonic() - run.started,
         total_steps=run.schedule.total_steps,
         total_batches=run.schedule.total_batches,
-        loops=run.loop_stats,
+        loops=run.compute.stats,
         commit_times=outcome.commit_times,
         checkpoint=run.persistence.last_written,
         resumed_from=run.persistence.resumed_from,
         shard_phases=shard_phases,
-        promotions=list(run.promotions),
-        shard_plan=[[p.name for p in pieces] for pieces in run.plan],
+        promotions=list(table.promotions),
+        shard_plan=[[p.name for p in pieces] for pieces in table.plan],
     )
 
 

@@ -17,7 +17,7 @@ STARTING_RECHECK_SECONDS = 0.05
 # How often the controller reads the scheduler's view of the workers between survival checks: a worker
 # that froze (SIGSTOP, a hung device) stops sending heartbeats, and this is how soon that is seen.
 MEMBERSHIP_POLL_SECONDS = 0.25
-# Workers lost within this long of the first are one membership change (`survival.wait_for_losses`): the
+# Workers lost within this long of the first are one membership change (`membership.wait_for_losses`): the
 # scheduler removes workers killed together a few milliseconds apart. Waited only while a member still
 # listed does not answer a connection (it may be dying too).
 LOSS_GROUP_SECONDS = 0.05

@@ -8,11 +8,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import time
 from typing import TYPE_CHECKING
 
-from distributed import Future
+from distributed import Client, Future
 
 from ..checkpoint import ShardStart
 from ..compute import leave_links
@@ -28,94 +27,101 @@ from ..messages import (
 from ..wire import ChannelAddress
 from .actors import START_TRIES
 from .calls import LEAVING_GRACE_SECONDS
-from .pacing import MEMBERSHIP_POLL_SECONDS
+from .recovery import plan_recovery, replica_peer
 from .signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
-from .workers import pass_over_standby, readiest_first, standbys
 
 if TYPE_CHECKING:
-    from .run import TrainingRun
+    from .actors import Actors
+    from .calls import Calls
+    from .fallback import CheckpointFallback
+    from .loops import ComputeLoops
+    from .prepare import Prepared
+    from .record_copy import RecordCopy
+    from .role_table import RoleTable
+    from .standby import StandbyChoice
+    from .workers import Workers
 
 log = logging.getLogger(__name__)
 
 
 class Promotions:
-    """(of a `TrainingRun`)"""
+    """A lost data server's role given to a standby: the plan (`recovery.plan_recovery`) made, then carried
+    out, and made again whenever a peer or a standby dies under it; the role table records each move."""
 
-    def __init__(self, run: TrainingRun) -> None:
-        self.run = run
-        self.job = run.job
-        self.client = run.client
-        # The standby a data server is being started on: silent to the scheduler, it is asked for Dask's
-        # handshake before it counts as gone (`Workers.view`), as a role's worker is.
-        self.starting_on: set[str] = set()
+    def __init__(
+        self,
+        client: Client,
+        prepared: Prepared,
+        roles: RoleTable,
+        workers: Workers,
+        calls: Calls,
+        actors: Actors,
+        standbys: StandbyChoice,
+        record: RecordCopy,
+        fallback: CheckpointFallback,
+        loops: ComputeLoops,
+    ) -> None:
+        self.client = client
+        self.prepared = prepared
+        self.job = prepared.job
+        self.roles = roles
+        self.workers = workers
+        self.calls = calls
+        self.actors = actors
+        self.standbys = standbys
+        self.record = record
+        self.fallback = fallback
+        self.loops = loops
 
-    def promote_standbys(self, lost: list[int], ask: bool = True) -> None:
+    def promote(self, lost: list[int]) -> None:
         """Suspend training, then for each lost data server: start one on a standby static worker, from
         its peer's in-memory replica of the last snapshot every shard holds, and let the coordinator bring
         every shard to that snapshot in a new generation (`Coordinator.promote`). Where that would lose a
-        shard, lost data servers are asked first if `ask` (`Calls.answering`; once: not again when this calls
-        itself after asking)."""
-        job, coordinator, shards = self.job, self.run.coordinator, self.run.shards
+        shard, the lost data servers are asked first, once (`Calls.answering`): one that answers keeps its
+        role. A peer that dies meanwhile takes its replica with it: the plan is made again, with it lost."""
+        ask = True
+        pending = sorted(set(lost))
+        while pending:
+            pending, ask = self.promote_round(pending, ask)
+        self.record.update()
+
+    def promote_round(self, lost: list[int], ask: bool) -> tuple[list[int], bool]:
+        """One round of `promote`: the data servers still to promote after it (a peer died under it), and
+        whether they may still be asked."""
+        job, roles, prepared = self.job, self.roles, self.prepared
+        coordinator, shards = roles.coordinator, roles.shards
         seen, clock = time.time(), time.monotonic()
-        left = ", ".join(sorted({self.run.placement[i] for i in lost}))
+        left = ", ".join(sorted({roles.placement[i] for i in lost}))
         told = coordinator.shards_lost(lost, f"static worker {left} left", [shards[i].key for i in lost])
-        targets = dict.fromkeys(lost, self.run.calls.call(told))
-        if self.run.mode.shards_apart:
+        targets = dict.fromkeys(lost, self.calls.call(told))
+        if prepared.mode.shards_apart:
             # Each shard snapshots at its own version (async mode): each standby starts from its own.
-            targets = {i: self.run.calls.call(coordinator.snapshot_version(i)) for i in lost}
+            targets = {i: self.calls.call(coordinator.snapshot_version(i)) for i in lost}
         suspended = time.monotonic() - clock
-
-        def peer_holding_replica(i: int) -> ShardHandle | None:
-            # The peer, if it holds the copy of the snapshot to go back to (one promoted since holds none).
-            peer = (i + 1) % len(shards)
-            if not job.peer_replicas or peer in lost or peer == i:
-                return None
-            try:
-                asked = shards[peer].status(self.run.schedule.total_steps)
-            except RuntimeError as exc:  # Dask already knows the peer's worker is gone
-                raise StaticWorkerLeft(self.run.placement[peer]) from exc
-            status = self.run.calls.wait_unless_left(asked, self.run.placement[peer], job.call_timeout)
-            return shards[peer] if targets[i] in status.replicas else None
-
         try:
-            replicas = {i: peer_holding_replica(i) for i in lost}
-        except StaticWorkerLeft as left:
+            held = {i: self.replica_held(i, lost, targets[i]) for i in lost}
+        except StaticWorkerLeft as gone:
             # A peer died too, after the first loss was seen: its replica is gone with it.
-            self.promote_standbys(
-                sorted({*lost, *(j for j, w in enumerate(self.run.placement) if w == left.worker)}), ask
-            )
-            return
-        unrestorable = [
-            i
-            for i in lost
-            if replicas[i] is None and targets[i] != self.run.persistence.shard_start(i, []).version
-        ]
+            return sorted({*lost, *roles.on(gone.worker)}), ask
+        plan = plan_recovery(
+            lost, len(shards), targets, {i: prepared.persistence.shard_start(i, []).version for i in lost},
+            held, job.peer_replicas, ask,
+        )  # fmt: skip
         # Only silent for a moment (`Calls.answering`): each keeps its role, and the rest are promoted.
-        asked = ask and bool(unrestorable)
-        kept = [i for i in sorted(self.run.calls.answering(lost) if asked else ()) if self.keep(i)]
+        kept = [
+            i for i in sorted(self.calls.answering(plan.ask_first) if plan.ask_first else ()) if self.keep(i)
+        ]
         if kept:
-            rest = [i for i in lost if i not in kept]
-            if rest:
-                self.promote_standbys(rest, ask=False)
-            else:
-                self.run._copy_journal()
-            return
-        if unrestorable:
-            if not job.peer_replicas:
-                why = "the job has peer_replicas=False, so no copy of a shard was kept"
-            else:
-                why = "; ".join(
-                    f"data server {i}'s replica was held by data server {(i + 1) % len(shards)}, "
-                    + ("lost with it" if (i + 1) % len(shards) in lost else "whose own worker died since")
-                    for i in unrestorable
-                )
-            self.run.roles.restore_from_checkpoint(
-                lost, f"data servers {unrestorable} cannot be restored: {why}"
+            return [i for i in lost if i not in kept], False
+        if plan.back_to_checkpoint:
+            self.fallback.restore(
+                list(plan.lost), f"data servers {list(plan.unrestorable)} cannot be restored: {plan.why}"
             )
-            return
-        for i in lost:
-            replica = replicas[i]
-            start = None if replica is not None else self.run.persistence.shard_start(i, self.run.plan[i])
+            return [], False
+        asked = bool(plan.ask_first)
+        for i in plan.lost:
+            replica = shards[(i + 1) % len(shards)] if i in plan.from_replica else None
+            start = None if replica is not None else prepared.persistence.shard_start(i, roles.plan[i])
             while True:
                 try:
                     standby, future, shard, channel, started, adopted = self.start_on_standby(
@@ -123,10 +129,7 @@ class Promotions:
                     )
                 except StaticWorkerLeft:
                     # The peer died too (after the first loss was seen): its replica is gone with it.
-                    self.promote_standbys(
-                        sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}), ask=not asked
-                    )
-                    return
+                    return sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}), not asked
                 clock = time.monotonic()
                 try:
                     event = self.promote_on(i, standby, future, shard, channel)
@@ -134,21 +137,18 @@ class Promotions:
                 except StaticWorkerLeft:
                     continue  # the standby died in the middle of its promotion: the next one
             promotion = Promotion(
-                index=i, lost_worker=self.run.placement[i], standby=standby, step=event.step, seen=seen,
+                index=i, lost_worker=roles.placement[i], standby=standby, step=event.step, seen=seen,
                 suspend=suspended, start=started, adopt=adopted, promote=time.monotonic() - clock,
                 source="start" if replica is None else "replica",
             )  # fmt: skip
-            self.run.promotions.append(promotion)
+            roles.promotions.append(promotion)
+            old, moved = roles.move(i, standby, future, shard, channel)
             # The old data server's actor is released: it is gone with its worker, or (a hand-over) its
             # worker is retiring and must not hold it.
-            old, self.run.actor_futures[i] = self.run.actor_futures[i], future
             with contextlib.suppress(Exception):
                 self.client.cancel([old])
-            moved = self.run.channels[i]
-            shards[i], self.run.channels[i], self.run.placement[i] = shard, channel, standby
-            self.starting_on = set()  # (a role's worker now)
-            self.run._told_lost.discard(i)
-            self.leave_links([moved])
+            if moved is not None:
+                self.leave_links([moved])
             log.warning(
                 "job %s: data server %d now on standby %s at step %d, %.2f s after it was lost (suspend "
                 "%.3f s, start %.3f s, copy from the peer %.3f s, promote %.3f s)",
@@ -156,14 +156,26 @@ class Promotions:
                 promotion.promote,
             )  # fmt: skip
             suspended = 0.0
-        self.run.standbys = tuple(w for w in self.run.standbys if w not in self.run.placement)
-        self.run._copy_journal()
+        return [], False
+
+    def replica_held(self, index: int, lost: list[int], target: int) -> bool:
+        """Whether the peer of data server `index` holds the copy of the snapshot of `target` (one promoted
+        since holds none); `StaticWorkerLeft` if the peer's worker is gone."""
+        peer = replica_peer(index, lost, len(self.roles.shards), self.job.peer_replicas)
+        if peer is None:
+            return False
+        try:
+            asked = self.roles.shards[peer].status(self.prepared.schedule.total_steps)
+        except RuntimeError as exc:  # Dask already knows the peer's worker is gone
+            raise StaticWorkerLeft(self.roles.placement[peer]) from exc
+        status = self.calls.wait_unless_left(asked, self.roles.placement[peer], self.job.call_timeout)
+        return target in status.replicas
 
     def leave_links(self, channels: list[ChannelAddress]) -> None:
         """Tell the compute loops to drop their connections to `channels`, where shards whose roles moved
         listened (`compute.leave_links`): one blocked on a frozen static worker would wait a call timeout.
         Not waited for: a member that does not answer has its own loop to wake, or none."""
-        members = sorted(a for a in self.run.known_live if a in self.run.loops)
+        members = self.loops.members_with_loops(self.workers.members)
         if not members:
             return
 
@@ -184,18 +196,18 @@ class Promotions:
         """Data server `index`, taken for lost, answered (`Calls.answering`): it keeps its role, every shard
         brought to the snapshot as in a promotion (`Coordinator.promote` with its own handle: event `kept`).
         False if that failed (it died or stalled meanwhile): it is lost after all."""
-        where = self.run.placement[index]
+        roles = self.roles
+        where = roles.placement[index]
         try:
-            event = self.run.calls.call(
-                self.run.coordinator.promote(index, self.run.shards[index], self.run.channels[index], where)
+            event = self.calls.call(
+                roles.coordinator.promote(index, roles.shards[index], roles.channels[index], where)
             )
         except CoordinatorLost:
             raise
         except Exception as exc:
             log.warning("job %s: data server %d could not keep its role (%s)", self.job.job_id, index, exc)
             return False
-        self.run._kept[(index, where)] += 1
-        self.run._told_lost.discard(index)
+        roles.keep(index)
         log.warning("job %s: data server %d keeps its role at step %d", self.job.job_id, index, event.step)
         return True
 
@@ -208,13 +220,13 @@ class Promotions:
         `StaticWorkerLeft` raised, for the next standby; so is it when the coordinator is lost (its
         rebuild promotes a standby again)."""
         key = actor_key(shard) or ""  # what `shards_lost` matches
-        self.run._promoting = (index, standby, key)
+        self.roles.promoting = (index, standby, key)
         try:
-            return self.run.calls.call(self.run.coordinator.promote(index, shard, channel, standby))
+            return self.calls.call(self.roles.coordinator.promote(index, shard, channel, standby))
         except Exception as exc:
             with contextlib.suppress(Exception):
                 self.client.cancel([future])
-            if isinstance(exc, CoordinatorLost) or not self.run.calls.leaves_soon(
+            if isinstance(exc, CoordinatorLost) or not self.workers.leaves_soon(
                 standby, LEAVING_GRACE_SECONDS
             ):
                 raise
@@ -225,10 +237,10 @@ class Promotions:
             # It may have died after the coordinator counted it promoted (while peers were named again):
             # then it is lost again, for the next standby (keyed: a no-op where it was not promoted).
             reason = f"standby {standby} left during its promotion"
-            self.run.calls.call(self.run.coordinator.shards_lost([index], reason, [key]))
+            self.calls.call(self.roles.coordinator.shards_lost([index], reason, [key]))
             raise StaticWorkerLeft(standby) from exc
         finally:
-            self.run._promoting = None
+            self.roles.promoting = None
 
     def start_on_standby(
         self, index: int, start: ShardStart | None, version: int, replica: ShardHandle | None
@@ -238,26 +250,26 @@ class Promotions:
         the next one (a call to it would wait for the startup timeout); the peer's death raises
         `StaticWorkerLeft` for the peer. Returns the standby, the actor's future, its handle, where its
         channel listens, and the seconds its start and the copy from the peer took."""
-        peer_at = self.run.placement[(index + 1) % len(self.run.placement)]
+        peer_at = self.roles.placement[(index + 1) % len(self.roles.placement)]
         cancelled = 0
         while True:
             waited = time.monotonic()
-            standby = self.wait_for_standby(index)
+            standby = self.standbys.wait_for_standby(index)
             clock = time.monotonic()
             waited = clock - waited
             future: Future | None = None
             watched = standby  # the worker whose loss would explain a broken call
-            self.starting_on = {standby}
-            passed_over = functools.partial(self.standby_gone, standby)
+            self.roles.starting_on = {standby}
+            passed_over = functools.partial(self.standbys.standby_gone, standby)
             try:
-                warm = self.warmth(standby)
-                self.run.actors.await_engine(standby, self.run.actors.startup_timeout(), gone=passed_over)
+                warm = self.roles.warmth(standby)
+                self.actors.await_engine(standby, self.actors.startup_timeout(), gone=passed_over)
                 engine = time.monotonic() - clock
-                future = self.run.actors.submit_data_server(index, standby, start, version)
-                shard: ShardHandle = self.run.calls.wait_unless_left(
+                future = self.actors.submit_data_server(index, standby, start, version)
+                shard: ShardHandle = self.calls.wait_unless_left(
                     future,
                     standby,
-                    self.run.actors.startup_timeout(),
+                    self.actors.startup_timeout(),
                     gone=passed_over,
                 )
                 started = time.monotonic() - clock
@@ -268,12 +280,12 @@ class Promotions:
                 )  # fmt: skip
                 if replica is not None:
                     watched = peer_at
-                    self.run.calls.wait_unless_left(
-                        shard.adopt(replica, version), peer_at, self.run.actors.startup_timeout()
+                    self.calls.wait_unless_left(
+                        shard.adopt(replica, version), peer_at, self.actors.startup_timeout()
                     )
                     watched = standby
                 adopted = time.monotonic() - clock - started
-                channel = self.run.calls.wait_unless_left(
+                channel = self.calls.wait_unless_left(
                     shard.open_channel(),
                     standby,
                     self.job.call_timeout,
@@ -281,7 +293,7 @@ class Promotions:
                 )
                 return standby, future, shard, channel, started, adopted
             except Exception as exc:
-                self.starting_on = set()
+                self.roles.starting_on = set()
                 if future is not None:
                     with contextlib.suppress(Exception):
                         self.client.cancel([future])
@@ -300,50 +312,10 @@ class Promotions:
                 # A broken call to the standby had its grace (`Calls.wait_unless_left`); the copy from the
                 # peer may have broken because the standby, which receives it, died.
                 if not gone and (
-                    watched == standby or not self.run.calls.leaves_soon(standby, LEAVING_GRACE_SECONDS)
+                    watched == standby or not self.workers.leaves_soon(standby, LEAVING_GRACE_SECONDS)
                 ):
                     raise
                 log.warning(
                     "job %s: standby %s left while data server %d started on it (%s); taking the next",
                     self.job.job_id, standby, index, exc,
                 )  # fmt: skip
-
-    def standby_gone(self, standby: str) -> bool:
-        """Whether to give up the standby a data server is being started on (`pass_over_standby`)."""
-        view = self.run.workers.view()
-        others = [w for w in view.static if w not in self.run.leaving and w != standby]
-        return pass_over_standby(
-            listed=standby in view.static or standby in view.silent_static,
-            silent_for=None if standby in view.static else view.silence.get(standby, math.inf),
-            another_free=bool(standbys(others, self.run.placement)),
-            patience=self.job.call_timeout,
-        )
-
-    def warmth(self, standby: str) -> str:
-        """Where `standby`'s warming (`warm_standby`) stands, for the promotion's log."""
-        warmed = self.run.warmed.get(standby)
-        if warmed is None:
-            return "not warmed"
-        return "warm" if warmed.done() else "still warming"
-
-    def wait_for_standby(self, index: int, taken: list[str] | None = None) -> str:
-        """A static worker holding no data server of this job (nor one of `taken`); waits up to
-        `min_workers_timeout` for one to join, then fails naming the role."""
-        deadline = time.monotonic() + self.job.min_workers_timeout
-        while True:
-            view = self.run.workers.view()
-            free = standbys(
-                [w for w in view.static if w not in self.run.leaving], taken or self.run.placement
-            )
-            if free:
-                warm = {w for w, f in self.run.warmed.items() if f.done()}
-                warming = set(self.run.warmed) - warm
-                return readiest_first(free, warm, warming)[0]
-            if time.monotonic() >= deadline:
-                raise DataServerLostError(
-                    f"data server {index} of job {self.job.job_id} was lost with its static worker "
-                    f"{self.run.placement[index]}, and no standby static worker joined within "
-                    f"{self.job.min_workers_timeout:g} s (min_workers_timeout): start one with "
-                    f"`dask worker <scheduler> --resources {self.job.static_resource}=1`"
-                )
-            time.sleep(MEMBERSHIP_POLL_SECONDS)

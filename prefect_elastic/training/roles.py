@@ -1,6 +1,6 @@
-"""The static roles: every role's worker checked at each look, a retiring static worker's roles handed over,
-a lost coordinator rebuilt from the controller's copy of its record, and every shard sent back to the
-checkpoint when a shard's last copy is lost.
+"""The static roles: every role's worker checked at each look (the decision: `membership.role_changes`), a
+retiring static worker's roles handed over (`membership.retire`), a lost coordinator rebuilt from the
+controller's copy of its record.
 """
 
 from __future__ import annotations
@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from distributed import Client
 
 from ..data_server import warm_standby
 from ..errors import (
@@ -16,55 +19,94 @@ from ..errors import (
 )
 from ..messages import (
     EventKind,
-    Journal,
     MembershipEvent,
 )
 from .actors import START_TRIES
-from .calls import controller_handle, settled_result
+from .calls import controller_handle
+from .membership import HoldRetire, RebuildCoordinator, RoleChange, retire, role_changes
 from .pacing import MEMBERSHIP_POLL_SECONDS
 from .signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
 from .workers import WorkersView, standbys
 
 if TYPE_CHECKING:
-    from .run import TrainingRun
+    from .actors import Actors
+    from .calls import Calls
+    from .engine import EngineLoads
+    from .fallback import CheckpointFallback
+    from .loops import ComputeLoops
+    from .prepare import Prepared
+    from .promotion import Promotions
+    from .record_copy import RecordCopy
+    from .role_table import RoleTable
+    from .workers import Workers
 
 log = logging.getLogger(__name__)
 
 
 class StaticRoles:
-    """(of a `TrainingRun`)"""
+    """The static roles kept: the membership decision on them (`membership.role_changes`, `retire`)
+    carried out at every look, the coordinator rebuilt."""
 
-    def __init__(self, run: TrainingRun) -> None:
-        self.run = run
-        self.job = run.job
-        self.client = run.client
+    def __init__(
+        self,
+        client: Client,
+        prepared: Prepared,
+        key_prefix: str,
+        roles: RoleTable,
+        workers: Workers,
+        calls: Calls,
+        actors: Actors,
+        engine: EngineLoads,
+        promotions: Promotions,
+        fallback: CheckpointFallback,
+        loops: ComputeLoops,
+        record: RecordCopy,
+        check_soon: Callable[[], None],
+    ) -> None:
+        self.client = client
+        self.prepared = prepared
+        self.job = prepared.job
+        self.key_prefix = key_prefix
+        self.roles = roles
+        self.workers = workers
+        self.calls = calls
+        self.actors = actors
+        self.engine = engine
+        self.promotions = promotions
+        self.fallback = fallback
+        self.loops = loops
+        self.record = record
+        self.check_soon = check_soon  # a survival check hands roles out again at once
 
     def keep_roles(self, view: WorkersView) -> None:
         """Check that every role's static worker is still there; give a lost data server's role to a
         standby. A lost coordinator raises `CoordinatorLost`, which `supervise` answers by rebuilding it."""
-        self.run.standbys = standbys(
-            [w for w in view.static if w not in self.run.leaving], self.run.placement
-        )
-        for worker in self.run.actors.engine_loaded_on(self.run.standbys):
-            if worker not in self.run.warmed:
-                # Fire and forget: a standby promoted before it finished is only slower to start.
-                self.run.warmed[worker] = self.client.submit(
-                    warm_standby, self.run.specs.shard, workers=[worker], allow_other_workers=False,
-                    pure=False,
-                    key=f"prefect-elastic-{self.job.job_id}-{self.run.run_id}-warm-{worker}",
-                )  # fmt: skip
-        if self.run.coordinator_at not in view.static:
-            raise CoordinatorLost(f"its static worker {self.run.coordinator_at} left the cluster")
-        lost = [i for i, where in enumerate(self.run.placement) if where not in view.static]
-        if lost:
-            self.run.promotion.promote_standbys(lost)
-        for worker in sorted(self.run.retiring):
+        self.warm(self.roles.seen_standbys(view.static))
+        for change in role_changes(self.roles.coordinator_at, self.roles.placement, view.static):
+            self.carry_out(change)
+        for worker in sorted(self.workers.retiring):
             # (Dropped first: a hand-over that raises is not tried again at every check.)
-            self.run.retiring.discard(worker)
+            self.workers.retiring.discard(worker)
             if worker in view.static and not self.hand_over(worker):
                 # No standby can relieve it yet: asked again at the next check, so it goes once one is
                 # heard from (a SIGTERMed one closes by itself meanwhile, after `SIGTERM_HAND_OVER_SECONDS`).
-                self.run.retiring.add(worker)
+                self.workers.retiring.add(worker)
+
+    def carry_out(self, change: RoleChange) -> None:
+        if isinstance(change, RebuildCoordinator):
+            # (Raised for `supervise`, which waits for the scheduler first: `TrainingRun.supervise`.)
+            raise CoordinatorLost(change.reason)
+        self.promotions.promote(list(change.indices))
+
+    def warm(self, standbys: tuple[str, ...]) -> None:
+        """Make the standbys ready to take a role (`warm_standby`)."""
+        for worker in self.engine.loaded_on(standbys):
+            if worker not in self.roles.warmed:
+                # Fire and forget: a standby promoted before it finished is only slower to start.
+                self.roles.warming(worker, self.client.submit(
+                    warm_standby, self.prepared.specs.shard, workers=[worker], allow_other_workers=False,
+                    pure=False, key=f"{self.key_prefix}-warm-{worker}",
+                ))  # fmt: skip
 
     def hand_over(self, worker: str) -> bool:
         """Someone asked to retire the static worker `worker` (`Client.retire_workers`, a cluster scaling
@@ -74,107 +116,53 @@ class StaticRoles:
         committed step is redone. Then it is retired. False if no standby can take its data servers now (none
         is there, or none was heard from lately: a loaded machine delays heartbeats); it is then asked
         again at the next survival check."""
-        job = self.job
-        indices = [i for i, w in enumerate(self.run.placement) if w == worker]
-        if indices or worker == self.run.coordinator_at:
-            if indices and not standbys(self.run.workers.view().static, self.run.placement):
-                if worker not in self.run.retire_waiting:
-                    self.run.retire_waiting.add(worker)
-                    log.warning(
-                        "job %s: static worker %s is asked to retire, but no standby can take data servers "
-                        "%s now; it is retired once one can (start a static worker if there is none)",
-                        job.job_id, worker, indices,
-                    )  # fmt: skip
-                return False
-            self.run.retire_waiting.discard(worker)
+        job, roles = self.job, self.roles
+        decision = retire(
+            worker,
+            roles.placement,
+            roles.coordinator_at,
+            standbys(self.workers.view().static, roles.placement),
+        )
+        if isinstance(decision, HoldRetire):
+            if worker not in self.workers.retire_waiting:
+                self.workers.retire_waiting.add(worker)
+                log.warning(
+                    "job %s: static worker %s is asked to retire, but no standby can take data servers "
+                    "%s now; it is retired once one can (start a static worker if there is none)",
+                    job.job_id, worker, list(decision.indices),
+                )  # fmt: skip
+            return False
+        if decision.indices or decision.coordinator:
+            self.workers.retire_waiting.discard(worker)
             reason = f"static worker {worker} is retiring"
-            self.run.leaving.add(worker)
+            roles.leaving.add(worker)
             log.warning("job %s: %s; handing over its roles", job.job_id, reason)
-            self.run.calls.call(self.run.coordinator.hand_over(indices, reason), timeout=3 * job.call_timeout)
+            indices = list(decision.indices)
+            self.calls.call(roles.coordinator.hand_over(indices, reason), timeout=3 * job.call_timeout)
             if indices:
-                self.run.promotion.promote_standbys(indices)
-            if worker == self.run.coordinator_at:
-                self.run._copy_journal()
+                self.promotions.promote(indices)
+            if decision.coordinator:
+                self.record.update()
                 self.rebuild_coordinator(reason)
         self.client.retire_workers([worker], close_workers=True)
-        self.run._check_soon()  # a survival check hands roles out again at once
+        self.check_soon()
         return True
-
-    def restore_from_checkpoint(self, lost: list[int], why: str) -> None:
-        """Data servers lost with the replicas of their shards: every shard goes back to the newest
-        persistent checkpoint in the same run (the lost ones on standbys, the others on their workers, all
-        started afresh from it), and the coordinator to the record of that step (`Coordinator.rebuild`
-        from the controller's copy). Without `checkpoint` on the job, fails naming the lost data servers."""
-        job = self.job
-        if self.run.mode.shards_apart:
-            # (The coordinator's loss too, with data server 0 and no replica of its shard: the shards stand
-            # at different versions, which the rebuild from a checkpoint does not handle yet.)
-            raise DataServerLostError(
-                f"{why}; async mode cannot go back to a checkpoint in the same run yet "
-                "(docs/design/async.md): run the job again (it resumes from its checkpoint), or use "
-                "mode='sync'"
-            )
-        found = self.run.persistence.fallback()
-        if found is None:
-            raise DataServerLostError(
-                f"{why}. Job {job.job_id} has no `checkpoint` to go back to in the same run: set one, or "
-                "run the job again (with `checkpoint` set it resumes from the last checkpoint)"
-            )
-        checkpoint, source = found
-        began, clock = time.time(), time.monotonic()
-        log.warning("job %s: %s; every shard goes back to %s", job.job_id, why, source)
-        holders = list(self.run.placement)
-        for i in lost:
-            holders[i] = self.run.promotion.wait_for_standby(i, taken=holders)
-        futures = [
-            self.run.actors.submit_data_server(
-                i, holders[i], self.run.persistence.shard_start(i, names, checkpoint)
-            )
-            for i, names in enumerate(self.run.plan)
-        ]
-        shards = [settled_result(f, self.run.actors.startup_timeout()) for f in futures]
-        channels = [s.open_channel().result(timeout=job.call_timeout) for s in shards]
-        old, self.run.actor_futures = self.run.actor_futures, futures
-        for i, shard in enumerate(self.run.shards):
-            if i not in lost:
-                with contextlib.suppress(Exception):
-                    shard.close_channel().result(timeout=job.call_timeout)
-        with contextlib.suppress(Exception):
-            self.client.cancel(old)
-        self.run.shards[:], self.run.channels[:], self.run.placement[:] = shards, channels, holders
-        version = checkpoint.committed_steps if checkpoint is not None else 0
-        event: MembershipEvent = self.run.calls.call(
-            self.run.coordinator.rebuild(
-                self.run.journal, self.run.shards, self.run.channels, [], self.run.coordinator_at,
-                f"{why}; every shard went back to {source} (step {version})", began, EventKind.RESTORED,
-            ),
-            timeout=3 * job.call_timeout,
-        )  # fmt: skip
-        self.run._told_lost.clear()
-        self.run.standbys = tuple(w for w in self.run.standbys if w not in self.run.placement)
-        self.run.journal = Journal()
-        self.run._copy_journal()
-        self.run._check_soon()
-        log.warning(
-            "job %s: every shard back to %s at step %d in %.2f s (%d committed steps to train again)",
-            job.job_id, source, event.step, time.monotonic() - clock, event.steps_lost,
-        )  # fmt: skip
 
     def rebuild_coordinator(self, reason: str) -> None:
         """The coordinator's static worker died: start a coordinator on another static worker and rebuild
         its record from the controller's copy and from the shards (`Coordinator.rebuild`). Compute loops
         start over with the new handle; data servers lost with it are promoted next, as any lost one."""
         began, clock = time.time(), time.monotonic()
-        job, lost_at = self.job, self.run.coordinator_at
+        job, lost_at = self.job, self.roles.coordinator_at
         log.warning("job %s: the coordinator is lost (%s); rebuilding it", job.job_id, reason)
         cancelled = 0
         while True:
             # The worker chosen may be dying too (two static workers killed at once): place it again then.
             where = self.place_coordinator(lost_at)
-            future = self.run.actors.submit_coordinator(where, None)
+            future = self.actors.submit_coordinator(where, None)
             try:
                 coordinator = controller_handle(
-                    self.run.calls.wait_unless_left(future, where, self.run.actors.startup_timeout())
+                    self.calls.wait_unless_left(future, where, self.actors.startup_timeout())
                 )
                 break
             except (StaticWorkerLeft, StartCancelled) as exc:
@@ -186,26 +174,20 @@ class StaticRoles:
                         f"the coordinator of job {job.job_id} could not be rebuilt: Dask cancelled its start "
                         f"{cancelled} times ({exc})"
                     ) from exc
-        static = self.run.workers.view().static
-        lost = [i for i, holder in enumerate(self.run.placement) if holder not in static]
+        lost = self.roles.lost(self.workers.view().static)
         started = time.monotonic() - clock
-        old, self.run.coordinator_future = self.run.coordinator_future, future
-        self.run.coordinator, self.run.coordinator_at = coordinator, where
+        old = self.roles.coordinator_moved(coordinator, where, future)
         with contextlib.suppress(Exception):
             self.client.cancel([old])  # released: gone with its worker, or (a hand-over) that worker retires
-        # Compute loops hold the old coordinator's handle: they start over with the new one (a loop that
-        # was cancelled ends at its next step, and whatever it sends is of an old generation).
-        for addr, loop in self.run.loops.items():
-            loop.cancel()
-            self.run.loop_restarts[addr] = max(0, self.run.loop_restarts.get(addr, 1) - 1)
-        self.run.loops.clear()
-        self.run._check_soon()
+        # Compute loops hold the old coordinator's handle: they start over with the new one.
+        self.loops.drop_all()
+        self.check_soon()
         for ask in (True, False):  # the second time with the data servers that answered
             try:
-                event: MembershipEvent = self.run.calls.call(
+                event: MembershipEvent = self.calls.call(
                     coordinator.rebuild(
-                        self.run.journal, self.run.shards, self.run.channels, lost, where, reason, began,
-                        EventKind.COORDINATOR_REBUILT,
+                        self.record.journal, self.roles.shards, self.roles.channels, lost, where, reason,
+                        began, EventKind.COORDINATOR_REBUILT,
                     ),
                     timeout=3 * job.call_timeout,
                 )  # fmt: skip
@@ -215,20 +197,19 @@ class StaticRoles:
             except DataServerLostError as exc:
                 # Data servers died with it, and with them the replicas of their shards; or they were
                 # only silent for a moment, and answer (then the rebuild takes them in).
-                back = self.run.calls.answering(lost) if ask else set()
+                back = self.calls.answering(lost) if ask else set()
                 if not back:
                     why = f"the coordinator's static worker {lost_at} died: {exc}"
-                    self.restore_from_checkpoint(lost, why)
+                    self.fallback.restore(lost, why)
                     return
                 lost = [i for i in lost if i not in back]
-                self.run._told_lost -= back
                 for i in back:
-                    self.run._kept[(i, self.run.placement[i])] += 1
+                    self.roles.keep(i)
         # The copy is kept until the new coordinator's first part replaces it whole (a rebuilt record
         # sends everything from step 0): the shards dropped the records of the steps it holds
         # (`records_kept_from`), so if the new coordinator died before that part came, the next one would
         # have nothing else to rebuild those steps from.
-        self.run._copy_journal()
+        self.record.update()
         log.warning(
             "job %s: coordinator rebuilt on %s at step %d, %.2f s after it was seen lost (start %.3f s, "
             "rebuild %.3f s)%s",
@@ -242,8 +223,8 @@ class StaticRoles:
         static worker to join."""
         deadline = time.monotonic() + self.job.min_workers_timeout
         while True:
-            static = [w for w in self.run.workers.view().static if w not in self.run.leaving]
-            beside = [w for w in self.run.placement if w in static]
+            static = [w for w in self.workers.view().static if w not in self.roles.leaving]
+            beside = [w for w in self.roles.placement if w in static]
             if beside or static:
                 return (beside or list(static))[0]
             if time.monotonic() >= deadline:

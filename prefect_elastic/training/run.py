@@ -11,51 +11,61 @@ import logging
 import threading
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from distributed import Client, Future
+from distributed import Client
 
 from ..cluster import (
     WORKER_EVENTS_TOPIC,
 )
-from ..compute import MIN_LEASE, LoopStats
+from ..compute import MIN_LEASE
 from ..errors import (
     ElasticError,
     FatalError,
+    SchedulerLostError,
 )
 from ..messages import (
     EventKind,
-    Journal,
     MembershipEvent,
     Progress,
-    Promotion,
 )
 from ..registry import publish_progress, release_job
-from ..sharding import Piece
-from ..survival import wait_for_group, wait_for_losses, wait_for_start
-from ..wire import ChannelAddress
 from . import ending
 from .actors import Actors
 from .calls import Calls
+from .engine import EngineLoads
+from .fallback import CheckpointFallback
 from .loops import ComputeLoops
+from .membership import (
+    AskMembers,
+    Check,
+    Hold,
+    MembershipState,
+    Seen,
+    check_due,
+    checked,
+    decide,
+    look_due,
+    looked,
+    role_changes,
+)
 from .pacing import (
-    LOSS_GROUP_SECONDS,
-    MEMBERSHIP_POLL_SECONDS,
     PROGRESS_POLL_IDLE_SECONDS,
     PROGRESS_POLL_SECONDS,
     PUBLISH_SECONDS,
-    STARTING_RECHECK_SECONDS,
 )
 from .prepare import Prepared
 from .promotion import Promotions
+from .record_copy import RecordCopy
 from .result import FaultInjector, TrainResult
+from .role_table import RoleTable
 from .roles import StaticRoles
 from .scheduler import SCHEDULER_GRACE_SECONDS, SCHEDULER_POLL_SECONDS, SchedulerWatch
 from .signals import CoordinatorLost, EngineSignal, SchedulerGone
-from .workers import Workers
+from .standby import StandbyChoice
+from .workers import Workers, members_answering
 
 log = logging.getLogger(__name__)
 
@@ -120,61 +130,48 @@ class TrainingRun:
         acts_on_steps = faults is not None or on_progress is not None
         fast_enough = PROGRESS_POLL_SECONDS if acts_on_steps else PROGRESS_POLL_IDLE_SECONDS
         self.progress_poll = fast_enough if progress_poll is None else progress_poll
-        self.actor_futures: list[Future] = []  # the data servers', by shard index
-        self.loops: dict[str, Future] = {}
-        self.loop_restarts: dict[str, int] = {}
-        self.loop_stats: list[LoopStats] = []
-        self.registered = False
-        self.worker_event = threading.Event()
-        # Set with `worker_event` by all but an add-worker event: a check that must run now, not wait for
-        # a worker still starting (`survival.wait_for_start`).
-        self.check_now = False
-        self._stopping = False
+        self.stopping = False  # the controller was asked to stop (`stop`)
         self._published = 0.0
         self.started = time.monotonic()
-        self.coordinator: Any = None  # a CoordinatorHandle once started
-        self.shards: list[Any] = []  # ShardHandles
-        self.channels: list[ChannelAddress] = []  # where each shard listens for compute loops
-        self.plan: list[list[Piece]] = []
-        # Where the roles live: the static worker of each data server, and of the coordinator. Static
-        # workers that hold none of them are standbys: a lost data server's role goes to one of them.
-        self.placement: list[str] = []
-        self.coordinator_at = ""
-        self.standbys: tuple[str, ...] = ()
-        self.promotions: list[Promotion] = []
-        self._scheduler_gone_since: float | None = None  # since when the client has had no scheduler
         self.committed_seen = 0  # the committed steps of the last progress read
-        self.warmed: dict[str, Future] = {}  # standbys made ready to take a role (`warm_standby`)
-        self._told_lost: set[int] = set()  # data servers the coordinator was told of during a long call
-        # Static workers that answered a direct call while silent to the scheduler (`Calls.answering`), and
-        # when: the answer counts as a heartbeat.
-        self._answered_at: dict[str, float] = {}
-        self._unanswered: set[str] = set()  # silent static workers that did not answer the handshake since
-        self._promoting: tuple[int, str, str] | None = None  # the shard, standby and key being promoted
-        self._kept: Counter[tuple[int, str]] = Counter()  # data servers (index, worker) kept: they answered
-        # The controller's copy of the coordinator's record (ledger, history, events), taken after every
-        # survival check: a coordinator whose worker dies is rebuilt from it and from the shards.
-        self.journal = Journal()
-        self.left: set[str] = set()  # workers the scheduler said it removed (its events)
-        self.retiring: set[str] = set()  # workers someone asked to retire, which the scheduler refused
-        self.retire_waiting: set[str] = set()  # of those, the ones told that no standby can relieve them yet
-        self.known_live: list[str] = []
-        self.leaving: set[str] = set()  # static workers whose roles are handed over: never a standby
-        self._loop_serial = 0  # numbers the compute loops' task keys
-        self.loop_failures = 0  # compute loops that ended with an error (and were started again)
-        self.coordinator_future: Future | None = None
-        # Per worker, the task that imports the engine there before it takes a role (`load_engine`): a
-        # worker is a member, or a data server's home, only once it has.
-        self.engine: dict[str, Future] = {}  # loads in flight
-        self.engine_loaded: set[str] = set()
-        # The objects that act on one concern each, on this run's state.
-        self.calls = Calls(self)
-        self.actors = Actors(self)
-        self.workers = Workers(self)
-        self.compute = ComputeLoops(self)
-        self.roles = StaticRoles(self)
-        self.promotion = Promotions(self)
-        self.scheduler = SchedulerWatch(self)
+        self.worker_event = threading.Event()
+        # Set with `worker_event` by all but an add-worker event: a check that must run now, not wait for
+        # a worker still starting (`membership.wait_for_start`).
+        self.check_now = False
+        self.membership = MembershipState()
+        # The owners of the controller's state, each handed the others it needs (docs/architecture.md,
+        # "Who owns what in the controller").
+        keys = f"prefect-elastic-{self.job.job_id}-{self.run_id}"
+        self.role_table = RoleTable()
+        self.engine = EngineLoads(client, keys, self._check_soon)
+        self.workers = Workers(client, self.job, self.mode, self.role_table, self.engine, cluster)
+        self.calls = Calls(self.job, self.role_table, self.workers, self.schedule.total_steps)
+        self.actors = Actors(
+            client, prepared, self.run_id, self.progress_poll, self.role_table, self.workers, self.engine,
+            self.calls,
+        )  # fmt: skip
+        self.compute = ComputeLoops(client, prepared, keys)
+        self.record = RecordCopy(self.calls, self.role_table)
+        standbys = StandbyChoice(self.job, self.role_table, self.workers)
+        fallback = CheckpointFallback(
+            client,
+            prepared,
+            self.role_table,
+            self.calls,
+            self.actors,
+            standbys,
+            self.record,
+            self._check_soon,
+        )
+        self.promotion = Promotions(
+            client, prepared, self.role_table, self.workers, self.calls, self.actors, standbys, self.record,
+            fallback, self.compute,
+        )  # fmt: skip
+        self.roles = StaticRoles(
+            client, prepared, keys, self.role_table, self.workers, self.calls, self.actors, self.engine,
+            self.promotion, fallback, self.compute, self.record, self._check_soon,
+        )  # fmt: skip
+        self.scheduler = SchedulerWatch(client, self.job)
 
     @public_errors
     def start(self) -> None:
@@ -185,14 +182,14 @@ class TrainingRun:
         self.client.subscribe_topic("all", self._on_scheduler_event)
         self.client.subscribe_topic(WORKER_EVENTS_TOPIC, self._on_scheduler_event)
         elastic = self.workers.view().listed  # (their engine loads while the servers start)
-        self.coordinator, self.shards, self.plan = self.actors.start_servers()
+        self.actors.start_servers()
         # The compute workers there from the start are its first members, not joins a moment later.
         for where in sorted(elastic):
             with contextlib.suppress(Exception):  # (gone, or failed: the membership tells, as for any)
                 self.actors.await_engine(where, self.job.call_timeout, elastic=True)
         # (After their engines loaded: the call reads each one's cores, on its event loop.)
-        self.specs = self.actors.overlap_decided(self.specs, self.plan, elastic)
-        self._copy_journal()
+        self.specs = self.actors.overlap_decided(self.specs, self.role_table.plan, elastic)
+        self.record.update()
         log.info("%s", self.mode.describe(self.job, self.schedule, MIN_LEASE))
 
     @public_errors
@@ -212,13 +209,13 @@ class TrainingRun:
                         time.sleep(SCHEDULER_POLL_SECONDS)
                     self.roles.rebuild_coordinator(str(exc))
             except SchedulerGone as gone:
-                raise self.scheduler.lost_error(gone.seconds) from None
+                raise self.scheduler_lost(gone.seconds) from None
             except Exception:
                 # Whatever failed, with the scheduler gone that is why (the client cancels every future,
                 # the compute loops' included, the moment it loses the scheduler).
                 if not self.scheduler.lost_within(SCHEDULER_GRACE_SECONDS):
                     raise
-                raise self.scheduler.lost_error(0.0) from None
+                raise self.scheduler_lost(0.0) from None
 
     def public_error(self, exc: Exception) -> ElasticError:
         """What a phase raises for `exc`, which is none of the public errors: the scheduler's loss if the
@@ -227,10 +224,25 @@ class TrainingRun:
         if isinstance(exc, ElasticError):
             return exc
         if self.client.status != "running":
-            return self.scheduler.lost_error(0.0)
+            return self.scheduler_lost(0.0)
         if isinstance(exc, EngineSignal):
             return exc.public(self.job.job_id)
         return self.unexpected(exc)
+
+    def scheduler_lost(self, seconds: float) -> SchedulerLostError:
+        """The error that stops a job without its scheduler (`SchedulerWatch.lost_error`)."""
+        return self.scheduler.lost_error(
+            seconds, self.committed_seen, self.schedule.total_steps, self.persistence, self._last_words
+        )
+
+    def _last_words(self, timeout: float) -> int:
+        """With the scheduler back: the coordinator stopped and a last checkpoint written; its step."""
+        step = self.committed_seen
+        with contextlib.suppress(Exception):
+            step = self.calls.call(self.role_table.coordinator.stop("the Dask scheduler was lost"), timeout)
+        with contextlib.suppress(Exception):
+            self.persistence.write(self.role_table.coordinator, self.role_table.shards, timeout)
+        return step
 
     def unexpected(self, exc: BaseException) -> FatalError:
         """The public error for a failure no other error names (`ending.unexpected`)."""
@@ -252,11 +264,11 @@ class TrainingRun:
             if msg.get("action") != "add-worker":
                 self.check_now = True  # (an add-worker alone may wait for the worker to turn running)
             if msg.get("action") == "remove-worker" and isinstance(msg.get("worker"), str):
-                self.left.add(msg["worker"])
+                self.workers.left.add(msg["worker"])
             if msg.get("action") == "retire-workers":
                 # The scheduler refuses to retire a worker that holds an actor: a static worker with a role
                 # of this job. The controller hands its roles over, then retires it (`StaticRoles.hand_over`).
-                self.retiring.update(str(w) for w in msg.get("could-not-retire") or ())
+                self.workers.retiring.update(str(w) for w in msg.get("could-not-retire") or ())
             self.worker_event.set()
 
     def _check_soon(self) -> None:
@@ -266,16 +278,13 @@ class TrainingRun:
         self.worker_event.set()
 
     def _supervise(self) -> Progress:
-        job = self.job
-        # `self.coordinator` is read anew at each use: a hand-over rebuilds it in the middle of a pass.
-        shards, plan = self.shards, self.plan
-        next_check = 0.0
-        next_look = 0.0  # the next read of the scheduler's view between survival checks
-        # The live workers the last survival check saw; kept across a coordinator's rebuild, whose first
+        """The supervision loop: each pass reads the events (a worker event, the timers of `membership`),
+        asks `membership` for the decision, carries it out, then reads progress."""
+        job, table = self.job, self.role_table
+        # The timers start afresh (a rebuilt coordinator is checked at once); the members are kept: its first
         # check re-admits them (they are not joins to wait on for the rest of a group).
-        known = self.known_live
-        group_since: float | None = None  # when joins that wait for the rest of their group were first seen
-        loss_since: float | None = None  # when a loss that waits for the rest of its group was first seen
+        self.membership = MembershipState(known=self.membership.known)
+        # `table.coordinator` is read anew at each use: a hand-over rebuilds it in the middle of a pass.
         while True:
             if not self.scheduler.up():
                 # Nothing about membership can be learned without it: wait, briefly, for it to come back.
@@ -283,96 +292,31 @@ class TrainingRun:
                 continue
             now = time.monotonic()
             triggered = self.worker_event.is_set()
-            if not triggered and now >= next_look:
-                # A starting worker turning "running", or a member that stopped sending heartbeats, is a
-                # membership change that no scheduler event announces: look, and check if it changed.
+            if look_due(self.membership, now, triggered):
                 view = self.workers.view()
                 self.roles.keep_roles(view)
-                triggered = view.live != known or self.compute.to_restart(view.live)
-                next_look = now + (STARTING_RECHECK_SECONDS if view.starting else MEMBERSHIP_POLL_SECONDS)
-            if triggered or now >= next_check:
-                self.worker_event.clear()
-                must_check, self.check_now = self.check_now, False
-                view = self.workers.view()
-                self.roles.keep_roles(view)
-                # (A member without a loop too: the loops were dropped with a coordinator rebuilt.)
-                restarts = any(a not in self.loops or self.loops[a].done() for a in view.live)
-                if (
-                    triggered
-                    and not must_check
-                    and now < next_check
-                    and wait_for_start(known, view.live, view.starting, restarts)
-                ):
-                    # Only add-worker events woke it, and the worker is not running yet: its
-                    # `worker-running` event (or the next look) triggers the check that admits it; this one
-                    # would find nothing new.
-                    next_look = now + STARTING_RECHECK_SECONDS
-                    self.worker_event.wait(timeout=STARTING_RECHECK_SECONDS)
-                    continue
-                # Workers that join together join as one group: hold the check while the cluster still
-                # has workers on their way, for at most a liveness interval (a loss is acted on at once).
-                if not set(view.live) > set(known):
-                    group_since = None
-                elif group_since is None:
-                    group_since = now
-                waited = 0.0 if group_since is None else now - group_since
-                on_the_way = view.pending + int(view.starting)  # not registered yet, or not running yet
-                if not set(known) - set(view.live):
-                    loss_since = None
-                elif loss_since is None:
-                    loss_since = now
-                lost_for = now - (loss_since or now)
-                alive = (
-                    # (Only while a loss waits: each member still listed is asked, about a millisecond.)
-                    self.calls.members_answering(set(known) & set(view.live), LOSS_GROUP_SECONDS - lost_for)
-                    if loss_since is not None and lost_for < LOSS_GROUP_SECONDS
-                    else frozenset()
+                self.membership, triggered = looked(
+                    self.membership, now, view.live, view.starting, self.compute.ended(view.live)
                 )
-                if wait_for_losses(set(known), set(view.live), lost_for, LOSS_GROUP_SECONDS, alive):
-                    self.worker_event.wait(timeout=LOSS_GROUP_SECONDS / 5)  # woken by the next removal
-                    self._check_soon()  # look again at once
-                    continue
-                if wait_for_group(set(known), set(view.live), on_the_way, waited, job.liveness_interval):
-                    next_look = now + STARTING_RECHECK_SECONDS
-                    self.worker_event.wait(timeout=STARTING_RECHECK_SECONDS)
-                    continue
-                group_since = loss_since = None
-                known = self.known_live = view.live
-                renew = self.compute.ensure(view, self.coordinator, plan)
-                # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
-                events: list[MembershipEvent] = self.calls.call(
-                    self.coordinator.survival_check(
-                        view.live, "worker event" if triggered else "interval", renew, sorted(view.graceful)
-                    ),
-                    timeout=3 * job.call_timeout,
-                )
-                next_check = time.monotonic() + job.liveness_interval
-                next_look = time.monotonic() + (
-                    STARTING_RECHECK_SECONDS if view.starting else MEMBERSHIP_POLL_SECONDS
-                )
-                self._copy_journal()
-                for event in events:
-                    if event.kind is EventKind.SNAPSHOT:
-                        self.persistence.after_snapshot(
-                            self.coordinator, shards, job.call_timeout, self.on_event
-                        )
-                    if self.on_event is not None:
-                        self.on_event(event)
-            progress: Progress = self.calls.call(self.coordinator.progress())
-            if progress.events > len(self.journal.events):
+            if check_due(self.membership, now, triggered) and not self._membership_pass(now, triggered):
+                continue
+            progress: Progress = self.calls.call(table.coordinator.progress())
+            if self.record.behind(progress.events):
                 # Recorded between survival checks (a snapshot confirmed by every shard, a promotion, a
                 # worker excluded): copied now, so that a coordinator lost before the next check does not
                 # take them from `result.events`.
-                self._copy_journal()
-            if progress.lost_shards:
-                # A call to a shard failed before its worker left the scheduler's list.
-                self.promotion.promote_standbys(list(progress.lost_shards))
-                progress = self.calls.call(self.coordinator.progress())
+                self.record.update()
+            # A call to a shard failed before its worker left the scheduler's list: the coordinator reported
+            # it (no view read here: the placement stands for the live static workers).
+            held = {*table.placement, table.coordinator_at}
+            for change in role_changes(table.coordinator_at, table.placement, held, progress.lost_shards):
+                self.roles.carry_out(change)
+                progress = self.calls.call(table.coordinator.progress())
             progress = replace(
                 progress,
-                data_servers=tuple(self.placement),
-                coordinator_at=self.coordinator_at,
-                standbys=self.standbys,
+                data_servers=tuple(table.placement),
+                coordinator_at=table.coordinator_at,
+                standbys=table.standbys,
             )
             self._publish(progress)
             self.committed_seen = progress.committed_steps
@@ -381,11 +325,55 @@ class TrainingRun:
             if progress.state in ("done", "failed"):
                 return progress
             if self.stop is not None and self.stop.is_set():
-                self._stopping = True
+                self.stopping = True
                 return progress
             if self.faults is not None:
                 self.faults.apply(progress)
-            self.worker_event.wait(timeout=max(0.0, min(self.progress_poll, next_check - time.monotonic())))
+            wait = min(self.progress_poll, self.membership.next_check - time.monotonic())
+            self.worker_event.wait(timeout=max(0.0, wait))
+
+    def _membership_pass(self, now: float, triggered: bool) -> bool:
+        """A pass whose check is due: the decision (`membership.decide`) carried out. False if it held the
+        check (the pass starts over)."""
+        job, table = self.job, self.role_table
+        self.worker_event.clear()
+        must_check, self.check_now = self.check_now, False
+        view = self.workers.view()
+        self.roles.keep_roles(view)
+        seen = Seen(
+            live=tuple(view.live), starting=view.starting, pending=view.pending,
+            restarts=self.compute.to_restart(view.live), triggered=triggered, must_check=must_check,
+        )  # fmt: skip
+        decision = decide(self.membership, seen, now, job.liveness_interval)
+        if isinstance(decision, AskMembers):
+            answering = members_answering(self.client, set(decision.workers), decision.seconds)
+            decision = decide(decision.state, replace(seen, answering=answering), now, job.liveness_interval)
+        self.membership = decision.state
+        if isinstance(decision, Hold):
+            self.worker_event.wait(timeout=decision.seconds)  # woken by the next event
+            if decision.check_soon:
+                self._check_soon()  # look again at once
+            return False
+        assert isinstance(decision, Check)
+        self.workers.members = list(decision.live)
+        renew = self.compute.ensure(view, table.coordinator, table.plan, self.specs.loop)
+        # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
+        events: list[MembershipEvent] = self.calls.call(
+            table.coordinator.survival_check(
+                list(decision.live), decision.reason, renew, sorted(view.graceful)
+            ),
+            timeout=3 * job.call_timeout,
+        )
+        self.membership = checked(self.membership, time.monotonic(), view.starting, job.liveness_interval)
+        self.record.update()
+        for event in events:
+            if event.kind is EventKind.SNAPSHOT:
+                self.persistence.after_snapshot(
+                    table.coordinator, table.shards, job.call_timeout, self.on_event
+                )
+            if self.on_event is not None:
+                self.on_event(event)
+        return True
 
     def _publish(self, progress: Progress) -> None:
         # Anyone with a client to the cluster can follow the job (`read_progress`), at a cost of one small
@@ -396,43 +384,30 @@ class TrainingRun:
         self._published = now
         publish_progress(self.client, self.job.job_id, progress)
 
-    def _copy_journal(self) -> None:
-        """Bring the controller's copy of the coordinator's record up to date (`Journal`)."""
-        part: Journal = self.calls.call(
-            self.coordinator.journal(self.journal.committed_steps, len(self.journal.events))
-        )
-        self.journal.extend(part)
-
     def release(self) -> None:
         """Stop loops, drop the actors, unregister the job; safe to call after any failure."""
+        table = self.role_table
         if self.client.status != "running":
             # The scheduler is gone: it cancelled every future already, and a call to it would wait for
             # the client's reconnection (30 s) to fail.
-            self.loops.clear()
-            self.actor_futures.clear()
+            self.compute.cancel_all()
+            table.released()
             return
         for topic in ("all", WORKER_EVENTS_TOPIC):
             with contextlib.suppress(Exception):
                 self.client.unsubscribe_topic(topic)
-        for loop in self.loops.values():
-            loop.cancel()
-        self.loops.clear()
-        self.warmed.clear()
+        self.compute.cancel_all()
         self.engine.clear()
-        self.engine_loaded.clear()
-        for shard in self.shards:
+        for shard in table.shards:
             with contextlib.suppress(Exception):
                 shard.close_channel().result(timeout=5)
-        if self.coordinator_future is not None:
-            self.actor_futures.append(self.coordinator_future)
-            self.coordinator_future = None
-        if self.actor_futures:
+        futures = table.released()
+        if futures:
             try:
-                self.client.cancel(self.actor_futures)
+                self.client.cancel(futures)
             except Exception as exc:
                 log.debug("releasing actors: %s", exc)
-            self.actor_futures.clear()
-        if self.registered:
+        if self.actors.registered:
             try:
                 release_job(self.client, self.job.job_id, self.run_id)
             except Exception as exc:

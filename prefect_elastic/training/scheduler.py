@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     SchedulerLostError,
@@ -15,7 +16,9 @@ from ..errors import (
 from .signals import SchedulerGone
 
 if TYPE_CHECKING:
-    from .run import TrainingRun
+    from distributed import Client
+
+    from ..job import ElasticJob
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +33,25 @@ SCHEDULER_POLL_SECONDS = 0.05  # how often the client's connection is looked at 
 
 
 class SchedulerWatch:
-    """(of a `TrainingRun`)"""
+    """The client's connection to the scheduler, and since when it has been lost."""
 
-    def __init__(self, run: TrainingRun) -> None:
-        self.run = run
-        self.job = run.job
-        self.client = run.client
+    def __init__(self, client: Client, job: ElasticJob) -> None:
+        self.client = client
+        self.job = job
+        self.gone_since: float | None = None  # since when the client has had no scheduler
 
     def up(self) -> bool:
         """Whether the client has its scheduler. When it lost it, Dask cancelled every future of the job
         (its compute loops, its actors' keys): nothing comes back with the scheduler, so the job stops
         (`SchedulerGone`) within `SCHEDULER_LOST_INTERVALS` liveness intervals of the first sign."""
         if self.client.status == "running":
-            self.run._scheduler_gone_since = None
+            self.gone_since = None
             return True
         now = time.monotonic()
-        if self.run._scheduler_gone_since is None:
-            self.run._scheduler_gone_since = now
+        if self.gone_since is None:
+            self.gone_since = now
             log.warning("job %s: the connection to the Dask scheduler is lost", self.job.job_id)
-        gone = now - self.run._scheduler_gone_since
+        gone = now - self.gone_since
         if self.client.status in ("closing", "closed") or gone >= SCHEDULER_LOST_INTERVALS * max(
             1.0, self.job.liveness_interval
         ):
@@ -67,21 +70,24 @@ class SchedulerWatch:
             time.sleep(SCHEDULER_POLL_SECONDS)
         return True
 
-    def lost_error(self, seconds: float) -> SchedulerLostError:
-        """The error that stops a job without its scheduler, saying where to resume from: the last periodic
-        checkpoint (and, if the client is back already, a last one written now)."""
-        job, step = self.job, self.run.committed_seen
+    def lost_error(
+        self,
+        seconds: float,
+        step: int,
+        total_steps: int,
+        persistence: Any,
+        last_words: Callable[[float], int],
+    ) -> SchedulerLostError:
+        """The error that stops a job without its scheduler at `step`, saying where to resume from: the
+        last periodic checkpoint of `persistence` (and, if the client is back already, a last one written
+        now by `last_words`, which stops the coordinator and returns its step)."""
+        job = self.job
         if self.client.status == "running":  # (reached again: the job's futures are gone all the same)
-            timeout = min(job.call_timeout, 10.0)
             with contextlib.suppress(Exception):
-                step = self.run.calls.call(
-                    self.run.coordinator.stop("the Dask scheduler was lost"), timeout=timeout
-                )
-            with contextlib.suppress(Exception):
-                self.run.persistence.write(self.run.coordinator, self.run.shards, timeout)
+                step = last_words(min(job.call_timeout, 10.0))
         # (While the client reconnects, a call to an actor waits for the reconnection, 30 s, and fails: the
         # last periodic checkpoint is where the next run resumes.)
-        written = self.run.persistence.last_written
+        written = persistence.last_written
         where = self.client.scheduler.address if self.client.scheduler is not None else "?"
         if written:
             then = f"the last checkpoint is {written}: once a scheduler and workers are back, run the job "
@@ -93,6 +99,6 @@ class SchedulerWatch:
         return SchedulerLostError(
             f"job {job.job_id} lost the Dask scheduler at {where} (it died, or its host did"
             + (f"; no connection for {seconds:.1f} s" if seconds >= 0.1 else "")
-            + f"); training stopped at step {step} of {self.run.schedule.total_steps}; {then}",
+            + f"); training stopped at step {step} of {total_steps}; {then}",
             checkpoint=written,
         )

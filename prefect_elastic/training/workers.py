@@ -11,13 +11,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from distributed import Client
+
 from ..cluster import (
+    answering,
     is_static_worker,
     scheduler_view_of_workers,
 )
 
 if TYPE_CHECKING:
-    from .run import TrainingRun
+    from ..job import ElasticJob
+    from ..modes import Mode
+    from .engine import EngineLoads
+    from .role_table import RoleTable
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +37,9 @@ SILENT_PROBE_SECONDS = 0.5
 # The same for a compute member silent to the scheduler: short, so that a frozen or cut-off member is still
 # out within two liveness intervals (the silence limit, then this).
 MEMBER_PROBE_SECONDS = 0.2
+
+# How often a wait for a static worker's leave looks at the scheduler's view.
+WATCH_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -172,25 +181,63 @@ def pass_over_standby(listed: bool, silent_for: float | None, another_free: bool
     return another_free or silent_for > patience
 
 
-class Workers:
-    """The run's view of the workers: the scheduler's rows read, the engine's loads and the handshakes
-    with silent role holders done, then `classify`."""
+def members_answering(client: Client, workers: set[str], timeout: float) -> frozenset[str]:
+    """The workers among `workers` whose process answers a connection within `timeout` seconds
+    (`cluster.workers.answering`); none if asking fails."""
+    if not workers:
+        return frozenset()
+    try:
+        alive: frozenset[str] = client.sync(
+            answering, workers, timeout, callback_timeout=timeout + 1, **client.connection_args
+        )
+    except Exception:  # (the client's loop closing under it: nothing is known, so wait)
+        return frozenset()
+    return alive
 
-    def __init__(self, run: TrainingRun) -> None:
-        self.run = run
-        self.job = run.job
-        self.client = run.client
+
+class Workers:
+    """The static workers' watch, and the run's view of the workers: the scheduler's rows read, the
+    engine's loads and the handshakes with silent role holders done, then `classify`. It owns what the
+    controller learned of the workers beyond the scheduler's rows: who answered while silent, who left,
+    who asked to retire."""
+
+    def __init__(
+        self, client: Client, job: ElasticJob, mode: Mode, roles: RoleTable, engine: EngineLoads, cluster: Any
+    ) -> None:
+        self.client = client
+        self.job = job
+        self.mode = mode
+        self.roles = roles
+        self.engine = engine
+        self.cluster = cluster
+        # Static workers that answered a direct call while silent to the scheduler (`Calls.answering`), and
+        # when: the answer counts as a heartbeat.
+        self.answered_at: dict[str, float] = {}
+        self.unanswered: set[str] = set()  # silent workers that did not answer the handshake since
+        self.left: set[str] = set()  # workers the scheduler said it removed (its events)
+        self.retiring: set[str] = set()  # workers someone asked to retire, which the scheduler refused
+        self.retire_waiting: set[str] = set()  # of those, the ones told that no standby can relieve them yet
+        # The live workers the last survival check saw; kept across a coordinator's rebuild, whose first
+        # check re-admits them (they are not joins to wait on for the rest of a group).
+        self.members: list[str] = []
+
+    def heard(self, worker: str) -> None:
+        """`worker` answered a direct call: a heartbeat."""
+        self.answered_at[worker] = time.monotonic()
+
+    def placed_on(self, where: str) -> None:
+        """A role goes to the live static worker `where`: from now on `left` tells whether it left since.
+        A worker the scheduler removed once and that came back at the same address (a paused process
+        that resumed and registered again) stayed in `left`, and a role put there later was taken for
+        lost at its first call (the chaos soak: a coordinator rebuilt there failed the job)."""
+        self.left.discard(where)
 
     def view(self) -> WorkersView:
         """The workers as the scheduler sees them now (`classify`)."""
-        run = self.run
         silent_after = max(self.job.liveness_interval, 0.0)
         view = self.client.run_on_scheduler(scheduler_view_of_workers, silent_heartbeats=SILENT_HEARTBEATS)
         rows = view["workers"]
-        listed = {r["address"] for r in rows}
-        for gone in [w for w in run.engine if w not in listed]:
-            del run.engine[gone]
-        run.engine_loaded &= listed
+        self.engine.forget_unlisted({r["address"] for r in rows})
         # A role's worker silent to the scheduler is asked for Dask's handshake first: one starved of CPU
         # (the chaos soak's 2 cores) still answers, and taking it for lost cost a promotion or the
         # coordinator's rebuild, seconds under that load; a frozen or cut-off one never answers.
@@ -199,40 +246,40 @@ class Workers:
         silent = {
             r["address"]
             for r in static_rows(rows, self.job.static_resource)
-            if unheard(r, now, silent_after, run._answered_at)
+            if unheard(r, now, silent_after, self.answered_at)
         }
-        run._unanswered &= silent
+        self.unanswered &= silent
         # (So is a standby a data server is starting on: one busy warming, whose import starves its event
         # loop for seconds, was taken for gone and the start tried again on it, 10 s lost each time.)
-        holders = {*run.placement, run.coordinator_at, *run.promotion.starting_on}
+        holders = self.roles.holders()
         # And a compute member: a false loss costs a membership change, and another when it joins again
         # (the chaos soak: members silent to the scheduler for 1.3 to 2 s under load, then back).
-        members = set(run.known_live)
+        members = set(self.members)
         silent_members = {
             r["address"]
             for r in rows
             if r["address"] in members
             and not is_static_worker(r, self.job.static_resource)
             and r["status"] in ("running", "paused")
-            and unheard(r, now, silent_after, run._answered_at)
+            and unheard(r, now, silent_after, self.answered_at)
         }
-        run._unanswered &= silent | silent_members
-        asked = silent & holders - run._unanswered
-        alive = run.calls.members_answering(asked, min(SILENT_PROBE_SECONDS, max(silent_after, 0.1)))
-        asked_members = silent_members - run._unanswered
-        answered_members = run.calls.members_answering(asked_members, MEMBER_PROBE_SECONDS)
+        self.unanswered &= silent | silent_members
+        asked = silent & holders - self.unanswered
+        alive = members_answering(self.client, asked, min(SILENT_PROBE_SECONDS, max(silent_after, 0.1)))
+        asked_members = silent_members - self.unanswered
+        answered_members = members_answering(self.client, asked_members, MEMBER_PROBE_SECONDS)
         if answered_members:
             log.info(
                 "job %s: members %s, silent to the scheduler, answered Dask's handshake: still members",
                 self.job.job_id, sorted(answered_members),
             )  # fmt: skip
         for worker in alive | answered_members:
-            run._answered_at[worker] = time.monotonic()
-        run._unanswered |= (asked - alive) | (asked_members - answered_members)
+            self.heard(worker)
+        self.unanswered |= (asked - alive) | (asked_members - answered_members)
         # A worker that has not imported the engine yet is still starting: the import would otherwise
         # happen on its event loop, which would send no heartbeat meanwhile (`cluster.workers.load_engine`).
-        loaded = run.actors.engine_loaded_on(
-            running_elastic(rows, self.job.static_resource, silent_after, time.monotonic(), run._answered_at)
+        loaded = self.engine.loaded_on(
+            running_elastic(rows, self.job.static_resource, silent_after, time.monotonic(), self.answered_at)
         )
         return classify(
             rows,
@@ -240,8 +287,28 @@ class Workers:
             static_resource=self.job.static_resource,
             silent_after=silent_after,
             now=time.monotonic(),
-            answered_at=run._answered_at,
+            answered_at=self.answered_at,
             loaded=loaded,
-            roles=Roles(list(run.placement), run.coordinator_at, run.mode.coordinator_kept_while_silent),
-            requested=getattr(run.cluster, "requested", None),
+            roles=Roles(
+                list(self.roles.placement), self.roles.coordinator_at, self.mode.coordinator_kept_while_silent
+            ),
+            requested=getattr(self.cluster, "requested", None),
         )
+
+    def listed(self, worker: str, elastic: bool = False, heard: bool = True) -> bool:
+        """Whether `worker` is still there: an elastic one listed by the scheduler; a static one listed and
+        (with `heard`) heard from lately."""
+        view = self.view()
+        if elastic:
+            return worker in view.listed
+        return worker in view.static or (not heard and worker in view.silent_static)
+
+    def leaves_soon(self, worker: str, grace: float, heard: bool = True) -> bool:
+        """Whether the static worker `worker` is gone, or goes within `grace` seconds."""
+        deadline = time.monotonic() + grace
+        while True:
+            if worker in self.left or not self.listed(worker, heard=heard):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(WATCH_SECONDS)

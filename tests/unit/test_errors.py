@@ -100,8 +100,7 @@ def a_run(status: str = "running") -> TrainingRun:
     run.committed_seen = 3
     run.schedule = SimpleNamespace(total_steps=10)  # type: ignore[assignment]
     run.persistence = SimpleNamespace(last_written="/ckpt/step-2")  # type: ignore[assignment]
-    run._scheduler_gone_since = None
-    run.scheduler = SchedulerWatch(run)
+    run.scheduler = SchedulerWatch(run.client, run.job)
     return run
 
 

@@ -136,6 +136,43 @@ def test_the_roles_handed_a_spec_never_see_the_whole_job() -> None:
     assert not where, where
 
 
+# The private attributes of other libraries the engine must touch, each for a reason of its own.
+THIRD_PARTY_PRIVATE = {
+    # distributed.Client: `_run` is `run`'s coroutine (awaited under a timeout of the engine's own, which
+    # `run` does not take), `_scatter` `scatter`'s (raced against the worker's leave), `_gather_future` the
+    # shared gather task a timeout can jam (`calls._unjam_gather`).
+    "_run", "_scatter", "_gather_future",
+    # distributed.Actor: a handle rebuilt as the controller's (`calls.controller_handle`), and one made anew
+    # for another worker (`messages`).
+    "_cls", "_address", "_future",
+    # torch.Tensor's version counter: whether an optimizer changed a parameter in place.
+    "_version",
+    # distributed.deploy.SpecCluster's own bookkeeping, which `StaticAwareAdaptive` must keep in step.
+    "_update_worker_status", "_correct_state", "_i",
+}  # fmt: skip
+# The standard library's: a forked child's exit without the parent's handlers.
+STDLIB_PRIVATE = {("os", "_exit"), ("threading", "_shutdown"), ("atexit", "_run_exitfuncs")}
+
+
+def test_no_module_reads_or_writes_another_objects_private_attribute() -> None:
+    """An object's state has an owner: no module of the package reaches into another object's private
+    fields (`run._told_lost`), only into its own (`self._x`, `cls._x`); dunder names and the few private
+    attributes of other libraries the engine must touch (`THIRD_PARTY_PRIVATE`) aside."""
+    where = []
+    for path in modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+                continue
+            if node.attr.startswith("__") and node.attr.endswith("__"):
+                continue
+            owner = node.value.id if isinstance(node.value, ast.Name) else None
+            own = owner in ("self", "cls")
+            if own or node.attr in THIRD_PARTY_PRIVATE or (owner, node.attr) in STDLIB_PRIVATE:
+                continue
+            where.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not where, where
+
+
 def test_only_dask_failures_reads_an_errors_text() -> None:
     """Dask's failures are recognised in one module (`dask_failures.py`): nowhere else is an exception's
     text matched."""

@@ -127,7 +127,7 @@ def test_first_members_are_admitted_not_rolled_back() -> None:
 
 
 def test_joins_wait_for_the_rest_of_their_group_but_a_loss_never_waits() -> None:
-    from prefect_elastic.survival import wait_for_group
+    from prefect_elastic.training.membership import wait_for_group
 
     assert wait_for_group({"a"}, {"a", "b"}, pending=3, waited=0.2, limit=1.0), "3 more on their way"
     assert not wait_for_group({"a"}, {"a", "b"}, pending=0, waited=0.0, limit=1.0), "the group is complete"
@@ -138,7 +138,7 @@ def test_joins_wait_for_the_rest_of_their_group_but_a_loss_never_waits() -> None
 
 
 def test_losses_wait_a_moment_for_the_rest_of_their_group() -> None:
-    from prefect_elastic.survival import wait_for_losses
+    from prefect_elastic.training.membership import wait_for_losses
 
     assert wait_for_losses({"a", "b", "c"}, {"a"}, waited=0.01, window=0.05), "more may be on their way out"
     assert not wait_for_losses({"a", "b", "c"}, {"a"}, waited=0.05, window=0.05), "the window is over"
@@ -180,7 +180,7 @@ def test_a_change_that_lost_nothing_is_not_rolled_back() -> None:
 
 
 def test_a_check_waits_for_a_worker_that_is_still_starting_only_when_nothing_else_changed() -> None:
-    from prefect_elastic.survival import wait_for_start
+    from prefect_elastic.training.membership import wait_for_start
 
     assert wait_for_start(["a"], ["a"], starting=True, restarts=False), "the joiner is not running yet"
     assert not wait_for_start(["a"], ["a"], starting=False, restarts=False), "nobody is starting"

@@ -1,0 +1,70 @@
+"""How lost data servers come back, as a plan (pure, tested without a cluster:
+tests/unit/test_membership.py): which are started on a standby from the peer's replica, which from the
+state the run started from, which must be asked first (only silent, they keep their role), and whether
+every shard must go back to the checkpoint. `Promotions.promote` makes the plan again whenever a peer or a
+standby dies under it, and carries it out."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+
+def replica_peer(index: int, lost: Collection[int], shards: int, peer_replicas: bool) -> int | None:
+    """The peer that may hold the replica of data server `index`'s shard (data server `index + 1`), unless
+    there are none or it is lost too."""
+    peer = (index + 1) % shards
+    if not peer_replicas or peer in lost or peer == index:
+        return None
+    return peer
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    lost: tuple[int, ...]
+    from_replica: tuple[int, ...]  # started on a standby, then given the peer's copy of the snapshot
+    from_start: tuple[int, ...]  # started on a standby from the state the run started from
+    # Neither: their state since the start is gone with them, unless they were only silent.
+    unrestorable: tuple[int, ...]
+    ask_first: tuple[int, ...]  # asked whether they answer before anything moves
+    why: str  # why the unrestorable cannot be restored
+
+    @property
+    def back_to_checkpoint(self) -> bool:
+        """Every shard goes back to the checkpoint (once those asked did not answer)."""
+        return bool(self.unrestorable)
+
+
+def plan_recovery(
+    lost: Collection[int],
+    shards: int,
+    targets: Mapping[int, int],
+    start_versions: Mapping[int, int],
+    replica_held: Mapping[int, bool],
+    peer_replicas: bool,
+    ask: bool,
+) -> RecoveryPlan:
+    """The plan for the lost data servers `lost`, of `shards`: each goes back to the snapshot of version
+    `targets[i]`, which its peer holds if `replica_held[i]`, or which is the state the run started from if
+    it is `start_versions[i]`. Where neither, the lost are asked first if `ask` (silent for a moment, not
+    lost: they keep their roles), and if none answers every shard goes back to the checkpoint."""
+    ordered = tuple(sorted(set(lost)))
+    replica = tuple(i for i in ordered if replica_held.get(i, False))
+    start = tuple(i for i in ordered if i not in replica and targets[i] == start_versions[i])
+    unrestorable = tuple(i for i in ordered if i not in replica and i not in start)
+    if not peer_replicas:
+        why = "the job has peer_replicas=False, so no copy of a shard was kept"
+    else:
+        why = "; ".join(
+            f"data server {i}'s replica was held by data server {(i + 1) % shards}, "
+            + ("lost with it" if (i + 1) % shards in ordered else "whose own worker died since")
+            for i in unrestorable
+        )
+    return RecoveryPlan(
+        lost=ordered,
+        from_replica=replica,
+        from_start=start,
+        unrestorable=unrestorable,
+        ask_first=ordered if ask and unrestorable else (),
+        why=why,
+    )
