@@ -55,6 +55,8 @@ PULL_WAIT_SECONDS = 5.0
 # The engine's push path (`pushes.py`).
 PIPELINED = Pipelined()
 
+Batches = dict[int, tuple[torch.Tensor, torch.Tensor]]  # a step's inputs and targets by batch id
+
 
 class MicroBatchTrainer:
     """Computes and pushes the gradients of one share of a step; keeps nothing between steps."""
@@ -212,7 +214,9 @@ class MicroBatchTrainer:
         push, `stragglers.py`) and push it (`pushes`); returns the answers for its next step (`step + 1`
         in either case), where the push asked for them."""
         clock = PhaseClock(stats)
-        state, batches = self.pull(role, step, share, shards, schedule, ahead)
+        if ahead is not None and (ahead.generation, ahead.step) != (role.generation, step):
+            ahead = None
+        state, batches = self.pull(ahead, lambda: self.fetch(role, step, shards, schedule, share))
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
         asks = pushes.ahead(self.then(role, step + 1, schedule, params=False))
@@ -248,22 +252,13 @@ class MicroBatchTrainer:
         clock.lap("push")
         return Ahead(role.generation, step + 1, answers) if following[0] is not None else None
 
-    def pull(
-        self,
-        role: Role,
-        step: int,
-        share: tuple[int, ...],
-        shards: list[ShardLink],
-        schedule: Schedule,
-        ahead: Ahead | None,
-    ) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
-        """The parameters and buffers of `step`, and the batches of `share` by batch id: from the answers
-        asked for with the last push (`ahead`), where they are this step's, else fetched now."""
+    def pull(self, ahead: Ahead | None, fetch: Callable[[], Ahead]) -> tuple[Tensors, Batches]:
+        """A step's parameters and buffers, and its batches by batch id: from the answers asked for with the
+        last push (`ahead`, where they are this step's), else from those `fetch` asks for now."""
         if self.bucket_pull is not None:
             self.bucket_pull.drop()  # (a step that failed in `unpack` left buckets owed: its links closed)
-        if ahead is None or (ahead.generation, ahead.step) != (role.generation, step):
-            ahead = self.fetch(role, step, shards, schedule, share)
-        return ahead.unpack(self.shapes, self.plan, self.bucket_pull, self.wholes)
+        pulled = ahead if ahead is not None else fetch()
+        return pulled.unpack(self.shapes, self.plan, self.bucket_pull, self.wholes)
 
     def compute(
         self,
@@ -272,7 +267,7 @@ class MicroBatchTrainer:
         share: tuple[int, ...],
         shards: list[ShardLink],
         state: Tensors,
-        batches: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        batches: Batches,
         clock: PhaseClock,
     ) -> tuple[dict[int, float], list[list[tuple[Entry, torch.Tensor]]]]:
         """Every micro-batch of `share`, against the pulled `state`: the losses by batch id, and for every

@@ -71,7 +71,8 @@ class StepMessage:
     op: ClassVar[str]
 
     def fields(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The header's fields but the op: the message's own, where they are what JSON carries."""
+        return dict(vars(self))
 
     def header(self) -> dict[str, Any]:
         return {"op": self.op, **self.fields()}
@@ -116,16 +117,10 @@ class Push(StepMessage):
     bucketed: bool = False
 
     def fields(self) -> dict[str, Any]:
-        return {
-            "generation": self.generation,
-            "step": self.step,
-            "worker": self.worker,
-            "losses": {str(b): loss for b, loss in self.losses.items()},
-            "then": None if self.then is None else self.then.header(),
-            "order": self.order,
-            "backup": self.backup,
-            "bucketed": self.bucketed,
-        }
+        fields = super().fields()
+        fields["losses"] = {str(b): loss for b, loss in self.losses.items()}
+        fields["then"] = None if self.then is None else self.then.header()
+        return fields
 
     @classmethod
     def of(cls, header: dict[str, Any]) -> Push:
@@ -155,14 +150,7 @@ class Part(StepMessage):
     bounds: list[list[int]]
 
     def fields(self) -> dict[str, Any]:
-        return {
-            "quiet": True,  # (read by the channel: no answer is written or awaited)
-            "generation": self.generation,
-            "step": self.step,
-            "batch": self.batch,
-            "bucket": self.bucket,
-            "bounds": self.bounds,
-        }
+        return {"quiet": True, **super().fields()}  # (`quiet`: the channel writes and awaits no answer)
 
     @classmethod
     def of(cls, header: dict[str, Any]) -> Part:
@@ -189,14 +177,9 @@ class Apply(StepMessage):
     state: bool = True
 
     def fields(self) -> dict[str, Any]:
-        return {
-            "generation": self.generation,
-            "worker": self.worker,
-            "batch_id": self.batch_id,
-            "computed_on": self.computed_on,
-            "loss": self.loss,
-            "then": {"state": self.state},
-        }
+        fields = super().fields()
+        fields["then"] = {"state": fields.pop("state")}
+        return fields
 
     @classmethod
     def of(cls, header: dict[str, Any]) -> Apply:
@@ -217,9 +200,6 @@ class Current(StepMessage):
     op: ClassVar[str] = "current"
     generation: int
 
-    def fields(self) -> dict[str, Any]:
-        return {"generation": self.generation}
-
     @classmethod
     def of(cls, header: dict[str, Any]) -> Current:
         return cls(int(header["generation"]))
@@ -234,9 +214,6 @@ class ReplicaAsk(StepMessage):
     generation: int
     source: int
     version: int
-
-    def fields(self) -> dict[str, Any]:
-        return {"generation": self.generation, "source": self.source, "version": self.version}
 
     @classmethod
     def of(cls, header: dict[str, Any]) -> ReplicaAsk:
