@@ -28,11 +28,12 @@ from ..allocator import freeze_startup_objects
 from ..errors import FatalError
 from ..messages import Role
 from ..stragglers import backup_share, catch_up
-from ..wire import unread_answers_dropped
+from ..wire import ShardLink, unread_answers_dropped
 from ..wire.signals import BackupWanted, ModelFailure, RecoverableError, StaleGenerationError, StepPassed
 from .frames import Ahead
 from .loop import MAX_CONSECUTIVE_CALL_ERRORS, LoopContext, ask_role, reconnect
 from .stats import LoopStats
+from .trainer import MicroBatchTrainer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class SyncLoop:
         ahead: Ahead | None = None
         resume = (-1, 0)  # (generation, step) to go on from if the coordinator gives the same role again
         backup: tuple[int, tuple[int, ...]] | None = None  # (step, batch ids) to train for a silent member
+        # (generation, step, share) of this loop's last push of its own share that no shard refused: the
+        # ids of it a shard holds aside are this loop's to confirm (`MicroBatchTrainer.confirm`).
+        pushed: tuple[int, int, tuple[int, ...]] | None = None
         unreachable: list[float] = []  # when each failed connection to a shard since the last step failed
         while wanted():
             if role is None or step >= schedule.total_steps:
@@ -88,6 +92,7 @@ class SyncLoop:
                     stats.backups += len(share)
                     continue
                 stats.trained()
+                pushed = (role.generation, step, share)
                 freeze_startup_objects()  # (once per process, after its first step: see allocator.py)
                 step += 1
                 errors = retries = 0
@@ -97,6 +102,8 @@ class SyncLoop:
                 # them, then this step (whose answers the backup's push asks for). (Asked again, if the ids
                 # are still missing, only a wait later.)
                 ahead = None
+                if pushed is not None and pushed[:2] == (role.generation, asked.step):
+                    confirm(trainer, role, asked, pushed[2], shards)
                 if asked.step == step - 1:
                     batches = schedule.step_batches(asked.step)
                     mine = backup_share(asked.batch_ids, batches, role.rank, role.size)
@@ -105,7 +112,7 @@ class SyncLoop:
                 # The shards went past the step this loop pushed or pulled: it was the straggler (the step
                 # was applied from the others' backup of its share), or its backup came after the step
                 # was applied.
-                ahead = None
+                ahead, pushed = None, None
                 step = min(catch_up(step, passed.version), schedule.total_steps)
             except ModelFailure as failure:
                 coordinator.report_failure(
@@ -152,3 +159,22 @@ class SyncLoop:
                 if errors >= MAX_CONSECUTIVE_CALL_ERRORS:
                     raise
         return stats
+
+
+def confirm(
+    trainer: MicroBatchTrainer,
+    role: Role,
+    asked: BackupWanted,
+    share: tuple[int, ...],
+    shards: list[ShardLink],
+) -> None:
+    """A shard asks for ids of this loop's own share of a step whose push no shard refused: it holds this
+    loop's copies of them aside (it had asked others for a backup of them, and they may have been computed
+    on parameters a peer moved); none refused the push, so each shard took it before applying the step,
+    and nothing this loop read had moved: it confirms them. (If that fails, it confirms when asked again.)"""
+    own = [b for b in asked.batch_ids if b in share]
+    if own:
+        try:
+            trainer.confirm(role, asked.step, own, shards)
+        except (RecoverableError, OSError) as exc:
+            log.debug("compute: confirming batch ids %s of step %d failed: %r", own, asked.step, exc)

@@ -24,7 +24,7 @@ from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
 from ..sharding import Piece, part, pieces_of
-from ..wire import Entry, Pull, Push, ShardLink, Then
+from ..wire import Confirm, Entry, Pull, Push, ShardLink, Then
 from ..wire.signals import ModelFailure, RecoverableError
 from .bucket_pull import bucket_pull_for
 from .bucket_push import bucket_push_for
@@ -197,6 +197,14 @@ class MicroBatchTrainer:
             for then in self.then(role, step, schedule, share=share)
         ]
         return Ahead(role.generation, step, exchange(shards, frames, self.spec.call_timeout))
+
+    def confirm(self, role: Role, step: int, batch_ids: Sequence[int], shards: list[ShardLink]) -> None:
+        """This worker's own copies of `batch_ids` of `step` go in where a shard holds them aside (it had
+        asked for a backup of them): every shard answered its push of them without refusing it, so each
+        took it before applying the step, and no parameter it read had moved (`SyncApplies.confirm`)."""
+        message = Confirm(role.generation, step, role.members[role.rank], list(batch_ids))
+        send_all(shards, [None if idle else message.frame() for idle in self.stateless])
+        receive_all(shards, [int(not idle) for idle in self.stateless], self.spec.call_timeout)
 
     def step(
         self,

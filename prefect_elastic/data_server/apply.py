@@ -24,7 +24,7 @@ from ..errors import FatalError
 from ..messages import StepRecord, Tensors
 from ..schedule import Schedule
 from ..stragglers import RECENT_STEPS, backup_after, backup_due_in
-from ..wire import Apply, Part, Push
+from ..wire import Apply, Confirm, Part, Push
 from ..wire.signals import BackupWanted, RecoverableError, StepPassed
 from .bucketed import OpenBuckets
 from .hooks import ServerHooks
@@ -162,7 +162,20 @@ class SyncApplies:
     def _backup_wanted(self, step: int, asker: str | None) -> BackupWanted:
         if asker is not None:
             self._open.told[asker] = time.monotonic()
-        return BackupWanted(step, tuple(self._open.missing(self._schedule.step_batches(step))))
+        missing = tuple(self._open.missing(self._schedule.step_batches(step)))
+        # From now on a member's own copy of these is held aside (`OpenStep.take`): it may have been
+        # computed on parameters a peer applied this step to, from the backup.
+        self._open.wanted.update(missing)
+        return BackupWanted(step, missing)
+
+    async def confirm(self, confirm: Confirm) -> None:
+        """A member's copies held aside go in (`OpenStep.confirm`): it pushed them to every shard before
+        any applied the step. Of another step, or of ids a backup's copy came for: nothing to do."""
+        state = self._state
+        state.check(confirm.generation, "confirm")
+        taken = confirm.step == state.version and not state.applying
+        if taken and self._open.confirm(confirm.worker, confirm.batch_ids):
+            await self.advance()
 
     async def apply_one(self, apply: Apply, grads: Tensors, buffers: Tensors) -> tuple[str, int]:
         self._state.check(apply.generation, "apply")
@@ -320,6 +333,10 @@ class AsyncApplies:
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         self._state.check(generation, "pull")
         raise FatalError(f"shard {self._state.index} got a pull of step {step} in an async job")
+
+    async def confirm(self, confirm: Confirm) -> None:
+        self._state.check(confirm.generation, "confirm")
+        raise FatalError(f"shard {self._state.index} got a sync confirm in an async job")
 
     async def apply_one(self, apply: Apply, grads: Tensors, buffers: Tensors) -> tuple[str, int]:
         """Apply the gradient of one micro-batch now, unless this shard applied that batch id already or

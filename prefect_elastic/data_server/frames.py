@@ -17,6 +17,7 @@ from ..errors import FatalError
 from ..messages import Tensors
 from ..wire import (
     Apply,
+    Confirm,
     Current,
     Entry,
     Frame,
@@ -80,6 +81,9 @@ class ShardFrames:
                 return await self._then(message.generation, message.then)
             case Pull():
                 return await self._then(message.generation, message.then)
+            case Confirm():
+                await self._applies.confirm(message)
+                return Frame({"ok": True})
         raise TypeError(f"no answer to {message!r}")
 
     async def _on_push(self, push: Push, frame: Frame) -> None:

@@ -31,21 +31,47 @@ class OpenStep:
     told: dict[str, float] = field(default_factory=dict)  # worker -> when it was asked for a backup of it
     duplicates: int = 0  # later copies of a batch id's gradient, dropped
     bucketed: bool = False  # its gradients came in parts, during the senders' backward (`bucketed.py`)
+    # The batch ids this shard asked a backup of (`BackupWanted`), and a member's own copy of one of them
+    # that came after: held aside until its member confirms it (`confirm`), or dropped for a backup's.
+    wanted: set[int] = field(default_factory=set)
+    aside: dict[int, tuple[str, Gradient, Tensors, float]] = field(default_factory=dict)
 
     def take(
         self, batch_id: int, worker: str, grads: Gradient, buffers: Tensors, loss: float, backup: bool = False
     ) -> None:
         """The gradient of `batch_id`, unless one is held already: a backup and the straggler it stood in
-        for computed the same bits (`stragglers.py`), and the first copy is the one kept."""
+        for computed the same bits (`stragglers.py`), and the first copy is the one kept. Except where this
+        shard asked for a backup of it: its member's own copy then may have been computed on parameters
+        that moved under it (a peer applied the step from the backup, in place, while the member read them
+        in place), so it is held aside, and only a backup's copy goes in (or that one, confirmed)."""
         if batch_id in self.grads:
             self.duplicates += 1
             return
+        if not backup and batch_id in self.wanted:
+            self.duplicates += batch_id in self.aside
+            self.aside[batch_id] = (worker, grads, buffers, loss)
+            return
+        if self.aside.pop(batch_id, None) is not None:
+            self.duplicates += 1
         self.grads[batch_id] = grads
         self.buffers[batch_id] = buffers
         self.losses[batch_id] = loss
         self.workers[batch_id] = worker
         if backup:
             self.backed_up.add(batch_id)
+
+    def confirm(self, worker: str, batch_ids: list[int]) -> int:
+        """`worker` says every shard took its push of `batch_ids` before applying the step (none refused
+        it), so no parameter it read had moved: its copies held aside go in. Returns how many did."""
+        taken = 0
+        for batch_id in batch_ids:
+            held = self.aside.get(batch_id)
+            if held is not None and held[0] == worker and batch_id not in self.grads:
+                del self.aside[batch_id]
+                self.wanted.discard(batch_id)
+                self.take(batch_id, *held)
+                taken += 1
+        return taken
 
     def missing(self, batches: range) -> list[int]:
         """Of the step's `batches`, the batch ids whose gradient is not here."""

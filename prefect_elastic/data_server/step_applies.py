@@ -10,7 +10,7 @@ import torch
 
 from ..messages import Tensors
 from ..schedule import Schedule
-from ..wire import Apply, Part, Push
+from ..wire import Apply, Confirm, Part, Push
 from .hooks import ServerHooks
 from .optimizer import Gradient
 from .state import ShardState
@@ -32,6 +32,10 @@ class StepApplies(Protocol):
         """The parameters and buffers as of `step`, waiting up to `wait` s for them (sync mode). `asker`:
         the worker that asks, which may be asked instead to train the micro-batches the step before lacks
         (`BackupWanted`); None: never."""
+
+    async def confirm(self, confirm: Confirm) -> None:
+        """A member's own copies of `confirm.batch_ids`, held aside where this shard had asked for a
+        backup of them, go in: it pushed them to every shard before any applied the step (sync mode)."""
 
     async def apply_one(self, apply: Apply, grads: Tensors, buffers: Tensors) -> tuple[str, int]:
         """One micro-batch's gradient, applied at once (async mode): the outcome and its staleness."""

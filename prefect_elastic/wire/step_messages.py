@@ -9,6 +9,7 @@ build them; the shard's side (`data_server/frames.py`) dispatches on their type.
     Apply       async mode: one micro-batch's gradient, applied at once
     Current     async mode: the parameters as they are now
     ReplicaAsk  a standby taking a shard's role: the replica of its snapshot that a peer holds
+    Confirm     a straggler's own copies of ids a shard asked a backup of: none of its reads had moved
 
 The frame's encoding (the header as JSON, the tensors' bytes) is `codec.py`'s; a message is its header.
 """
@@ -220,6 +221,29 @@ class ReplicaAsk(StepMessage):
         return cls(int(header["generation"]), int(header["source"]), int(header["version"]))
 
 
+@dataclass(frozen=True)
+class Confirm(StepMessage):
+    """Sync mode: `worker`'s own copies of `batch_ids` of step `step`, which a shard that had asked for a
+    backup of them holds aside, go in: every shard took its push of them before applying the step (none
+    refused it), so no parameter it read had moved (docs/design/overlapped-step.md, "A straggler reading
+    in place")."""
+
+    op: ClassVar[str] = "confirm"
+    generation: int
+    step: int
+    worker: str
+    batch_ids: list[int]
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Confirm:
+        return cls(
+            int(header["generation"]),
+            int(header["step"]),
+            str(header["worker"]),
+            [int(b) for b in header["batch_ids"]],
+        )
+
+
 _BY_OP: dict[str, Callable[[dict[str, Any]], StepMessage]] = {
     Pull.op: Pull.of,
     Push.op: Push.of,
@@ -227,6 +251,7 @@ _BY_OP: dict[str, Callable[[dict[str, Any]], StepMessage]] = {
     Apply.op: Apply.of,
     Current.op: Current.of,
     ReplicaAsk.op: ReplicaAsk.of,
+    Confirm.op: Confirm.of,
 }
 
 
