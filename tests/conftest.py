@@ -198,6 +198,15 @@ def cluster() -> Iterator[LocalElasticCluster]:
         yield cluster
 
 
+@pytest.fixture(scope="module")
+def static_cluster() -> Iterator[LocalElasticCluster]:
+    """The cluster of a module's static-role tests: 3 static workers (the job's roles, the coordinator beside
+    data server 0, and a standby) and 2 elastic ones; the tests kill static workers and top them up
+    (`tests.test_static_roles.top_up_static`)."""
+    with LocalElasticCluster(static_workers=3, elastic_workers=2) as cluster:
+        yield cluster
+
+
 def make_job(digits_url: str, policy: str = "rollback", **overrides: object) -> ElasticJob:
     """The tests' job: a paced MLP on the digits, 2 epochs of steps of 4 micro-batches of 16, Adam,
     survival detection every 0.5 s, and `policy` on a membership change; `overrides` replace any field."""
