@@ -17,6 +17,7 @@ from ..ledger import Ledger
 from ..messages import EventKind, Journal, MembershipEvent, Resume, ShardStatus, StepRecord
 from ..survival import Action, Decision
 from .commit_book import (
+    Promoted,
     PromotionPlan,
     Reconciliation,
     SnapshotAt,
@@ -24,7 +25,7 @@ from .commit_book import (
     SnapshotWhereFenced,
 )
 from .rebuild import rebuild_applied_from, rebuild_at_one_version
-from .record import CoordinatorRecord
+from .record import Commit, CoordinatorRecord
 
 
 class AsyncLeases:
@@ -102,7 +103,7 @@ class AsyncLeases:
 
     # -- what the shards report ----------------------------------------------------------------------
 
-    def absorb(self, status: ShardStatus) -> list[MembershipEvent]:
+    def absorb(self, status: ShardStatus) -> tuple[Commit, ...]:
         i = status.index
         for record in status.records:
             if record.step < self._seen[i]:
@@ -111,30 +112,28 @@ class AsyncLeases:
             for b in record.batch_ids:
                 if b not in self.state.ledger:
                     self._applied.setdefault(b, {})[i] = record
-        return self._commit_applied()
+        return self._whole()
 
-    def _commit_applied(self) -> list[MembershipEvent]:
-        """Commit every batch id that every shard has applied, lowest first."""
+    def _whole(self) -> tuple[Commit, ...]:
+        """Every batch id that every shard has applied, lowest first, each as the next step."""
         state = self.state
-        events: list[MembershipEvent] = []
+        whole: list[Commit] = []
         ready = sorted(b for b, by_shard in self._applied.items() if len(by_shard) == state.shards)
-        for b in ready:
+        for step, b in enumerate(ready, start=state.ledger.committed_steps):
             records = list(self._applied.pop(b).values())
             # (The records of this run first: a record of a checkpoint's apply has no loss or worker.)
             records.sort(key=lambda r: r.step < 0)
-            worker = records[0].workers.get(b, "")
-            state.ledger.commit(
-                [b], state.ledger.committed_steps, max(r.generation for r in records), {b: worker},
-                staleness=max(r.staleness for r in records),
+            whole.append(
+                Commit(
+                    (b,), step, max(r.generation for r in records), {b: records[0].workers.get(b, "")},
+                    records[0].losses[b], max((r.time for r in records if r.step >= 0), default=math.nan),
+                    staleness=max(r.staleness for r in records),
+                )
             )  # fmt: skip
-            state.history.append(records[0].losses[b])
-            state.commit_times.append(max((r.time for r in records if r.step >= 0), default=math.nan))
             for ids in self._leases.values():
                 if b in ids:
                     ids.remove(b)
-            if state.finished:
-                events.append(state.record(EventKind.DONE, now=state.commit_times[-1]))
-        return events
+        return tuple(whole)
 
     def _applied_unrecorded(self, index: int, ids: Iterable[int]) -> None:
         """Shard `index` holds the applies of `ids`, with no record of them where it has none (they came
@@ -224,13 +223,13 @@ class AsyncLeases:
     def promotion(self) -> PromotionPlan:
         return PromotionPlan(restore_to=None, asks_applied=True)  # the other shards stay where they stand
 
-    def shard_promoted(self, index: int, applied: frozenset[int], version: int) -> tuple[int, str]:
+    def shard_promoted(self, index: int, applied: frozenset[int], version: int) -> Promoted:
         """Shard `index` came back on a standby from its peer's replica of its last snapshot, at `version`,
         holding the applies `applied`; whatever it applied after that is gone. Nothing is rolled back on
         the other shards. A committed batch id it lacks leaves the ledger again (the ledger drops every
         commit after the last snapshot as one; those the shard holds commit again at once) and goes back
         to the queue, to be trained again and applied there alone: the other shards answer "duplicate".
-        Returns how many batch ids left the ledger."""
+        Returns how many batch ids left the ledger, and what it made whole again for the record to commit."""
         state = self.state
         first = state.ledger.snapshot_step
         retracted = state.ledger.entries_from(first)
@@ -252,10 +251,11 @@ class AsyncLeases:
         # (Known already, unless the shard's status was not read since: then as a checkpoint's.)
         self._applied_unrecorded(index, applied)
         self._seen[index] = version  # its records start again from there
-        self._commit_applied()
-        back = [e.batch_id for e in retracted if e.batch_id not in state.ledger]
+        whole = self._whole()
+        again = {b for commit in whole for b in commit.batch_ids}
+        back = [e.batch_id for e in retracted if e.batch_id not in state.ledger and e.batch_id not in again]
         self.queue = sorted({*self.queue, *back})
-        return len(back), f"version {version}"
+        return Promoted(len(back), f"version {version}", whole)
 
     # -- a coordinator rebuilt from the controller's copy ---------------------------------------------
 
@@ -346,14 +346,15 @@ class AsyncLeases:
             )
             for j in holders:
                 self._applied.setdefault(b, {})[j] = record
+        # (A rebuild takes the record over whole: what is whole commits in it at once.)
         for status in fenced:
-            self.absorb(status)
+            state.commit(self.absorb(status))
         for status in fenced:
             # A shard promoted since the copy holds applies its records do not show (its snapshot's): one
             # the copy has not committed would wait for its record for ever, and the loop that trains it
             # again is answered "duplicate" there.
             self._applied_unrecorded(status.index, status.applied)
-        self._commit_applied()  # what every shard applied (none lost)
+        state.commit(self._whole())  # what every shard applied (none lost)
         self.queue = [b for b in range(state.schedule.total_batches) if b not in state.ledger]
         state.counters["coordinator_rebuilds"] += 1
         kept = journal.committed_steps - lacked

@@ -4,10 +4,10 @@ stand at one version, which a membership change may roll back) and `AsyncLeases`
 goes out in leases of batch ids, a batch id commits when every shard applied it, in whatever order; each
 shard stands at its own version, and nothing is rolled back).
 
-A `CommitBook` keeps the shared record (`record.CoordinatorRecord`) as it commits, and says what the
-actor does where the two differ, as plans (`SnapshotAt`, `SnapshotWhereFenced`, `SnapshotCommitted`,
-`PromotionPlan`) that the actor carries out. Nothing outside `prefect_elastic.modes` asks which
-one a job has.
+A `CommitBook` reads the shared record (`record.CoordinatorRecord`) and returns what it finds whole
+(`record.Commit`, `Promoted`), which the record writes in its ledger; it says what the actor does where the
+two differ, as plans (`SnapshotAt`, `SnapshotWhereFenced`, `SnapshotCommitted`, `PromotionPlan`) that the
+actor carries out. Nothing outside `prefect_elastic.modes` asks which one a job has.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Protocol
 
 from ..messages import EventKind, Journal, MembershipEvent, Resume, ShardStatus
 from ..survival import Decision
-from .record import CoordinatorRecord
+from .record import Commit, CoordinatorRecord
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,16 @@ class SnapshotWhereFenced:
 @dataclass(frozen=True)
 class SnapshotCommitted:
     """Training stopped at a step every shard applied: every shard snapshots the committed step."""
+
+
+@dataclass(frozen=True)
+class Promoted:
+    """A standby took a lost shard's role: the steps (batch ids) that left the ledger, where the shard
+    stands, in words, and what its snapshot made whole again (for the record to commit)."""
+
+    steps_lost: int
+    where: str
+    commits: tuple[Commit, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,9 @@ class CommitBook(Protocol):
 
     # -- what the shards report ----------------------------------------------------------------------
 
-    def absorb(self, status: ShardStatus) -> list[MembershipEvent]:
-        """Take in the records of a shard's status (of the current generation); commit what is whole."""
+    def absorb(self, status: ShardStatus) -> tuple[Commit, ...]:
+        """Take in the records of a shard's status (of the current generation); return what is whole, in
+        the order the record commits it."""
         ...
 
     def forget_open(self) -> None:
@@ -158,9 +169,8 @@ class CommitBook(Protocol):
         """How a standby takes a lost shard's role."""
         ...
 
-    def shard_promoted(self, index: int, applied: frozenset[int], version: int) -> tuple[int, str]:
-        """Shard `index` is back at `version` holding `applied`: the steps (batch ids) that left the
-        ledger, and where it stands, in words."""
+    def shard_promoted(self, index: int, applied: frozenset[int], version: int) -> Promoted:
+        """Shard `index` is back at `version` holding `applied`."""
         ...
 
     # -- a coordinator rebuilt from the controller's copy ---------------------------------------------

@@ -2,15 +2,16 @@
 ledger with its loss history, the snapshot asked for and confirmed, the events, the counters, and the
 controller's copy of it all (`journal`). Pure: no actor, no clock of its own (times are passed in).
 
-Owns what sync commits and async leases share. Does not own how a step or a batch id gets committed, or
-what a membership change undoes: that is the `CommitBook` (`commit_book.py`), which keeps this record as it
-commits. `state.CoordinatorState` is this record with its book; the actor (`actor.py`) only reads and
-changes it through the state.
+Owns what sync commits and async leases share, the ledger included: it writes the commits a `CommitBook`
+(`commit_book.py`) returns (`commit`). Does not own when a step or a batch id is whole, or what a
+membership change undoes: that is the book's. `state.CoordinatorState` is this record with its book; the
+actor (`actor.py`) only reads and changes it through the state.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,21 @@ from ..wire import ChannelAddress
 
 if TYPE_CHECKING:  # (the spec names the commit books, which keep this record)
     from .spec import CoordinatorSpec
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What a commit book found whole (`CommitBook.absorb`): the batch ids committed as `step`, in the
+    generation they were applied in, by which worker each, with their loss and when the last shard applied
+    them. The record writes it in its ledger (`CoordinatorRecord.commit`); the book never does."""
+
+    batch_ids: tuple[int, ...]
+    step: int
+    generation: int
+    workers: Mapping[int, str]
+    loss: float
+    time: float
+    staleness: int = 0
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,18 @@ class CoordinatorRecord:
         self.versions[i] = status.version
         self._refused[i] = status.refused
         self.snapshots_held[i] = {s.version: (s.time, s.seconds, s.replicated) for s in status.snapshots}
+
+    def commit(self, commits: Iterable[Commit]) -> list[MembershipEvent]:
+        """Write what a commit book found whole in the ledger, in order; returns the event of the job's end
+        if the last step is among them."""
+        events: list[MembershipEvent] = []
+        for c in commits:
+            self.ledger.commit(c.batch_ids, c.step, c.generation, dict(c.workers), staleness=c.staleness)
+            self.history.append(c.loss)
+            self.commit_times.append(c.time)
+            if self.finished:
+                events.append(self.record(EventKind.DONE, now=c.time))
+        return events
 
     def back_to_snapshot(self) -> int:
         """Drop the steps committed after the last snapshot (every shard was restored to it); returns how

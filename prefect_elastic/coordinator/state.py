@@ -136,7 +136,7 @@ class CoordinatorState(CoordinatorRecord):
         if status.generation < self.generation:
             return []  # an answer that crossed a fence; the fence's own answer is newer
         self.note(status)
-        return self.commits.absorb(status) + self._confirm_snapshot()
+        return self.commit(self.commits.absorb(status)) + self._confirm_snapshot()
 
     def _confirm_snapshot(self) -> list[MembershipEvent]:
         wanted = self.snapshot_wanted
@@ -276,7 +276,9 @@ class CoordinatorState(CoordinatorRecord):
         channels = list(self.channels)
         channels[index] = channel
         self.channels = tuple(channels)
-        steps_lost, where = self.commits.shard_promoted(index, applied, version)
+        promoted = self.commits.shard_promoted(index, applied, version)
+        self.commit(promoted.commits)  # (what the promoted shard's snapshot made whole again)
+        steps_lost, where = promoted.steps_lost, promoted.where
         self._forget_open_records()
         self.generation = generation
         self.counters["promotions"] += not kept

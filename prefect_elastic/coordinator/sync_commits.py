@@ -15,6 +15,7 @@ from ..errors import FatalError
 from ..messages import EventKind, Journal, MembershipEvent, Resume, ShardStatus, StepRecord
 from ..survival import Action, Decision
 from .commit_book import (
+    Promoted,
     PromotionPlan,
     Reconciliation,
     SnapshotAt,
@@ -23,7 +24,7 @@ from .commit_book import (
 )
 from .pacing import read_interval
 from .rebuild import rebuild_at_one_version
-from .record import CoordinatorRecord
+from .record import Commit, CoordinatorRecord
 
 
 class SyncCommits:
@@ -71,17 +72,18 @@ class SyncCommits:
 
     # -- what the shards report ----------------------------------------------------------------------
 
-    def absorb(self, status: ShardStatus) -> list[MembershipEvent]:
+    def absorb(self, status: ShardStatus) -> tuple[Commit, ...]:
         for record in status.records:
             if record.step >= self.state.committed_steps:
                 self._records[status.index][record.step] = record
-        return self._commit_ready()
+        return self._whole()
 
-    def _commit_ready(self) -> list[MembershipEvent]:
+    def _whole(self) -> tuple[Commit, ...]:
+        """Every step, from the first not committed, that every shard has applied."""
         state = self.state
-        events: list[MembershipEvent] = []
-        while not state.finished:
-            step = state.committed_steps
+        whole: list[Commit] = []
+        step = state.committed_steps
+        while state.failure is None and step < state.schedule.total_steps:
             records = [self._records[i].get(step) for i in range(state.shards)]
             if any(r is None for r in records):
                 break
@@ -89,14 +91,16 @@ class SyncCommits:
             first = applied[0]
             if any(r.batch_ids != first.batch_ids for r in applied):
                 raise FatalError(f"shards applied step {step} from different batch ids: a bug")
-            state.ledger.commit(first.batch_ids, step, first.generation, first.workers)
-            state.history.append(sum(first.losses[b] for b in first.batch_ids) / len(first.batch_ids))
-            state.commit_times.append(max(r.time for r in applied))
+            loss = sum(first.losses[b] for b in first.batch_ids) / len(first.batch_ids)
+            whole.append(
+                Commit(
+                    first.batch_ids, step, first.generation, first.workers, loss, max(r.time for r in applied)
+                )
+            )
             for i in range(state.shards):
                 del self._records[i][step]
-            if state.finished:
-                events.append(state.record(EventKind.DONE, now=state.commit_times[-1]))
-        return events
+            step += 1
+        return tuple(whole)
 
     def forget_open(self) -> None:
         # After a fence, what shards applied of the open step is void.
@@ -189,9 +193,9 @@ class SyncCommits:
     def promotion(self) -> PromotionPlan:
         return PromotionPlan(restore_to=self.state.ledger.snapshot_step, asks_applied=False)
 
-    def shard_promoted(self, index: int, applied: frozenset[int], version: int) -> tuple[int, str]:
+    def shard_promoted(self, index: int, applied: frozenset[int], version: int) -> Promoted:
         steps_lost = self.state.back_to_snapshot()
-        return steps_lost, f"step {self.state.committed_steps}"
+        return Promoted(steps_lost, f"step {self.state.committed_steps}")
 
     # -- a coordinator rebuilt from the controller's copy ---------------------------------------------
 
