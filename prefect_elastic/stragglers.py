@@ -5,8 +5,9 @@ the shards went past goes on.
 Why a backup gives the same result: a step's batch ids are fixed by the schedule, a micro-batch's gradient
 is a function of the step's parameters and its batch alone (random ops seeded by the batch id), and a shard
 sums the gradients in batch-id order whoever sent them. A shard keeps the first copy of a batch id's
-gradient and drops a later one, and refuses a push of a step it applied already, so every batch id is
-applied once whichever copy arrives first. A member that stops answering (a pause, a cut link, a starved
+gradient and drops a later one (once it asked for a backup of an id, the backup's, or the member's own
+confirmed: `OpenStep.take`), and refuses a push of a step it applied already, so every batch id is
+applied once. A member that stops answering (a pause, a cut link, a starved
 process) then holds the step up for `backup_after` seconds, not until survival detection removes it.
 
 The shard decides when (`backup_after`, `backup_due_in`: `data_server/apply.py`); each loop it asks
