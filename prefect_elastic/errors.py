@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # (types only: checkpoint/ imports this module, and errors cr
 
 
 class ElasticError(Exception):
-    """Base of every error that leaves `train()` and the flow (the engine's own signals never derive from it)."""
+    """Base of every error that leaves `train()` and the flow (the engine's own signals never derive
+    from it)."""
 
 
 class FatalError(ElasticError):

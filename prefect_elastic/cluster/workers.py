@@ -49,8 +49,9 @@ async def answering(addresses: Iterable[str], timeout: float, **connection_args:
     nothing, although its kernel may accept the connection for tens of milliseconds more: the sockets of a
     process that dies close only once its memory is torn down, which is also when the scheduler notices.
     So survival detection asks the members still listed whether they answer, to tell a worker lost with
-    the others from one still there (`training.membership.wait_for_losses`). A frozen (SIGSTOPped) worker, one whose
-    host lost power or is cut off, does not answer either: the caller then waits as if it were dying.
+    the others from one still there (`training.membership.wait_for_losses`). A frozen (SIGSTOPped)
+    worker, one whose host lost power or is cut off, does not answer either: the caller then waits as if
+    it were dying.
     One try each (Dask's `connect` retries a refused connection until its timeout), its connection closed
     whatever happens; nothing is sent after the handshake, and a live worker logs nothing for it. A live
     worker on the same machine answers in 0.7 to 2 ms (docs/benchmarks.md)."""
