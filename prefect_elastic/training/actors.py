@@ -117,7 +117,7 @@ class Actors:
             for r in view["workers"]
             if is_static_worker(r, self.job.static_resource)
             and r["status"] in ("running", "paused")
-            and r["address"] not in self.workers.left
+            and not self.workers.has_left(r["address"])
         ]
         if not static:
             raise FatalError(
@@ -328,6 +328,6 @@ class Actors:
             if done:
                 futures: list[Future] = scatter.result()
                 return futures
-            if where in self.workers.left:
+            if self.workers.has_left(where):
                 scatter.cancel()
                 raise StaticWorkerLeft(where)

@@ -127,7 +127,7 @@ class Calls:
             try:
                 return future.result(timeout=max(0.001, min(CALL_SLICE_SECONDS, deadline - time.monotonic())))
             except TimeoutError as exc:
-                if self.roles.coordinator_at in self.workers.left:
+                if self.workers.has_left(self.roles.coordinator_at):
                     raise CoordinatorLost(
                         f"its static worker {self.roles.coordinator_at} left the cluster"
                     ) from exc
@@ -172,7 +172,7 @@ class Calls:
                 return settled_result(future, slice_s)
             except TimeoutError:
                 now = time.monotonic()
-                if worker in self.workers.left:
+                if self.workers.has_left(worker):
                     raise StaticWorkerLeft(worker) from None
                 if now >= next_look:
                     next_look = now + WATCH_WHILE_CALLING_SECONDS
@@ -218,7 +218,7 @@ class Calls:
         deadline = time.monotonic() + self.job.call_timeout
         while asked and time.monotonic() < deadline:
             for i, future in list(asked.items()):
-                if self.roles.placement[i] in self.workers.left:
+                if self.workers.has_left(self.roles.placement[i]):
                     del asked[i]  # the scheduler removed its worker: lost after all
                     continue
                 try:

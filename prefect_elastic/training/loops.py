@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from distributed import Client, Future
@@ -56,7 +57,7 @@ class ComputeLoops:
         """Whether the loop of a member ended."""
         return any(self.loops[a].done() for a in live if a in self.loops)
 
-    def members_with_loops(self, members: list[str]) -> list[str]:
+    def members_with_loops(self, members: Iterable[str]) -> list[str]:
         return sorted(a for a in members if a in self.loops)
 
     def drop_all(self) -> None:

@@ -141,8 +141,7 @@ class Promotions:
                 suspend=suspended, start=started, adopt=adopted, promote=time.monotonic() - clock,
                 source="start" if replica is None else "replica",
             )  # fmt: skip
-            roles.promotions.append(promotion)
-            old, moved = roles.move(i, standby, future, shard, channel)
+            old, moved = roles.promoted(promotion, future, shard, channel)
             # The old data server's actor is released: it is gone with its worker, or (a hand-over) its
             # worker is retiring and must not hold it.
             with contextlib.suppress(Exception):
@@ -220,7 +219,7 @@ class Promotions:
         `StaticWorkerLeft` raised, for the next standby; so is it when the coordinator is lost (its
         rebuild promotes a standby again)."""
         key = actor_key(shard) or ""  # what `shards_lost` matches
-        self.roles.promoting = (index, standby, key)
+        self.roles.promoting_on(index, standby, key)
         try:
             return self.calls.call(self.roles.coordinator.promote(index, shard, channel, standby))
         except Exception as exc:
@@ -240,7 +239,7 @@ class Promotions:
             self.calls.call(self.roles.coordinator.shards_lost([index], reason, [key]))
             raise StaticWorkerLeft(standby) from exc
         finally:
-            self.roles.promoting = None
+            self.roles.promotion_ended()
 
     def start_on_standby(
         self, index: int, start: ShardStart | None, version: int, replica: ShardHandle | None
@@ -259,7 +258,7 @@ class Promotions:
             waited = clock - waited
             future: Future | None = None
             watched = standby  # the worker whose loss would explain a broken call
-            self.roles.starting_on = {standby}
+            self.roles.starting_on_standby(standby)
             passed_over = functools.partial(self.standbys.standby_gone, standby)
             try:
                 warm = self.roles.warmth(standby)
@@ -293,7 +292,7 @@ class Promotions:
                 )
                 return standby, future, shard, channel, started, adopted
             except Exception as exc:
-                self.roles.starting_on = set()
+                self.roles.start_ended()
                 if future is not None:
                     with contextlib.suppress(Exception):
                         self.client.cancel([future])

@@ -1,7 +1,8 @@
 """The role table: where each data server and the coordinator live, their actors and channels, the
 standbys, and the promotions in flight. It owns that state alone; the others read it and change it through
-its methods (`place`, `move`, `coordinator_moved`, ...), so that "data server i is now on worker w" is
-written once. It makes no call: `StaticRoles`, `Promotions` and `CheckpointFallback` act, then record here.
+its methods (`place`, `move`, `promoted`, `coordinator_moved`, `hand_over_begun`, ...), so that "data
+server i is now on worker w" is written once. It makes no call: `StaticRoles`, `Promotions` and
+`CheckpointFallback` act, then record here.
 """
 
 from __future__ import annotations
@@ -37,18 +38,60 @@ class RoleTable:
         # Static workers that hold none of the roles: a lost data server's role goes to one of them.
         self.standbys: tuple[str, ...] = ()
         self.warmed: dict[str, Future] = {}  # standbys made ready to take a role (`warm_standby`)
-        self.leaving: set[str] = set()  # static workers whose roles are handed over: never a standby
+        self._leaving: set[str] = set()  # static workers whose roles are handed over: never a standby
         # The standby a data server is being started on: silent to the scheduler, it is asked for Dask's
         # handshake before it counts as gone (`Workers.view`), as a role's worker is.
-        self.starting_on: set[str] = set()
-        self.promoting: tuple[int, str, str] | None = None  # the shard, standby and key being promoted
+        self._starting_on: set[str] = set()
+        self._promoting: tuple[int, str, str] | None = None  # the shard, standby and key being promoted
         self.told_lost: set[int] = set()  # data servers the coordinator was told of during a long call
         self.kept: Counter[tuple[int, str]] = Counter()  # data servers (index, worker) kept: they answered
-        self.promotions: list[Promotion] = []
+        self._promotions: list[Promotion] = []
+
+    @property
+    def leaving(self) -> frozenset[str]:
+        """The static workers whose roles are handed over (`hand_over_begun`): never a standby."""
+        return frozenset(self._leaving)
+
+    @property
+    def promoting(self) -> tuple[int, str, str] | None:
+        """The shard, standby and actor key of the promotion in flight (`promoting_on`), if any."""
+        return self._promoting
+
+    @property
+    def promotions(self) -> tuple[Promotion, ...]:
+        """The promotions done, in order (`promoted`)."""
+        return tuple(self._promotions)
 
     def holders(self) -> set[str]:
         """The static workers that hold a role, or are about to (a standby a data server starts on)."""
-        return {*self.placement, self.coordinator_at, *self.starting_on} - {""}
+        return {*self.placement, self.coordinator_at, *self._starting_on} - {""}
+
+    def hand_over_begun(self, worker: str) -> None:
+        """The retiring static worker `worker` hands its roles over: from now on it is never a standby."""
+        self._leaving.add(worker)
+
+    def starting_on_standby(self, standby: str) -> None:
+        """A data server is being started on `standby` (it counts as a role's worker meanwhile)."""
+        self._starting_on = {standby}
+
+    def start_ended(self) -> None:
+        """The start on a standby failed, or its data server took its role (`move`)."""
+        self._starting_on = set()
+
+    def promoting_on(self, index: int, standby: str, key: str) -> None:
+        """The coordinator is promoting data server `index`, just started on `standby` as actor `key`."""
+        self._promoting = (index, standby, key)
+
+    def promotion_ended(self) -> None:
+        self._promoting = None
+
+    def promoted(
+        self, promotion: Promotion, future: Future, shard: ShardHandle, channel: ChannelAddress
+    ) -> tuple[Future | None, ChannelAddress | None]:
+        """Data server `promotion.index` was promoted on `promotion.standby`: recorded, and moved there
+        (`move`); the old actor's future and channel, for the caller to release."""
+        self._promotions.append(promotion)
+        return self.move(promotion.index, promotion.standby, future, shard, channel)
 
     def place(self, static: list[str], shards: int) -> None:
         """The start's placement on the static workers `static`: data servers round the list, the
@@ -90,7 +133,7 @@ class RoleTable:
         self.actor_futures[index], self.shards[index] = future, shard
         self.channels[index], self.placement[index] = channel, worker
         self.told_lost.discard(index)
-        self.starting_on = set()
+        self._starting_on = set()
         self.standbys = tuple(w for w in self.standbys if w != worker)
         return old, moved
 
@@ -102,14 +145,14 @@ class RoleTable:
 
     def seen_standbys(self, static: tuple[str, ...]) -> tuple[str, ...]:
         """The standbys among the live static workers `static` (none that is handing its roles over)."""
-        self.standbys = standbys([w for w in static if w not in self.leaving], self.placement)
+        self.standbys = standbys([w for w in static if w not in self._leaving], self.placement)
         return self.standbys
 
     def free(self, static: tuple[str, ...] | list[str], taken: list[str] | None = None) -> tuple[str, ...]:
         """The static workers of `static` a data server can go to: neither leaving nor holding one (nor one
         of `taken`)."""
         return standbys(
-            [w for w in static if w not in self.leaving], self.placement if taken is None else taken
+            [w for w in static if w not in self._leaving], self.placement if taken is None else taken
         )
 
     def lost(self, static: tuple[str, ...] | set[str]) -> list[int]:
@@ -124,7 +167,7 @@ class RoleTable:
         """Whether data server `index`, taken for lost, may be asked whether it answers: not while its
         worker hands its roles over, nor once it was kept `KEEP_TRIES` times."""
         where = self.placement[index]
-        return where not in self.leaving and self.kept[(index, where)] < KEEP_TRIES
+        return where not in self._leaving and self.kept[(index, where)] < KEEP_TRIES
 
     def keep(self, index: int) -> None:
         """Data server `index`, taken for lost, answered: it keeps its role where it is."""

@@ -84,13 +84,11 @@ class StaticRoles:
         self.warm(self.roles.seen_standbys(view.static))
         for change in role_changes(self.roles.coordinator_at, self.roles.placement, view.static):
             self.carry_out(change)
-        for worker in sorted(self.workers.retiring):
+        for worker in self.workers.retire_requests():
             # (Dropped first: a hand-over that raises is not tried again at every check.)
-            self.workers.retiring.discard(worker)
-            if worker in view.static and not self.hand_over(worker):
-                # No standby can relieve it yet: asked again at the next check, so it goes once one is
-                # heard from (a SIGTERMed one closes by itself meanwhile, after `SIGTERM_HAND_OVER_SECONDS`).
-                self.workers.retiring.add(worker)
+            self.workers.retire_taken(worker)
+            if worker in view.static:
+                self.hand_over(worker)
 
     def carry_out(self, change: RoleChange) -> None:
         if isinstance(change, RebuildCoordinator):
@@ -115,17 +113,14 @@ class StaticRoles:
         its data servers go to standbys from that snapshot and its coordinator is rebuilt elsewhere, so no
         committed step is redone. Then it is retired. False if no standby can take its data servers now (none
         is there, or none was heard from lately: a loaded machine delays heartbeats); it is then asked
-        again at the next survival check."""
+        again at the next survival check, so it goes once one is heard from (a SIGTERMed one closes by
+        itself meanwhile, after `SIGTERM_HAND_OVER_SECONDS`)."""
         job, roles = self.job, self.roles
-        decision = retire(
-            worker,
-            roles.placement,
-            roles.coordinator_at,
-            standbys(self.workers.view().static, roles.placement),
-        )
+        # (The workers' view is read only where there are data servers to place.)
+        free = standbys(self.workers.view().static, roles.placement) if roles.on(worker) else ()
+        decision = retire(worker, roles.placement, roles.coordinator_at, free)
         if isinstance(decision, HoldRetire):
-            if worker not in self.workers.retire_waiting:
-                self.workers.retire_waiting.add(worker)
+            if self.workers.retire_waits(worker):
                 log.warning(
                     "job %s: static worker %s is asked to retire, but no standby can take data servers "
                     "%s now; it is retired once one can (start a static worker if there is none)",
@@ -133,9 +128,9 @@ class StaticRoles:
                 )  # fmt: skip
             return False
         if decision.indices or decision.coordinator:
-            self.workers.retire_waiting.discard(worker)
+            self.workers.handing_over(worker)
             reason = f"static worker {worker} is retiring"
-            roles.leaving.add(worker)
+            roles.hand_over_begun(worker)
             log.warning("job %s: %s; handing over its roles", job.job_id, reason)
             indices = list(decision.indices)
             self.calls.call(roles.coordinator.hand_over(indices, reason), timeout=3 * job.call_timeout)

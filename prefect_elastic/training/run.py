@@ -144,7 +144,10 @@ class TrainingRun:
         keys = f"prefect-elastic-{self.job.job_id}-{self.run_id}"
         self.role_table = RoleTable()
         self.engine = EngineLoads(client, keys, self._check_soon)
-        self.workers = Workers(client, self.job, self.mode, self.role_table, self.engine, cluster)
+        # (The members are the membership's, read by the workers' view: `Workers.members`.)
+        self.workers = Workers(
+            client, self.job, self.mode, self.role_table, self.engine, cluster, lambda: self.membership.known
+        )
         self.calls = Calls(self.job, self.role_table, self.workers, self.schedule.total_steps)
         self.actors = Actors(
             client, prepared, self.run_id, self.progress_poll, self.role_table, self.workers, self.engine,
@@ -264,11 +267,11 @@ class TrainingRun:
             if msg.get("action") != "add-worker":
                 self.check_now = True  # (an add-worker alone may wait for the worker to turn running)
             if msg.get("action") == "remove-worker" and isinstance(msg.get("worker"), str):
-                self.workers.left.add(msg["worker"])
+                self.workers.worker_left(msg["worker"])
             if msg.get("action") == "retire-workers":
                 # The scheduler refuses to retire a worker that holds an actor: a static worker with a role
                 # of this job. The controller hands its roles over, then retires it (`StaticRoles.hand_over`).
-                self.workers.retiring.update(str(w) for w in msg.get("could-not-retire") or ())
+                self.workers.retire_asked(str(w) for w in msg.get("could-not-retire") or ())
             self.worker_event.set()
 
     def _check_soon(self) -> None:
@@ -355,7 +358,6 @@ class TrainingRun:
                 self._check_soon()  # look again at once
             return False
         assert isinstance(decision, Check)
-        self.workers.members = list(decision.live)
         renew = self.compute.ensure(view, table.coordinator, table.plan, self.specs.loop)
         # It may wait for a sync in progress, then call every shard: each bounded by call_timeout.
         events: list[MembershipEvent] = self.calls.call(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -199,10 +199,19 @@ class Workers:
     """The static workers' watch, and the run's view of the workers: the scheduler's rows read, the
     engine's loads and the handshakes with silent role holders done, then `classify`. It owns what the
     controller learned of the workers beyond the scheduler's rows: who answered while silent, who left,
-    who asked to retire."""
+    who asked to retire; the others tell it (`heard`, `worker_left`, `retire_asked`, ...) and ask it
+    (`has_left`, `retire_requests`), never write its fields. The members of the last survival check are
+    the run's (`MembershipState.known`), read through `members`."""
 
     def __init__(
-        self, client: Client, job: ElasticJob, mode: Mode, roles: RoleTable, engine: EngineLoads, cluster: Any
+        self,
+        client: Client,
+        job: ElasticJob,
+        mode: Mode,
+        roles: RoleTable,
+        engine: EngineLoads,
+        cluster: Any,
+        members: Callable[[], Collection[str]] = tuple,
     ) -> None:
         self.client = client
         self.job = job
@@ -212,25 +221,64 @@ class Workers:
         self.cluster = cluster
         # Static workers that answered a direct call while silent to the scheduler (`Calls.answering`), and
         # when: the answer counts as a heartbeat.
-        self.answered_at: dict[str, float] = {}
-        self.unanswered: set[str] = set()  # silent workers that did not answer the handshake since
-        self.left: set[str] = set()  # workers the scheduler said it removed (its events)
-        self.retiring: set[str] = set()  # workers someone asked to retire, which the scheduler refused
-        self.retire_waiting: set[str] = set()  # of those, the ones told that no standby can relieve them yet
-        # The live workers the last survival check saw; kept across a coordinator's rebuild, whose first
-        # check re-admits them (they are not joins to wait on for the rest of a group).
-        self.members: list[str] = []
+        self._answered_at: dict[str, float] = {}
+        self._unanswered: set[str] = set()  # silent workers that did not answer the handshake since
+        self._left: set[str] = set()  # workers the scheduler said it removed (its events)
+        self._retiring: set[str] = set()  # workers someone asked to retire, which the scheduler refused
+        self._retire_waiting: set[str] = set()  # of those, the ones told that no standby can relieve them yet
+        # The live workers the last survival check saw (kept across a coordinator's rebuild, whose first
+        # check re-admits them): the run's, read when a view asks silent members for a handshake.
+        self._members = members
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The live workers the last survival check saw."""
+        return tuple(self._members())
 
     def heard(self, worker: str) -> None:
         """`worker` answered a direct call: a heartbeat."""
-        self.answered_at[worker] = time.monotonic()
+        self._answered_at[worker] = time.monotonic()
+
+    def worker_left(self, worker: str) -> None:
+        """The scheduler said it removed `worker` (its `remove-worker` event)."""
+        self._left.add(worker)
+
+    def has_left(self, worker: str) -> bool:
+        """Whether the scheduler said it removed `worker` since a role was last placed there."""
+        return worker in self._left
 
     def placed_on(self, where: str) -> None:
-        """A role goes to the live static worker `where`: from now on `left` tells whether it left since.
-        A worker the scheduler removed once and that came back at the same address (a paused process
+        """A role goes to the live static worker `where`: from now on `has_left` tells whether it left
+        since. A worker the scheduler removed once and that came back at the same address (a paused process
         that resumed and registered again) stayed in `left`, and a role put there later was taken for
         lost at its first call (the chaos soak: a coordinator rebuilt there failed the job)."""
-        self.left.discard(where)
+        self._left.discard(where)
+
+    def retire_asked(self, workers: Iterable[str]) -> None:
+        """Someone asked to retire `workers`, which the scheduler refused (they hold an actor of this job:
+        a static worker with a role); their roles are handed over at the next look (`StaticRoles`)."""
+        self._retiring.update(workers)
+
+    def retire_requests(self) -> list[str]:
+        """The workers asked to retire whose roles are still to hand over."""
+        return sorted(self._retiring)
+
+    def retire_taken(self, worker: str) -> None:
+        """`worker`'s retire request is carried out now: dropped (a hand-over that raises is not tried
+        again at every check; one that must wait is asked again, `retire_waits`)."""
+        self._retiring.discard(worker)
+
+    def retire_waits(self, worker: str) -> bool:
+        """No standby can relieve the retiring `worker` yet: its request is asked again at the next check.
+        Whether it is the first time it waits (the controller says so once)."""
+        self._retiring.add(worker)
+        first = worker not in self._retire_waiting
+        self._retire_waiting.add(worker)
+        return first
+
+    def handing_over(self, worker: str) -> None:
+        """The retiring `worker`'s roles are being handed over: it waits no more."""
+        self._retire_waiting.discard(worker)
 
     def view(self) -> WorkersView:
         """The workers as the scheduler sees them now (`classify`)."""
@@ -246,27 +294,27 @@ class Workers:
         silent = {
             r["address"]
             for r in static_rows(rows, self.job.static_resource)
-            if unheard(r, now, silent_after, self.answered_at)
+            if unheard(r, now, silent_after, self._answered_at)
         }
-        self.unanswered &= silent
+        self._unanswered &= silent
         # (So is a standby a data server is starting on: one busy warming, whose import starves its event
         # loop for seconds, was taken for gone and the start tried again on it, 10 s lost each time.)
         holders = self.roles.holders()
         # And a compute member: a false loss costs a membership change, and another when it joins again
         # (the chaos soak: members silent to the scheduler for 1.3 to 2 s under load, then back).
-        members = set(self.members)
+        members = set(self._members())
         silent_members = {
             r["address"]
             for r in rows
             if r["address"] in members
             and not is_static_worker(r, self.job.static_resource)
             and r["status"] in ("running", "paused")
-            and unheard(r, now, silent_after, self.answered_at)
+            and unheard(r, now, silent_after, self._answered_at)
         }
-        self.unanswered &= silent | silent_members
-        asked = silent & holders - self.unanswered
+        self._unanswered &= silent | silent_members
+        asked = silent & holders - self._unanswered
         alive = members_answering(self.client, asked, min(SILENT_PROBE_SECONDS, max(silent_after, 0.1)))
-        asked_members = silent_members - self.unanswered
+        asked_members = silent_members - self._unanswered
         answered_members = members_answering(self.client, asked_members, MEMBER_PROBE_SECONDS)
         if answered_members:
             log.info(
@@ -275,11 +323,11 @@ class Workers:
             )  # fmt: skip
         for worker in alive | answered_members:
             self.heard(worker)
-        self.unanswered |= (asked - alive) | (asked_members - answered_members)
+        self._unanswered |= (asked - alive) | (asked_members - answered_members)
         # A worker that has not imported the engine yet is still starting: the import would otherwise
         # happen on its event loop, which would send no heartbeat meanwhile (`cluster.workers.load_engine`).
         loaded = self.engine.loaded_on(
-            running_elastic(rows, self.job.static_resource, silent_after, time.monotonic(), self.answered_at)
+            running_elastic(rows, self.job.static_resource, silent_after, time.monotonic(), self._answered_at)
         )
         return classify(
             rows,
@@ -287,7 +335,7 @@ class Workers:
             static_resource=self.job.static_resource,
             silent_after=silent_after,
             now=time.monotonic(),
-            answered_at=self.answered_at,
+            answered_at=self._answered_at,
             loaded=loaded,
             roles=Roles(
                 list(self.roles.placement), self.roles.coordinator_at, self.mode.coordinator_kept_while_silent
@@ -307,7 +355,7 @@ class Workers:
         """Whether the static worker `worker` is gone, or goes within `grace` seconds."""
         deadline = time.monotonic() + grace
         while True:
-            if worker in self.left or not self.listed(worker, heard=heard):
+            if worker in self._left or not self.listed(worker, heard=heard):
                 return True
             if time.monotonic() >= deadline:
                 return False
