@@ -5,7 +5,10 @@ registers the job id, starts the data servers and the coordinator on static work
 compute loop on every elastic worker (`loops`), drives survival detection from the scheduler's view of the
 workers (`workers`, every `liveness_interval` and at once on a worker event), keeps the static roles
 (`roles`, `promotion`), and at the end collects the parameters, the ledger and the events into a
-`TrainResult` (`result`). It decides nothing about membership itself: the coordinator does.
+`TrainResult` (`result`). It decides when a membership change is checked (held for a starting worker, for
+the rest of a group of joins or losses) and what a lost role becomes (a standby promoted, the coordinator
+rebuilt, a retiring worker's roles handed over): `membership`, pure; what the change does to training
+(a snapshot, a rollback, the step reassigned) the coordinator decides (`survival.survival_check`).
 
 The Prefect flow calls it by phases (`TrainingRun`); users may call `train` directly.
 """
