@@ -71,17 +71,26 @@ class BucketPush:
         self._links: list[ShardLink] = []
         self._outbox: Outbox[Frame] | None = None
         self._step = (-1, -1)  # (generation, step) of the parts being sent
+        self._backup = False  # whether that step's share is a backup of another member's ids
         self._batch = -1
 
     def start(
-        self, links: list[ShardLink], generation: int, step: int, leaves: Mapping[str, torch.Tensor]
+        self,
+        links: list[ShardLink],
+        generation: int,
+        step: int,
+        leaves: Mapping[str, torch.Tensor],
+        backup: bool = False,
     ) -> BucketHooks:
         """Arm the hooks on the step's `leaves` (the parameters gradients are taken of); `links`: the
-        connections to the shards, in shard order."""
+        connections to the shards, in shard order; `backup`: the share trained is a backup of another
+        member's ids, and its parts say so (a shard that asked for that backup takes only those:
+        docs/design/overlapped-step.md, "A straggler reading in place")."""
         self._links = links
         if self._outbox is None:
             self._outbox = Outbox([self._writer(i) for i in range(len(self.plan))], name="bucket-push")
         self._step = (generation, step)
+        self._backup = backup
         return BucketHooks(self.plan, leaves, self._send)
 
     def micro_batch(self, batch_id: int) -> None:
@@ -127,7 +136,7 @@ class BucketPush:
         if run.device.type != "cpu":
             run = run.cpu()  # (a GPU's buckets are copied out on a stream of their own: later)
         generation, step = self._step
-        part = Part(generation, step, self._batch, bucket.index, self.bounds[bucket.shard])
+        part = Part(generation, step, self._batch, bucket.index, self.bounds[bucket.shard], self._backup)
         self._outbox.put(bucket.shard, part.frame([(Entry("part", self._batch, ""), run)]))
 
 

@@ -233,7 +233,7 @@ class MicroBatchTrainer:
         following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
         if self.bucket_pull is not None and self.guards(batches[share[0]][0]):
             following = self.bucket_pull.ask(shards, following)
-        losses, sent = self.compute(role.generation, step, share, shards, state, batches, clock)
+        losses, sent = self.compute(role.generation, step, share, shards, state, batches, clock, backup)
         # (The step's parameters and batches go before the push: a loop on the shard's machine holds its
         # answers' memory until then, `wire/inbox.py`.)
         del state, batches
@@ -277,17 +277,19 @@ class MicroBatchTrainer:
         state: Tensors,
         batches: Batches,
         clock: PhaseClock,
+        backup: bool = False,
     ) -> tuple[dict[int, float], list[list[tuple[Entry, torch.Tensor]]]]:
         """Every micro-batch of `share`, against the pulled `state`: the losses by batch id, and for every
         shard the gradients and buffers its push carries (where gradients leave in parts during backward,
-        `bucket_push.py`, those sent and every part written)."""
+        `bucket_push.py`, those sent, flagged `backup` where the share is one, and every part written)."""
         stats = clock.stats
         params = self.on_device(state)
         buffers = {n: t for n, t in state.items() if n not in params}
         pull = self.bucket_pull
         losses: dict[int, float] = {}
         sent: list[list[tuple[Entry, torch.Tensor]]] = [[] for _ in self.plan]
-        hooks = self.bucket_push.start(shards, generation, step, params) if self.bucket_push else None
+        push = self.bucket_push
+        hooks = push.start(shards, generation, step, params, backup) if push is not None else None
         gate = None
         try:
             if pull is not None and pull.owed:

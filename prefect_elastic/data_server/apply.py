@@ -98,12 +98,20 @@ class SyncApplies:
         if generation == state.generation and step == state.version and not state.applying:
             numel = state.optimizer.numel if state.optimizer is not None else None
             batches = self._schedule.step_batches(step)
-            self._parts.take(generation, step, batches, batch_id, part.bucket, part.bounds, numel, run)
-            # A bucket whole (every micro-batch's part in) is applied now, into the copy loops do not read.
-            copy = self._parts.other_copy(state.optimizer)
-            if copy is not None and self._parts.ready():
-                state.copies.apply_started()  # (the other copy, which held the version before, is written)
-                self._parts.apply_whole(copy, state.apply_inline)
+            # A member's own part of an id this shard asked a backup of is held aside, as its seal is
+            # (`OpenStep.take`): it may have been computed on parameters a peer moved from the backup.
+            aside = not part.backup and batch_id in self._open.wanted
+            bucket, bounds = part.bucket, part.bounds
+            self._parts.take(generation, step, batches, batch_id, bucket, bounds, numel, run, aside)
+            self._apply_whole_buckets()
+
+    def _apply_whole_buckets(self) -> None:
+        """A bucket whole (every micro-batch's part in) is applied now, into the copy loops do not read."""
+        state = self._state
+        copy = self._parts.other_copy(state.optimizer)
+        if copy is not None and self._parts.ready():
+            state.copies.apply_started()  # (the other copy, which held the version before, is written)
+            self._parts.apply_whole(copy, state.apply_inline)
 
     async def pull(self, generation: int, step: int, wait: float, asker: str | None = None) -> Tensors:
         """A worker asks for the next step's parameters right after pushing this step's gradients; the call
@@ -169,12 +177,18 @@ class SyncApplies:
         return BackupWanted(step, missing)
 
     async def confirm(self, confirm: Confirm) -> None:
-        """A member's copies held aside go in (`OpenStep.confirm`): it pushed them to every shard before
-        any applied the step. Of another step, or of ids a backup's copy came for: nothing to do."""
+        """A member's copies held aside go in (`OpenStep.confirm`), their parts with them where they came
+        in parts (`OpenBuckets.confirm`): it pushed them to every shard before any applied the step. Of
+        another step, or of ids a backup's copy came for: nothing to do."""
         state = self._state
         state.check(confirm.generation, "confirm")
-        taken = confirm.step == state.version and not state.applying
-        if taken and self._open.confirm(confirm.worker, confirm.batch_ids):
+        if confirm.step != state.version or state.applying:
+            return
+        taken = self._open.confirm(confirm.worker, confirm.batch_ids)
+        if taken:
+            if self._open.bucketed:
+                self._parts.confirm(confirm.generation, confirm.step, taken)
+                self._apply_whole_buckets()
             await self.advance()
 
     async def apply_one(self, apply: Apply, grads: Tensors, buffers: Tensors) -> tuple[str, int]:

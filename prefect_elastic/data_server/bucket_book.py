@@ -9,7 +9,9 @@ as they arrive, and when the step commits (docs/design/overlapped-step.md).
   commits when every id is sealed (its worker's last frame of the step, sent to every shard only after all
   of that worker's buckets of the step left), not when the last bucket is whole: a worker killed between
   its buckets leaves no shard committed, and the window in which a kill leaves shards a version apart is
-  the seals', as it was one frame per shard before.
+  the seals', as it was one frame per shard before. A member's own part of an id the shard asked a
+  backup of is held aside (`take(aside=True)`): it goes into no sum until its member confirms it
+  (`confirm`), and a backup's part of the same id and bucket replaces it.
 - `TwoCopies`: the shard's version, which of its two copies of its parameters and optimizer state the
   loops read, and whether the other still holds the version before (a shard one version ahead of a peer
   steps back); a data server keeps its version in one (`ShardState.copies`).
@@ -31,7 +33,7 @@ from ..errors import FatalError
 from ..messages import StepRecord, Tensors
 from ..wire.signals import RecoverableError, StaleGenerationError
 
-Taken = Literal["held", "folded", "duplicate"]
+Taken = Literal["held", "folded", "duplicate", "aside"]
 
 
 @dataclass
@@ -95,6 +97,8 @@ class BucketBook:
         self._sums = [_BucketSum(out=run) for run in runs]
         self.sealed: dict[int, Seal] = {}
         self.duplicates = 0  # parts and seals of an id that came already (another member's copy of it)
+        # (batch id, bucket) -> a member's own part of an id the shard asked a backup of, in no sum yet.
+        self.aside: dict[tuple[int, int], torch.Tensor] = {}
 
     def _check(self, generation: int, step: int, batch_id: int, what: str) -> None:
         if generation != self.generation:
@@ -104,11 +108,16 @@ class BucketBook:
         if batch_id not in self.ids:
             raise FatalError(f"{what} of batch {batch_id} for step {step} of batch ids {list(self.ids)}")
 
-    def take(self, generation: int, step: int, batch_id: int, bucket: int, part: torch.Tensor) -> Taken:
+    def take(
+        self, generation: int, step: int, batch_id: int, bucket: int, part: torch.Tensor, aside: bool = False
+    ) -> Taken:
         """One micro-batch's gradient of bucket `bucket` (a flat run of its elements). "duplicate": that
         id's part of it came already (a straggler's, whose id another member trained too: the parts are
         the same bits, the first is kept); "folded": it, and any held ids after it, went into the sum;
-        "held": an id before it is missing."""
+        "held": an id before it is missing. `aside`: a member's own part of an id this shard asked a
+        backup of, which may have been computed on parameters a peer moved (docs/design/overlapped-step.md,
+        "A straggler reading in place"): "aside", held out of the sums until `confirm`, or until a
+        backup's part of it (taken without `aside`) replaces it."""
         self._check(generation, step, batch_id, "bucket")
         if not 0 <= bucket < len(self.sizes):
             raise FatalError(f"bucket {bucket} of shard {self.shard}, which has {len(self.sizes)}")
@@ -121,6 +130,13 @@ class BucketBook:
         if batch_id in entry.taken:
             self.duplicates += 1
             return "duplicate"
+        if aside:
+            self.duplicates += (batch_id, bucket) in self.aside
+            # (A copy of its own, as a part held below: its sender's memory is let go of at once.)
+            self.aside[batch_id, bucket] = part.clone() if entry.out is not None else part
+            return "aside"
+        if self.aside.pop((batch_id, bucket), None) is not None:
+            self.duplicates += 1  # (the member's own, held aside, dropped for the backup's)
         entry.taken.add(batch_id)
         entry.held[batch_id] = part
         if self._fold(entry):
@@ -131,6 +147,19 @@ class BucketBook:
             # what it is given, as the pure tests hand it.)
             entry.held[batch_id] = part.clone()
         return "held"
+
+    def confirm(self, batch_ids: Sequence[int]) -> int:
+        """The parts held aside of `batch_ids` go in: their member says every shard took its push of them
+        before applying the step, so nothing it read had moved. Each folds where the ids' order allows, as
+        a part that just came (the sums stay in batch-id order: the same bits). Returns how many did."""
+        wanted = set(batch_ids)
+        taken = 0
+        for key in sorted(k for k in self.aside if k[0] in wanted):
+            batch_id, bucket = key
+            taken += (
+                self.take(self.generation, self.step, batch_id, bucket, self.aside.pop(key)) != "duplicate"
+            )
+        return taken
 
     def _fold(self, entry: _BucketSum) -> int:
         """Sum the held parts that continue the ids' order; the mean once the last is in. The very
@@ -181,8 +210,12 @@ class BucketBook:
         entry.total = None
 
     def missing_parts(self, batch_id: int) -> list[int]:
-        """The buckets of which no part of `batch_id` came."""
-        return [b for b, entry in enumerate(self._sums) if batch_id not in entry.taken]
+        """The buckets of which no part of `batch_id` came (taken, or held aside)."""
+        return [
+            b
+            for b, entry in enumerate(self._sums)
+            if batch_id not in entry.taken and (batch_id, b) not in self.aside
+        ]
 
     def seal(self, generation: int, step: int, batch_id: int, seal: Seal) -> bool:
         """A micro-batch's last frame here: every part of it came before it on the same connection (or
@@ -209,8 +242,9 @@ class BucketBook:
 
     @property
     def parts_held(self) -> int:
-        """Parts held or in a sum not applied yet: what this book keeps in memory, in micro-batch parts."""
-        return sum(len(e.held) + (e.folded if not e.applied else 0) for e in self._sums)
+        """Parts held (or aside) or in a sum not applied yet: what this book keeps in memory, in micro-batch
+        parts."""
+        return len(self.aside) + sum(len(e.held) + (e.folded if not e.applied else 0) for e in self._sums)
 
     def buffers_in_order(self) -> list[Tensors]:
         """Every id's buffers in batch-id order (`ShardBuffers.update` takes them so), once all are in."""
@@ -237,6 +271,7 @@ class BucketBook:
         )
         self._sums = [_BucketSum(out=entry.out) for entry in self._sums]
         self.sealed = {}
+        self.aside = {}
         return undone
 
 

@@ -14,6 +14,10 @@ commit then only applies what is left (the last bucket, usually) and publishes t
 Small shards apply on the event loop; big ones in a thread, one bucket at a time, so the event loop goes
 on reading parts meanwhile.
 
+A member's own part of an id the shard asked a backup of is held aside (`take(aside=True)`, `BucketBook`):
+it may have been computed on parameters a peer applied the step to from that backup, in place. It goes
+into the sums only once its member confirms it (`confirm`); a backup's part (flagged so) replaces it.
+
 Nothing is answered to a part: one of another generation, or of a step the shard applied without it (a
 backup's copy came first), is dropped, and the seal after it on the same connection is refused for the
 same reason. A part that does not fit the shard is a bug of the sender, kept and raised at the next push.
@@ -60,7 +64,7 @@ class OpenBuckets:
         # The sums of every open step, one after the other: a step's parts come only once the step before
         # is applied (they need its parameters), so its gradient is never read after that.
         self._out: torch.Tensor | None = None
-        self.taken = 0  # parts taken into a step's sums (duplicates left out)
+        self.taken = 0  # parts taken into a step's sums (duplicates and parts held aside left out)
         self.dropped = 0  # parts dropped with an open step (a fence, a restore)
         self.undone = 0  # buckets applied into the other copy, then dropped with their open step
         # The other copy of the shard's parameters the buckets are applied into, and the optimizer it
@@ -80,9 +84,11 @@ class OpenBuckets:
         bounds: list[list[int]],
         numel: int | None,
         run: torch.Tensor,
+        aside: bool = False,
     ) -> None:
         """One micro-batch's gradient of one bucket of the open step `step` (its `batch_ids`), for the
-        shard's `numel` parameter elements (None: it holds none)."""
+        shard's `numel` parameter elements (None: it holds none); `aside`: a member's own part of an id the
+        shard asked a backup of, held out of the sums (`BucketBook.take`)."""
         try:
             if numel is None:
                 raise FatalError(f"a gradient in parts for shard {self.shard}, which holds no parameters")
@@ -94,7 +100,7 @@ class OpenBuckets:
                 self._bounds = bounds
             elif bounds != self._bounds:
                 raise FatalError(f"a part of shard {self.shard} with buckets {bounds}, not {self._bounds}")
-            if self.book.take(generation, step, batch_id, bucket, run) != "duplicate":
+            if self.book.take(generation, step, batch_id, bucket, run, aside) in ("held", "folded"):
                 self.taken += 1
         except FatalError as exc:
             self.error = self.error or exc
@@ -102,6 +108,13 @@ class OpenBuckets:
             self.error = self.error or FatalError(
                 f"a part of batch {batch_id} failed at shard {self.shard}: {type(exc).__name__}: {exc}"
             )
+
+    def confirm(self, generation: int, step: int, batch_ids: Sequence[int]) -> None:
+        """The parts held aside of `batch_ids` go into the sums of `step` (their member confirmed them:
+        `SyncApplies.confirm`)."""
+        book = self.book
+        if book is not None and (book.generation, book.step) == (generation, step):
+            self.taken += book.confirm(batch_ids)
 
     def check_sealed(self, generation: int, step: int, batch_ids: Sequence[int]) -> None:
         """A push seals `batch_ids`: every part of each came before it on the same connection (or from

@@ -60,17 +60,18 @@ class OpenStep:
         if backup:
             self.backed_up.add(batch_id)
 
-    def confirm(self, worker: str, batch_ids: list[int]) -> int:
+    def confirm(self, worker: str, batch_ids: list[int]) -> list[int]:
         """`worker` says every shard took its push of `batch_ids` before applying the step (none refused
-        it), so no parameter it read had moved: its copies held aside go in. Returns how many did."""
-        taken = 0
+        it), so no parameter it read had moved: its copies held aside go in. Returns the ids that did
+        (where the step came in parts, theirs held aside go in too: `OpenBuckets.confirm`)."""
+        taken = []
         for batch_id in batch_ids:
             held = self.aside.get(batch_id)
             if held is not None and held[0] == worker and batch_id not in self.grads:
                 del self.aside[batch_id]
                 self.wanted.discard(batch_id)
                 self.take(batch_id, *held)
-                taken += 1
+                taken.append(batch_id)
         return taken
 
     def missing(self, batches: range) -> list[int]:

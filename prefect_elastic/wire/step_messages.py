@@ -140,7 +140,8 @@ class Push(StepMessage):
 @dataclass(frozen=True)
 class Part(StepMessage):
     """One micro-batch's (`batch`) gradient of one bucket (`bucket`) of the shard's flat parameters, sent
-    during backward (sync mode, `overlap_push`); `bounds`: every bucket's range. Quiet: the shard answers
+    during backward (sync mode, `overlap_push`); `bounds`: every bucket's range; `backup`: trained for a
+    member that did not push it (`stragglers.py`), as the seal after it says. Quiet: the shard answers
     nothing, and the step's push seals the parts."""
 
     op: ClassVar[str] = "part"
@@ -149,9 +150,13 @@ class Part(StepMessage):
     batch: int
     bucket: int
     bounds: list[list[int]]
+    backup: bool = False
 
     def fields(self) -> dict[str, Any]:
-        return {"quiet": True, **super().fields()}  # (`quiet`: the channel writes and awaits no answer)
+        fields = {"quiet": True, **super().fields()}  # (`quiet`: the channel writes and awaits no answer)
+        if not self.backup:
+            del fields["backup"]  # (a part of a member's own share, nearly every part: no key)
+        return fields
 
     @classmethod
     def of(cls, header: dict[str, Any]) -> Part:
@@ -161,6 +166,7 @@ class Part(StepMessage):
             int(header["batch"]),
             int(header["bucket"]),
             header["bounds"],
+            bool(header.get("backup")),
         )
 
 

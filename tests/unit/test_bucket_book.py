@@ -1,8 +1,8 @@
 """A shard's book of the overlapped step (`bucket_book.py`), without a cluster: bucket parts summed in
 batch-id order whatever order they came in (the same bits as today's whole-step mean), a bucket whole
 before the step commits, the commit only once every id is sealed (a worker killed between its buckets
-leaves no shard committed), duplicate ids dropped, stale generations refused, the copies flipped and
-stepped back."""
+leaves no shard committed), duplicate ids dropped, a member's own part of an id asked a backup of held
+aside, stale generations refused, the copies flipped and stepped back."""
 
 from __future__ import annotations
 
@@ -125,6 +125,37 @@ def test_duplicate_parts_and_seals_are_dropped_and_a_mixed_copy_gives_the_same_b
         shard.seal(3, 3, b, seal())
     assert torch.equal(torch.cat([shard.gradient(k) for k in range(len(SIZES))]), whole_mean(grads))
     assert shard.record(0.0).workers[12] == "b"
+
+
+def test_a_members_own_part_of_an_id_asked_a_backup_of_is_held_aside_until_confirmed_or_replaced() -> None:
+    # The shard asked a backup of 13 and 15: the straggler's own parts of them come (13's computed on
+    # moved parameters, wrong bits), then the backup's of 13; the straggler confirms 15. The sums take the
+    # backup's 13 and the straggler's 15, in batch-id order: the step's mean bit for bit.
+    grads = gradients(2)
+    wrong = {b: bucket_parts(grads[b] * 2.0) if b == 13 else bucket_parts(grads[b]) for b in (13, 15)}
+    shard = book()
+    for b in (12, 14):
+        for k, piece in enumerate(bucket_parts(grads[b])):
+            shard.take(3, 3, b, k, piece)
+    for b in (13, 15):
+        for k, piece in enumerate(wrong[b]):
+            assert shard.take(3, 3, b, k, piece, aside=True) == "aside"
+    assert not any(shard.whole(k) for k in range(len(SIZES))), "in no sum"
+    assert shard.missing_parts(13) == [] and shard.parts_held == 2 * len(SIZES) + 2 * len(SIZES)
+    assert shard.seal(3, 3, 13, seal("straggler")), "its parts came, aside"
+    for k, piece in enumerate(bucket_parts(grads[13])):
+        assert shard.take(3, 3, 13, k, piece) in ("held", "folded"), "the backup's replaces it"
+    assert shard.duplicates == len(SIZES)
+    assert shard.confirm([13]) == 0, "nothing of 13 is aside any more"
+    assert not any(shard.whole(k) for k in range(len(SIZES)))
+    assert shard.confirm([15]) == len(SIZES)
+    assert torch.equal(torch.cat([shard.gradient(k) for k in range(len(SIZES))]), whole_mean(grads))
+    # A backup's part after the member's confirmed one is a duplicate, as any second copy.
+    assert shard.take(3, 3, 15, 0, bucket_parts(grads[15])[0]) == "duplicate"
+    # A fence drops what is aside with the rest.
+    fenced = book()
+    fenced.take(3, 3, 12, 0, bucket_parts(grads[12])[0], aside=True)
+    assert fenced.drop().parts == 1 and fenced.aside == {}
 
 
 def test_stale_generations_other_steps_unknown_ids_and_wrong_sizes_are_refused() -> None:
