@@ -27,7 +27,14 @@ from ..messages import (
 from ..wire import ChannelAddress
 from .actors import START_TRIES
 from .calls import LEAVING_GRACE_SECONDS
-from .recovery import plan_recovery, replica_peer
+from .recovery import (
+    Again,
+    kept_answered,
+    peer_gone_during_start,
+    peer_gone_while_asked,
+    plan_recovery,
+    replica_peer,
+)
 from .signals import CoordinatorLost, StartCancelled, StaticWorkerLeft
 
 if TYPE_CHECKING:
@@ -79,15 +86,14 @@ class Promotions:
         every shard to that snapshot in a new generation (`Coordinator.promote`). Where that would lose a
         shard, the lost data servers are asked first, once (`Calls.answering`): one that answers keeps its
         role. A peer that dies meanwhile takes its replica with it: the plan is made again, with it lost."""
-        ask = True
-        pending = sorted(set(lost))
-        while pending:
-            pending, ask = self.promote_round(pending, ask)
+        again: Again | None = Again(tuple(sorted(set(lost))), True)
+        while again is not None and again.lost:
+            again = self.promote_round(list(again.lost), again.ask)
         self.record.update()
 
-    def promote_round(self, lost: list[int], ask: bool) -> tuple[list[int], bool]:
-        """One round of `promote`: the data servers still to promote after it (a peer died under it), and
-        whether they may still be asked."""
+    def promote_round(self, lost: list[int], ask: bool) -> Again | None:
+        """One round of `promote`: what is left to promote after it (`recovery.Again`: a peer died under it,
+        or some answered and keep their roles), or None."""
         job, roles, prepared = self.job, self.roles, self.prepared
         coordinator, shards = roles.coordinator, roles.shards
         seen, clock = time.time(), time.monotonic()
@@ -102,7 +108,7 @@ class Promotions:
             held = {i: self.replica_held(i, lost, targets[i]) for i in lost}
         except StaticWorkerLeft as gone:
             # A peer died too, after the first loss was seen: its replica is gone with it.
-            return sorted({*lost, *roles.on(gone.worker)}), ask
+            return peer_gone_while_asked(lost, roles.on(gone.worker), ask)
         plan = plan_recovery(
             lost, len(shards), targets, {i: prepared.persistence.shard_start(i, []).version for i in lost},
             held, job.peer_replicas, ask,
@@ -112,12 +118,12 @@ class Promotions:
             i for i in sorted(self.calls.answering(plan.ask_first) if plan.ask_first else ()) if self.keep(i)
         ]
         if kept:
-            return [i for i in lost if i not in kept], False
+            return kept_answered(lost, kept)
         if plan.back_to_checkpoint:
             self.fallback.restore(
                 list(plan.lost), f"data servers {list(plan.unrestorable)} cannot be restored: {plan.why}"
             )
-            return [], False
+            return None
         asked = bool(plan.ask_first)
         for i in plan.lost:
             replica = shards[(i + 1) % len(shards)] if i in plan.from_replica else None
@@ -129,7 +135,7 @@ class Promotions:
                     )
                 except StaticWorkerLeft:
                     # The peer died too (after the first loss was seen): its replica is gone with it.
-                    return sorted({*lost[lost.index(i) :], (i + 1) % len(shards)}), not asked
+                    return peer_gone_during_start(lost, i, len(shards), asked)
                 clock = time.monotonic()
                 try:
                     event = self.promote_on(i, standby, future, shard, channel)
@@ -155,7 +161,7 @@ class Promotions:
                 promotion.promote,
             )  # fmt: skip
             suspended = 0.0
-        return [], False
+        return None
 
     def replica_held(self, index: int, lost: list[int], target: int) -> bool:
         """Whether the peer of data server `index` holds the copy of the snapshot of `target` (one promoted

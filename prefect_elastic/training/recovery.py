@@ -1,8 +1,8 @@
 """How lost data servers come back, as a plan (pure, tested without a cluster:
 tests/unit/test_membership.py): which are started on a standby from the peer's replica, which from the
 state the run started from, which must be asked first (only silent, they keep their role), and whether
-every shard must go back to the checkpoint. `Promotions.promote` makes the plan again whenever a peer or a
-standby dies under it, and carries it out."""
+every shard must go back to the checkpoint. `Promotions.promote` carries it out, and makes it again
+(`Again`: with which data servers, and whether to ask them) when a peer dies under it or some answer."""
 
 from __future__ import annotations
 
@@ -68,3 +68,29 @@ def plan_recovery(
         ask_first=ordered if ask and unrestorable else (),
         why=why,
     )
+
+
+@dataclass(frozen=True)
+class Again:
+    """The plan to make again (`Promotions.promote`'s next round): for `lost`, asking them first if `ask`."""
+
+    lost: tuple[int, ...]
+    ask: bool
+
+
+def peer_gone_while_asked(lost: Collection[int], on_peer: Collection[int], ask: bool) -> Again:
+    """A peer's worker died while it was asked whether it holds a replica (nothing moved yet): every data
+    server it held is lost too; asking stays as it was."""
+    return Again(tuple(sorted({*lost, *on_peer})), ask)
+
+
+def peer_gone_during_start(lost: list[int], index: int, shards: int, asked: bool) -> Again:
+    """The peer of data server `index` died while `index` was started from its replica: `index`, the ones
+    after it in `lost` (those before are promoted already) and the peer are lost; they may be asked again
+    unless this round `asked` them."""
+    return Again(tuple(sorted({*lost[lost.index(index) :], (index + 1) % shards})), not asked)
+
+
+def kept_answered(lost: Collection[int], kept: Collection[int]) -> Again:
+    """Data servers `kept` answered and keep their roles: the rest are promoted without asking again."""
+    return Again(tuple(i for i in lost if i not in kept), False)

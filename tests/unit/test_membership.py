@@ -24,7 +24,14 @@ from prefect_elastic.training.membership import (
     role_changes,
 )
 from prefect_elastic.training.pacing import LOSS_GROUP_SECONDS
-from prefect_elastic.training.recovery import plan_recovery, replica_peer
+from prefect_elastic.training.recovery import (
+    Again,
+    kept_answered,
+    peer_gone_during_start,
+    peer_gone_while_asked,
+    plan_recovery,
+    replica_peer,
+)
 
 LIVENESS = 1.0
 
@@ -177,6 +184,22 @@ def test_a_plan_made_again_when_the_peer_dies_counts_the_peer_lost() -> None:
     again = plan_recovery([1, 2], 3, {1: 8, 2: 8}, {1: 0, 2: 0}, {2: True}, peer_replicas=True, ask=True)
     assert again.from_replica == (2,) and again.unrestorable == (1,)
     assert "held by data server 2, lost with it" in again.why
+
+
+def test_the_next_round_of_a_promotion_has_the_arguments_of_the_old_recursion() -> None:
+    """What `Promotions.promote` makes its plan again with (before 4de0128 `promote_standbys` called itself
+    with these arguments)."""
+    # The peer's worker (holding 2 and 4) died while asked for its replica: its data servers are lost too,
+    # and asking stays as it was.
+    assert peer_gone_while_asked([3, 1], on_peer=[2, 4], ask=True) == Again((1, 2, 3, 4), True)
+    assert peer_gone_while_asked([1], on_peer=[2], ask=False) == Again((1, 2), False)
+    # 1 was promoted; 3's peer (4) died while 3 started from its replica: 3, those after it and the peer.
+    assert peer_gone_during_start([1, 3, 5], 3, shards=6, asked=False) == Again((3, 4, 5), True)
+    assert peer_gone_during_start([4, 5], 5, shards=6, asked=False) == Again((0, 5), True), "(the ring)"
+    assert peer_gone_during_start([1], 1, shards=3, asked=True).ask is False, "asked this round: not again"
+    # Some answered: they keep their roles, the rest are promoted without asking again.
+    assert kept_answered([0, 1, 2], kept=[1]) == Again((0, 2), False)
+    assert kept_answered([1], kept=[1]) == Again((), False), "nothing left: the round ends"
 
 
 def test_no_standby_waits_then_fails() -> None:
