@@ -1,5 +1,5 @@
 """The controller's view of the workers (`training.workers.classify`): a pure decision from the scheduler's
-rows, tested without a cluster."""
+rows, tested without a cluster; and what the static workers' watch (`Workers`) is told and says back."""
 
 from __future__ import annotations
 
@@ -75,3 +75,26 @@ def test_workers_a_cluster_started_but_the_scheduler_does_not_list_yet_are_pendi
     rows = [row("e1"), row("s1", static=True)]
     assert view(rows, Roles(["s1"], "s1"), requested={"e1", "e2", "e3"}).pending == 2
     assert view(rows, Roles(["s1"], "s1"), graceful=["gone"]).graceful == {"gone"}
+
+
+def test_the_static_workers_watch_is_told_what_happened_and_says_it_back() -> None:
+    """`Workers`' own state (no view read here): who left, and the retire requests with their waits."""
+    from prefect_elastic.training.role_table import RoleTable
+    from prefect_elastic.training.workers import Workers
+
+    members = ("a", "b")
+    watch = Workers(None, None, None, RoleTable(), None, None, lambda: members)  # type: ignore[arg-type]
+    assert watch.members == ("a", "b"), "the membership's, not a copy"
+    watch.worker_left("s3")
+    assert watch.has_left("s3")
+    watch.placed_on("s3")
+    assert not watch.has_left("s3"), "a role placed there again: its next leave counts"
+    watch.retire_asked(["s2", "s1"])
+    assert watch.retire_requests() == ["s1", "s2"]
+    watch.retire_taken("s1")
+    assert watch.retire_requests() == ["s2"], "taken before its hand-over: not tried again if it raises"
+    assert watch.retire_waits("s1") and not watch.retire_waits("s1"), "said once while it waits"
+    assert watch.retire_requests() == ["s1", "s2"], "asked again at the next check"
+    watch.retire_taken("s1")
+    watch.handing_over("s1")
+    assert watch.retire_waits("s1"), "a new wait after a hand-over began is said again"
