@@ -4,7 +4,7 @@
     +-- FatalError                the job stops; the controller raises it with a message a user can act on
     |   +-- TrainingFailedError   the model raised, or the loss was not finite (names step and batch)
     |   +-- NotEnoughWorkersError fewer than min_workers for longer than min_workers_timeout
-    |   +-- DataServerLostError   a static worker holding a data server or the coordinator died
+    |   +-- DataServerLostError   a static role was lost and nothing can take it over
     |   +-- SchedulerLostError    the Dask scheduler went away; run the job again once one is back
     |   +-- CheckpointMismatchError  the checkpoint belongs to another job or model
     |   +-- CheckpointWriteError  checkpoint writes kept failing; it holds the final parameters
@@ -63,7 +63,8 @@ class NotEnoughWorkersError(FatalError):
 
 
 class DataServerLostError(FatalError):
-    """A data server's static worker died; its shard is gone (standby static workers come later)."""
+    """A static role was lost and nothing can take it over: no static worker left or joined within
+    `min_workers_timeout` to take it, or a shard died with its copy and the job has no checkpoint."""
 
 
 class SchedulerLostError(FatalError):

@@ -79,9 +79,9 @@ TORCH_IMPORTED = "'torch' in __import__('sys').modules"
 @pytest.mark.timeout(120)
 def test_a_worker_answers_until_it_is_frozen_or_killed(cluster: LocalElasticCluster) -> None:
     """What survival detection asks to tell a worker killed with the lost ones from one still there
-    (`survival.wait_for_losses`): a live worker answers a connection; a frozen one does not, nor does a
-    killed one, although the scheduler still lists it for tens of milliseconds. An address that is not
-    one is never counted."""
+    (`training.membership.wait_for_losses`): a live worker answers a connection; a frozen one does not,
+    nor does a killed one, although the scheduler still lists it for tens of milliseconds. An address
+    that is not one is never counted."""
     top_up(cluster, 1)
     name = cluster.add_worker()
     address = str(cluster.address_of(name))

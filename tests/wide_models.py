@@ -1,5 +1,5 @@
 """A model with one layer far over a data server's share (65,536 of its 76,810 elements), for the tests of
-tensors split across data servers (`data_server.plan_pieces`). Gated and paced as `tests.models`' are, so
+tensors split across data servers (`sharding.plan_pieces`). Gated and paced as `tests.models`' are, so
 that tests can hold training and kill a worker mid-run; neither changes a bit of the result."""
 
 from __future__ import annotations

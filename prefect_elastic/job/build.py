@@ -28,7 +28,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 }
 # Optimizers whose update of an element reads that element's gradient and state only (their per-tensor
 # scalars, as Adam's step count, are the same for every element): a tensor split across data servers
-# (`data_server.plan_pieces`) gets the very numbers it gets whole. Not so Adafactor, LAMB, LARS or
+# (`sharding.plan_pieces`) gets the very numbers it gets whole. Not so Adafactor, LAMB, LARS or
 # Shampoo, which read a tensor's norms or its rows' and columns' statistics.
 ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
     {

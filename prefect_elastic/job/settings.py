@@ -121,7 +121,7 @@ class ElasticJob(BaseModel):
     # parameters"). 0 spreads them over every data server.
     min_shard_bytes: int = 16 * 2**20
     # A tensor larger than a data server's share is split across data servers (contiguous ranges of its
-    # elements: `data_server.plan_pieces`), so each data server holding parameters carries about an equal
+    # elements: `sharding.plan_pieces`), so each data server holding parameters carries about an equal
     # part of the bytes and of the optimizer's work. None: split whenever the optimizer updates
     # elementwise (every built-in one does: `job.build.ELEMENTWISE_OPTIMIZERS`); True under another is
     # refused; False keeps every tensor whole. The trained numbers are the same either way.

@@ -1,6 +1,8 @@
 """One run of a job on a connected client (`TrainingRun`), in phases: `start`, `supervise`, `finish`,
-`release`. The run holds the job's state; the objects beside it act on one concern each (`Actors`,
-`Calls`, `Workers`, `ComputeLoops`, `StaticRoles`, `Promotions`, `SchedulerWatch`).
+`release`. The run makes the owners of the controller's state (`RoleTable`, `Workers`, `EngineLoads`,
+`ComputeLoops`, `RecordCopy`, `SchedulerWatch`, and its `MembershipState`) and the objects that act on
+them (`Calls`, `Actors`, `StandbyChoice`, `CheckpointFallback`, `Promotions`, `StaticRoles`), each handed
+the others it needs; its supervision loop carries out the membership decision (`membership.py`).
 """
 
 from __future__ import annotations

@@ -256,7 +256,8 @@ class Workers:
 
     def retire_asked(self, workers: Iterable[str]) -> None:
         """Someone asked to retire `workers`, which the scheduler refused (they hold an actor of this job:
-        a static worker with a role); their roles are handed over at the next look (`StaticRoles`)."""
+        a static worker with a role); their roles are handed over at the next look
+        (`StaticRoles.keep_roles`)."""
         self._retiring.update(workers)
 
     def retire_requests(self) -> list[str]:

@@ -163,7 +163,7 @@ class PeerInbox:
 
     def place(self, parts: Sequence[memoryview], size: int) -> int | None:
         """Copies `parts` (`size` bytes in all) into a free slot, which it marks taken; the slot, or None
-        where the body does not fit, no slot is free, or the outbox was closed (from another thread)."""
+        where the body does not fit, no slot is free, or the mapping was closed (from another thread)."""
         # (The local name keeps the mapping alive while this copies: `close` in another thread cannot
         # unmap it under the copy.)
         array = self._array
@@ -196,10 +196,10 @@ class PeerInbox:
 
 
 class SharedBodies:
-    """One end of a connection: its inboxes (bodies the peer writes for it) and its outbox (the peer's
-    inbox), and the peer's published memory it maps (`published.py`; `maps`: a loop's end). `peer`: the
-    pid at the other end of a Unix socket (`peer_pid`); 0 turns it all off (TCP, a peer in another pid
-    namespace)."""
+    """One end of a connection: its inboxes (bodies the peer writes for it), the peer's inbox it writes
+    into (`outbox`, a `PeerInbox`), and the peer's published memory it maps (`published.py`; `maps`: a
+    loop's end). `peer`: the pid at the other end of a Unix socket (`peer_pid`); 0 turns it all off (TCP,
+    a peer in another pid namespace)."""
 
     def __init__(self, peer: int = 0, counts: dict[str, int] | None = None, maps: bool = True) -> None:
         self.peer = peer
