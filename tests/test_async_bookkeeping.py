@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 
 from prefect_elastic.coordinator import AsyncLeases, CoordinatorSpec, CoordinatorState, rebuild_applied_from
+from prefect_elastic.coordinator.survival import survival_check
 from prefect_elastic.errors import FatalError
 from prefect_elastic.messages import EventKind, Journal, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
-from prefect_elastic.survival import survival_check
 
 # 2 data servers of 64 samples, batches of 8: 16 batch ids, each a step of its own in async mode.
 SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=1, epochs=1, seed=0)

@@ -39,7 +39,6 @@ from ..messages import (
     ShardStatus,
     direct,
 )
-from ..survival import Action, Decision, spare_what_lost_nothing, survival_check
 from ..wire import ChannelAddress
 from .commit_book import SnapshotAt, SnapshotWhereFenced
 from .pacing import STEADY_SYNC_SECONDS, SYNC_SECONDS
@@ -47,6 +46,7 @@ from .role_moves import RoleMoves
 from .shard_calls import ShardUnreachable, fence
 from .spec import CoordinatorSpec
 from .state import CoordinatorState
+from .survival import Action, Decision, spare_what_lost_nothing, survival_check
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ from dataclasses import replace
 from ..errors import DataServerLostError
 from ..ledger import Ledger
 from ..messages import EventKind, Journal, MembershipEvent, Resume, ShardStatus, StepRecord
-from ..survival import Action, Decision
 from .commit_book import (
     Promoted,
     PromotionPlan,
@@ -26,6 +25,7 @@ from .commit_book import (
 )
 from .rebuild import rebuild_applied_from, rebuild_at_one_version
 from .record import Commit, CoordinatorRecord
+from .survival import Action, Decision
 
 
 class AsyncLeases:

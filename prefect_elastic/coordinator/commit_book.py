@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..messages import EventKind, Journal, MembershipEvent, Resume, ShardStatus
-from ..survival import Decision
 from .record import Commit, CoordinatorRecord
+from .survival import Decision
 
 
 @dataclass(frozen=True)

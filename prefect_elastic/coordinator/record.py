@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from ..ledger import Ledger
 from ..messages import EventKind, Journal, MembershipEvent, Resume, Role, ShardStatus
 from ..schedule import Schedule
-from ..survival import Decision, Policy, SurvivalState
 from ..wire import ChannelAddress
+from .survival import Decision, Policy, SurvivalState
 
 if TYPE_CHECKING:  # (the spec names the commit books, which keep this record)
     from .spec import CoordinatorSpec

@@ -19,10 +19,10 @@ from typing import Any
 
 from ..errors import FatalError
 from ..messages import MembershipEvent, ShardStatus, direct
-from ..survival import Action, survival_check
 from ..wire import ChannelAddress
 from .commit_book import SnapshotWhereFenced
 from .shard_calls import ShardCalls, ShardUnreachable, actor_key
+from .survival import Action, survival_check
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from typing import Any
 from ..dask_failures import actor_unreachable
 from ..errors import FatalError
 from ..messages import EventKind, MembershipEvent, ShardStatus
-from ..survival import Decision
 from ..wire.signals import RecoverableError
 from .commit_book import Reconciliation
 from .record import Failure
 from .state import CoordinatorState
+from .survival import Decision
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..schedule import Schedule
-from ..survival import Policy
 from .commit_book import CommitBook
+from .survival import Policy
 from .sync_commits import SyncCommits
 
 

@@ -17,7 +17,6 @@ from collections.abc import Iterable
 
 from ..errors import FatalError
 from ..messages import EventKind, Journal, MembershipEvent, Progress, Resume, ShardStatus
-from ..survival import Action, Decision
 from ..wire import ChannelAddress
 from .commit_book import (
     CommitBook,
@@ -31,6 +30,7 @@ from .exclusion import Exclusions
 from .rebuild import check_shards
 from .record import CoordinatorRecord
 from .spec import CoordinatorSpec
+from .survival import Action, Decision
 
 
 class CoordinatorState(CoordinatorRecord):

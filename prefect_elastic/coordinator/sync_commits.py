@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from ..errors import FatalError
 from ..messages import EventKind, Journal, MembershipEvent, Resume, ShardStatus, StepRecord
-from ..survival import Action, Decision
 from .commit_book import (
     Promoted,
     PromotionPlan,
@@ -25,6 +24,7 @@ from .commit_book import (
 from .pacing import read_interval
 from .rebuild import rebuild_at_one_version
 from .record import Commit, CoordinatorRecord
+from .survival import Action, Decision
 
 
 class SyncCommits:

@@ -32,6 +32,7 @@ from ..cluster import (
 )
 from ..compute.bucket_push import OVERLAP_MIN_BYTES, cores_short, cores_wanted
 from ..coordinator import STEADY_SYNC_SECONDS, SYNC_SECONDS, Coordinator, CoordinatorSpec
+from ..coordinator.survival import Policy
 from ..data_server import DataServer, Piece, plan_pieces
 from ..errors import (
     DataServerLostError,
@@ -41,7 +42,6 @@ from ..messages import (
     Resume,
 )
 from ..registry import claim_job
-from ..survival import Policy
 from .calls import LEAVING_GRACE_SECONDS, WATCH_WHILE_CALLING_SECONDS, controller_handle
 from .pacing import PROGRESS_POLL_IDLE_SECONDS
 from .signals import StaticWorkerLeft

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from prefect_elastic.coordinator import Exclusions, Failure
+from prefect_elastic.coordinator.survival import Action, survival_check
 from prefect_elastic.errors import FatalError
 from prefect_elastic.messages import EventKind
-from prefect_elastic.survival import Action, survival_check
 
 from .test_coordinator_state import admit, new_state, snapshot_at_two
 

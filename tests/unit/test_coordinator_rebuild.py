@@ -10,10 +10,10 @@ import math
 import pytest
 
 from prefect_elastic.coordinator import CoordinatorSpec, CoordinatorState
+from prefect_elastic.coordinator.survival import survival_check
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.messages import EventKind, Journal, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
-from prefect_elastic.survival import survival_check
 
 # 2 data servers of 64 samples, batches of 8, 4 micro-batches a step: 4 steps an epoch, 12 in all.
 SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=4, epochs=3, seed=0)

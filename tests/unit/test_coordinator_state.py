@@ -21,10 +21,10 @@ from prefect_elastic.coordinator import (
     SyncCommits,
     read_interval,
 )
+from prefect_elastic.coordinator.survival import Action, survival_check
 from prefect_elastic.errors import FatalError
 from prefect_elastic.messages import EventKind, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
-from prefect_elastic.survival import Action, survival_check
 
 # 2 data servers of 64 samples, batches of 8, 4 micro-batches a step: 16 batches, 4 steps an epoch.
 SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=4, epochs=1, seed=0)

@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 from prefect_elastic.coordinator.actor import finishes_the_step_in_flight
-from prefect_elastic.survival import Decision, Policy, SurvivalState, spare_what_lost_nothing, survival_check
+from prefect_elastic.coordinator.survival import (
+    Decision,
+    Policy,
+    SurvivalState,
+    spare_what_lost_nothing,
+    survival_check,
+)
 
 
 def decide(before: set[str], live: set[str], policy: Policy = "reassign") -> Decision:

@@ -6,7 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from prefect_elastic.survival import Action, Decision, SurvivalState, spare_what_lost_nothing, survival_check
+from prefect_elastic.coordinator.survival import (
+    Action,
+    Decision,
+    SurvivalState,
+    spare_what_lost_nothing,
+    survival_check,
+)
 
 
 def state(**overrides: object) -> SurvivalState:
