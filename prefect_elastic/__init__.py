@@ -64,6 +64,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name in (
+        "RecoverableError",
+        "StaleGenerationError",
+    ):  # (once public: `errors.py` says where they went)
+        return getattr(importlib.import_module(".errors", __name__), name)
     module = _WHERE.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

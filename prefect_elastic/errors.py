@@ -19,6 +19,7 @@ data server ends a compute loop at once (it is never retried).
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (types only: checkpoint/ imports this module, and errors cross torch-less processes)
@@ -122,3 +123,27 @@ class CheckpointWriteError(FatalError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.checkpoint, self.final, self.state_dict, self.step))
+
+
+# The step path's signals lived here until they became a family of their own (`wire/signals.py`). Code
+# that names them here still finds them, with a warning: `train()` never raises one, so a user's `except`
+# of one never runs.
+MOVED_TO_THE_STEP_PATH = frozenset(
+    {"RecoverableError", "StaleGenerationError", "StepPassed", "BackupWanted", "ModelFailure"}
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in MOVED_TO_THE_STEP_PATH:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(
+        f"{name} is no longer a public error: it is an internal signal of the step path "
+        f"(prefect_elastic.wire.signals.{name}), which train() and the flow never raise; catch ElasticError "
+        "or FatalError instead",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    from .wire.signals import BackupWanted, ModelFailure, RecoverableError, StaleGenerationError, StepPassed
+
+    moved = (BackupWanted, ModelFailure, RecoverableError, StaleGenerationError, StepPassed)
+    return next(signal for signal in moved if signal.__name__ == name)

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import prefect_elastic
 from prefect_elastic import errors
 from prefect_elastic.errors import DataServerLostError, ElasticError, FatalError, SchedulerLostError
 from prefect_elastic.training import TrainingRun
@@ -149,3 +150,18 @@ def test_dasks_failures_are_told_apart_by_dask_failures_alone() -> None:
     assert not actor_unreachable(ConnectionResetError("Unable to contact Actor's worker")), (
         "a subclass is a call's"
     )
+
+
+@pytest.mark.parametrize("name", sorted(errors.MOVED_TO_THE_STEP_PATH))
+def test_a_step_signal_named_where_it_was_public_is_found_with_a_warning(name: str) -> None:
+    """Code written when the step path's signals were public errors still imports them, and is told that
+    they are internal now (nothing a user catches)."""
+    with pytest.warns(DeprecationWarning, match="no longer a public error"):
+        found = getattr(errors, name)
+    assert found is getattr(step_signals, name) and not issubclass(found, errors.ElasticError)
+    if name in ("RecoverableError", "StaleGenerationError"):
+        with pytest.warns(DeprecationWarning):
+            assert getattr(prefect_elastic, name) is found
+        assert name not in prefect_elastic.__all__
+    with pytest.raises(AttributeError):
+        errors.NoSuchError  # noqa: B018
