@@ -1,8 +1,8 @@
 """One run of a job on a connected client (`TrainingRun`), in phases: `start`, `supervise`, `finish`,
 `release`. The run makes the owners of the controller's state (`RoleTable`, `Workers`, `EngineLoads`,
 `ComputeLoops`, `RecordCopy`, `SchedulerWatch`, and its `MembershipState`) and the objects that act on
-them (`Calls`, `Actors`, `StandbyChoice`, `CheckpointFallback`, `Promotions`, `StaticRoles`), each handed
-the others it needs; its supervision loop carries out the membership decision (`membership.py`).
+them (`Calls`, `Actors`, `StandbyChoice`, `CheckpointFallback`, `Promotions`, `StaticRoles`, `Ending`),
+each handed the others it needs; its supervision loop carries out the membership decision (`membership.py`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from ..messages import (
     Progress,
 )
 from ..registry import publish_progress, release_job
-from . import ending
 from .actors import Actors
 from .calls import Calls
+from .ending import Ending
 from .engine import EngineLoads
 from .fallback import CheckpointFallback
 from .loops import ComputeLoops
@@ -177,6 +177,9 @@ class TrainingRun:
             self.promotion, fallback, self.compute, self.record, self._check_soon,
         )  # fmt: skip
         self.scheduler = SchedulerWatch(client, self.job)
+        self.ending = Ending(
+            self.job, self.schedule, self.role_table, self.calls, self.persistence, self.compute
+        )
 
     @public_errors
     def start(self) -> None:
@@ -250,13 +253,13 @@ class TrainingRun:
         return step
 
     def unexpected(self, exc: BaseException) -> FatalError:
-        """The public error for a failure no other error names (`ending.unexpected`)."""
-        return ending.unexpected(self, exc)
+        """The public error for a failure no other error names (`Ending.unexpected`)."""
+        return self.ending.unexpected(exc, self.committed_seen)
 
     @public_errors
     def finish(self, progress: Progress) -> TrainResult:
         """Write the last checkpoint and collect the result; raise what ended a failed or stopped run."""
-        return ending.finish(self, progress)
+        return self.ending.finish(progress, stopping=self.stopping, started=self.started)
 
     def _on_scheduler_event(self, event: Any) -> None:
         msg = event[1] if isinstance(event, tuple) else event

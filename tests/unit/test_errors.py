@@ -14,6 +14,7 @@ import prefect_elastic
 from prefect_elastic import errors
 from prefect_elastic.errors import DataServerLostError, ElasticError, FatalError, SchedulerLostError
 from prefect_elastic.training import TrainingRun
+from prefect_elastic.training.ending import Ending
 from prefect_elastic.training.scheduler import SchedulerWatch
 from prefect_elastic.training.signals import (
     CoordinatorLost,
@@ -102,6 +103,9 @@ def a_run(status: str = "running") -> TrainingRun:
     run.schedule = SimpleNamespace(total_steps=10)  # type: ignore[assignment]
     run.persistence = SimpleNamespace(last_written="/ckpt/step-2")  # type: ignore[assignment]
     run.scheduler = SchedulerWatch(run.client, run.job)
+    # (How the run ends reads the job, its schedule and the checkpoint store here; no call is made.)
+    unused = SimpleNamespace()
+    run.ending = Ending(run.job, run.schedule, unused, unused, run.persistence, unused)  # type: ignore[arg-type]
     return run
 
 
