@@ -197,7 +197,7 @@ class PeerInbox:
 
 class SharedBodies:
     """One end of a connection: its inboxes (bodies the peer writes for it), the peer's inbox it writes
-    into (`outbox`, a `PeerInbox`), and the peer's published memory it maps (`published.py`; `maps`: a
+    into (`peer_inbox`, a `PeerInbox`), and the peer's published memory it maps (`published.py`; `maps`: a
     loop's end). `peer`: the pid at the other end of a Unix socket (`peer_pid`); 0 turns it all off (TCP,
     a peer in another pid namespace)."""
 
@@ -207,7 +207,7 @@ class SharedBodies:
         # This end's inboxes, the newest last. An older one stays until the peer writes into a newer
         # one: it may have written into the old before it heard of the new.
         self._inboxes: list[Inbox] = []
-        self.outbox: PeerInbox | None = None
+        self.peer_inbox: PeerInbox | None = None
         self._advertise = False
         # Bodies received, by the way they came (a server's connections share one count), and
         # `referenced`: tensors sent as a reference to published memory, once there was one.
@@ -239,10 +239,10 @@ class SharedBodies:
         if self._advertise and self.inbox is not None:
             fields["inbox"] = self.inbox.advert()
             self._advertise = False
-        if self.outbox is not None and size >= MIN_BYTES:
-            slot = self.outbox.place(parts, size)
+        if self.peer_inbox is not None and size >= MIN_BYTES:
+            slot = self.peer_inbox.place(parts, size)
             if slot is not None:
-                fields["slot"] = [self.outbox.key, slot]
+                fields["slot"] = [self.peer_inbox.key, slot]
         return fields
 
     def incoming(self, header: dict[str, Any], size: int) -> np.ndarray | None:
@@ -251,7 +251,7 @@ class SharedBodies:
         self._published(header)
         advert = header.pop("inbox", None)
         if advert is not None and self.enabled:
-            old, self.outbox = self.outbox, PeerInbox.open(advert, self.peer)
+            old, self.peer_inbox = self.peer_inbox, PeerInbox.open(advert, self.peer)
             if old is not None:
                 old.close()
         slot = header.pop("slot", None)
@@ -331,12 +331,12 @@ class SharedBodies:
         self._advertise = True
 
     def close(self) -> None:
-        """Lets go of the inboxes and the outbox; any number of times, from any thread (a loop's connection
-        may be closed by its exchange thread and its main thread at once)."""
+        """Lets go of the inboxes and the peer's inbox; any number of times, from any thread (a loop's
+        connection may be closed by its exchange thread and its main thread at once)."""
         self._mapped = {}
         inboxes, self._inboxes = self._inboxes, []
-        outbox, self.outbox = self.outbox, None
+        peer_inbox, self.peer_inbox = self.peer_inbox, None
         for inbox in inboxes:
             inbox.close()
-        if outbox is not None:
-            outbox.close()
+        if peer_inbox is not None:
+            peer_inbox.close()

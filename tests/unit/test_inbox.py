@@ -191,11 +191,11 @@ def test_an_advert_is_taken_only_for_the_peers_own_sealed_inbox(tmp_path: Path) 
         finally:
             os.close(unsealed)
         assert victim.read_bytes()[16:] == bytes(_HEADER_AND_SLOTS)[16:]
-        outbox = PeerInbox.open(box.advert(), me)
-        assert outbox is not None
+        peer_inbox = PeerInbox.open(box.advert(), me)
+        assert peer_inbox is not None
         too_big = memoryview(bytes((1 << 20) + 1))
-        assert outbox.place([too_big], too_big.nbytes) is None
-        outbox.close()
+        assert peer_inbox.place([too_big], too_big.nbytes) is None
+        peer_inbox.close()
     finally:
         box.close()
         other.close()
@@ -228,7 +228,7 @@ def test_a_loop_over_tcp_never_makes_an_inbox(echo: Served) -> None:
         for i in range(3):
             sent = Frame({"op": f"push {i}"}, body(i))
             assert same(sent, link.request(sent))
-        assert not link.local and link.shared.inbox is None and link.shared.outbox is None
+        assert not link.local and link.shared.inbox is None and link.shared.peer_inbox is None
         assert echo.server.bodies == {"socket": 3, "shared": 0}
     finally:
         link.close()
@@ -245,27 +245,27 @@ def test_a_small_body_takes_the_socket(echo: Served) -> None:
         link.close()
 
 
-def test_an_outbox_closed_twice_or_under_a_copy_neither_raises_nor_unmaps_the_copy() -> None:
+def test_a_peer_inbox_closed_twice_or_under_a_copy_neither_raises_nor_unmaps_the_copy() -> None:
     """A loop's connection may be closed by its exchange thread and its main thread at once, while one of
     them copies a body into the peer's inbox."""
     box = Inbox(1 << 20)
     try:
-        outbox = PeerInbox.open(box.advert(), os.getpid())
-        assert outbox is not None
-        copying = outbox._array  # what a copy under way in another thread holds
+        peer_inbox = PeerInbox.open(box.advert(), os.getpid())
+        assert peer_inbox is not None
+        copying = peer_inbox._array  # what a copy under way in another thread holds
         assert copying is not None
-        outbox.close()
-        outbox.close()
-        assert not outbox.memory.closed  # still mapped under the copy
+        peer_inbox.close()
+        peer_inbox.close()
+        assert not peer_inbox.memory.closed  # still mapped under the copy
         copying[100] = 7
         assert box.memory[100] == 7
-        assert outbox.place([memoryview(bytes(10))], 10) is None  # closed: the body takes the socket
+        assert peer_inbox.place([memoryview(bytes(10))], 10) is None  # closed: the body takes the socket
         del copying
         bodies = SharedBodies(os.getpid())
         bodies.incoming({"inbox": box.advert()}, 0)
-        assert bodies.outbox is not None
+        assert bodies.peer_inbox is not None
         bodies.close()
         bodies.close()
-        assert bodies.outbox is None
+        assert bodies.peer_inbox is None
     finally:
         box.close()
