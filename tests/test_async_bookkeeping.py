@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from prefect_elastic.coordinator import AsyncLeases, CoordinatorSpec, CoordinatorState, rebuild_applied_from
-from prefect_elastic.coordinator.survival import survival_check
+from prefect_elastic.coordinator.survival import Policy, survival_check
 from prefect_elastic.errors import FatalError
 from prefect_elastic.messages import EventKind, Journal, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
@@ -22,7 +22,7 @@ SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=1, epochs=1, seed=0)
 
 
 def new_state(policy: str = "rollback") -> CoordinatorState:
-    return CoordinatorState(CoordinatorSpec("job", SCHEDULE, 2, policy, 1, 10.0, commits=AsyncLeases))  # type: ignore[arg-type]
+    return CoordinatorState(CoordinatorSpec("job", SCHEDULE, 2, Policy(policy), 1, 10.0, commits=AsyncLeases))
 
 
 def applied(index: int, generation: int, *applies: tuple[int, str, int]) -> ShardStatus:
@@ -327,7 +327,7 @@ def test_async_mode_asks_for_no_snapshot_mid_run() -> None:
 
 
 def test_leases_are_for_async_mode_only() -> None:
-    state = CoordinatorState(CoordinatorSpec("job", SCHEDULE, 2, "rollback", 1, 10.0))
+    state = CoordinatorState(CoordinatorSpec("job", SCHEDULE, 2, Policy.ROLLBACK, 1, 10.0))
     with pytest.raises(FatalError, match="async mode only"):
         state.lease("a", 0, 1)
 

@@ -15,6 +15,7 @@ import pytest
 
 from prefect_elastic import train
 from prefect_elastic.coordinator import Coordinator, CoordinatorSpec
+from prefect_elastic.coordinator.survival import Policy
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.local import slow
 from prefect_elastic.local.cluster import LocalElasticCluster
@@ -376,7 +377,7 @@ def test_a_loss_reported_after_the_standby_took_the_role_is_ignored(digits_url: 
     job = make_job(digits_url, "rollback")
     prepared = prepare(job)
     coordinator = Coordinator(
-        CoordinatorSpec(job.job_id, prepared.schedule, 2, "rollback", 1, 60.0, prepared.mode.commits),
+        CoordinatorSpec(job.job_id, prepared.schedule, 2, Policy.ROLLBACK, 1, 60.0, prepared.mode.commits),
         None,
         5.0,
     )

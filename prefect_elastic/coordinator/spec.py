@@ -1,5 +1,6 @@
 """What one job's coordinator is made with (`CoordinatorSpec`): the controller builds it once from the job,
-its schedule and its mode (`training/actors.py`), and the actor, its state and its record each take it whole.
+its schedule and its mode, when the run is made (`Actors`, training/actors.py), and submits that one at the
+start and at each rebuild; the actor, its state and its record each take it whole.
 """
 
 from __future__ import annotations
@@ -26,6 +27,3 @@ class CoordinatorSpec:
     min_workers_timeout: float
     commits: type[CommitBook] = SyncCommits
     snapshot_every: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", Policy(self.policy))  # (named by the job's setting's string)

@@ -88,6 +88,16 @@ class Actors:
         self.engine = engine
         self.calls = calls
         self.registered = False
+        job = self.job
+        # The coordinator's spec, made once (the job's policy named by its setting's string turned into a
+        # `Policy` here): the start and every rebuild submit this one.
+        self.coordinator_spec = CoordinatorSpec(
+            job.job_id, prepared.schedule, job.data_servers, Policy(job.on_membership_change),
+            job.min_workers, job.min_workers_timeout, self.mode.commits,
+            self.mode.snapshot_every_checks(
+                job.checkpoint_every, bool(job.checkpoint), job.peer_replicas and job.data_servers > 1
+            ),
+        )  # fmt: skip
 
     def register(self) -> None:
         # Roles register under the job id: a second live controller of the same job would
@@ -273,15 +283,8 @@ class Actors:
     def submit_coordinator(self, where: str, resume: Resume | None) -> Future:
         job = self.job
         self.workers.placed_on(where)
-        spec = CoordinatorSpec(
-            job.job_id, self.prepared.schedule, job.data_servers, Policy(job.on_membership_change),
-            job.min_workers, job.min_workers_timeout, self.mode.commits,
-            self.mode.snapshot_every_checks(
-                job.checkpoint_every, bool(job.checkpoint), job.peer_replicas and job.data_servers > 1
-            ),
-        )  # fmt: skip
         return self.client.submit(
-            Coordinator, spec, resume, job.call_timeout, self.steady_sync(),
+            Coordinator, self.coordinator_spec, resume, job.call_timeout, self.steady_sync(),
             actor=True, workers=[where], allow_other_workers=False, pure=False,
             key=f"prefect-elastic-{job.job_id}-{self.run_id}-coordinator-{uuid.uuid4().hex[:6]}",
         )  # fmt: skip

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from prefect_elastic.coordinator import CoordinatorSpec, CoordinatorState
-from prefect_elastic.coordinator.survival import survival_check
+from prefect_elastic.coordinator.survival import Policy, survival_check
 from prefect_elastic.errors import DataServerLostError
 from prefect_elastic.messages import EventKind, Journal, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
@@ -20,7 +20,7 @@ SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=4, epochs=3, seed=0)
 
 
 def new_state(shards: int = 2) -> CoordinatorState:
-    return CoordinatorState(CoordinatorSpec("job", SCHEDULE, shards, "reassign", 1, 10.0))
+    return CoordinatorState(CoordinatorSpec("job", SCHEDULE, shards, Policy.REASSIGN, 1, 10.0))
 
 
 def record(step: int, generation: int = 1) -> StepRecord:

@@ -21,7 +21,7 @@ from prefect_elastic.coordinator import (
     SyncCommits,
     read_interval,
 )
-from prefect_elastic.coordinator.survival import Action, survival_check
+from prefect_elastic.coordinator.survival import Action, Policy, survival_check
 from prefect_elastic.errors import FatalError
 from prefect_elastic.messages import EventKind, ShardStatus, SnapshotInfo, StepRecord
 from prefect_elastic.schedule import Schedule
@@ -31,7 +31,7 @@ SCHEDULE = Schedule((64, 64), batch_size=8, micro_batches=4, epochs=1, seed=0)
 
 
 def new_state(policy: str = "reassign", shards: int = 2) -> CoordinatorState:
-    return CoordinatorState(CoordinatorSpec("job", SCHEDULE, shards, policy, 1, 10.0))  # type: ignore[arg-type]
+    return CoordinatorState(CoordinatorSpec("job", SCHEDULE, shards, Policy(policy), 1, 10.0))
 
 
 def record(step: int, generation: int = 1, worker: str = "a") -> StepRecord:
@@ -317,7 +317,7 @@ def test_the_shards_are_read_less_often_in_a_sync_jobs_steady_state_and_often_ne
             )
             state.absorb(ShardStatus(index, state.generation, version, records, (), 0, 0))
 
-    state = CoordinatorState(CoordinatorSpec("job", schedule, 2, "reassign", 1, 10.0))
+    state = CoordinatorState(CoordinatorSpec("job", schedule, 2, Policy.REASSIGN, 1, 10.0))
     admit(state, {"a"})
     assert state.sync_interval(0.05, 0.25) == 0.05, "the pace is not known yet"
     applied(state, 40)
@@ -327,7 +327,7 @@ def test_the_shards_are_read_less_often_in_a_sync_jobs_steady_state_and_often_ne
     applied(state, 100)
     assert state.finished and state.sync_interval(0.05, 0.25) == 0.05
     asynchronous = CoordinatorState(
-        CoordinatorSpec("job", schedule, 2, "reassign", 1, 10.0, commits=AsyncLeases)
+        CoordinatorSpec("job", schedule, 2, Policy.REASSIGN, 1, 10.0, commits=AsyncLeases)
     )
     assert asynchronous.sync_interval(0.05, 0.25) == 0.05
 
@@ -345,7 +345,7 @@ def test_the_end_stops_every_loop() -> None:
 
 
 def test_below_min_workers_nothing_is_handed_out() -> None:
-    state = CoordinatorState(CoordinatorSpec("job", SCHEDULE, 2, "reassign", 2, 10.0))
+    state = CoordinatorState(CoordinatorSpec("job", SCHEDULE, 2, Policy.REASSIGN, 2, 10.0))
     decision = survival_check(state.survival_state(), {"a"}, now=1.0)
     fenced = [status(0, 0, 1), status(1, 0, 1)]
     state.change_membership(decision, state.reconcile(decision, fenced), fenced, "t", now=1.0, began=1.0)
@@ -385,7 +385,7 @@ def test_a_shard_keeps_only_the_records_of_steps_the_controllers_copy_may_lack()
     assert state.records_kept_from() == 2, "the copy says 3 steps, of which 2 still stand"
     assert (
         CoordinatorState(
-            CoordinatorSpec("job", SCHEDULE, 2, "reassign", 1, 10.0, commits=AsyncLeases)
+            CoordinatorSpec("job", SCHEDULE, 2, Policy.REASSIGN, 1, 10.0, commits=AsyncLeases)
         ).records_kept_from()
         == 0
     )
@@ -396,7 +396,7 @@ def test_a_shard_keeps_only_the_records_of_steps_the_controllers_copy_may_lack()
 
 def test_the_actor_keeps_the_commit_book_it_is_given() -> None:
     for given, book in ((AsyncLeases, AsyncLeases), (SyncCommits, SyncCommits)):
-        actor = Coordinator(CoordinatorSpec("job", SCHEDULE, 2, "reassign", 1, 10.0, given), None, 5.0)
+        actor = Coordinator(CoordinatorSpec("job", SCHEDULE, 2, Policy.REASSIGN, 1, 10.0, given), None, 5.0)
         assert type(actor._state.commits) is book
         assert actor._state.progress().mode == book.mode
 
@@ -415,7 +415,7 @@ def test_sync_commits_snapshot_one_version_at_a_check_and_the_committed_step_whe
 
 def test_async_leases_snapshot_where_each_shard_stands_every_few_checks_that_saw_progress() -> None:
     state = CoordinatorState(
-        CoordinatorSpec("job", SCHEDULE, 2, "reassign", 1, 10.0, commits=AsyncLeases, snapshot_every=2)
+        CoordinatorSpec("job", SCHEDULE, 2, Policy.REASSIGN, 1, 10.0, commits=AsyncLeases, snapshot_every=2)
     )
     admit(state, {"a"})
     assert state.want_snapshot(progressed=True) is None, "no one version to snapshot mid-run"
@@ -428,7 +428,7 @@ def test_async_leases_snapshot_where_each_shard_stands_every_few_checks_that_saw
     assert state.rebuild_applied_from(state.journal(0, 0)) == 0
     assert (
         CoordinatorState(
-            CoordinatorSpec("job", SCHEDULE, 2, "reassign", 1, 10.0, commits=AsyncLeases)
+            CoordinatorSpec("job", SCHEDULE, 2, Policy.REASSIGN, 1, 10.0, commits=AsyncLeases)
         ).snapshot_plan(progressed=True)
         is None
     ), "without checkpoints: only when the run stops or ends"
