@@ -22,6 +22,9 @@ from prefect_elastic.training.membership import (
     looked,
     retire,
     role_changes,
+    wait_for_group,
+    wait_for_losses,
+    wait_for_start,
 )
 from prefect_elastic.training.pacing import LOSS_GROUP_SECONDS
 from prefect_elastic.training.recovery import (
@@ -208,3 +211,33 @@ def test_no_standby_waits_then_fails() -> None:
     assert isinstance(retire("s1", ["s1"], "s1", free=()), HoldRetire)
     state = replace(members("a"), next_check=0.0)
     assert check_due(state, 1.0, triggered=False)
+
+
+def test_joins_wait_for_the_rest_of_their_group_but_a_loss_never_waits() -> None:
+    assert wait_for_group({"a"}, {"a", "b"}, pending=3, waited=0.2, limit=1.0), "3 more on their way"
+    assert not wait_for_group({"a"}, {"a", "b"}, pending=0, waited=0.0, limit=1.0), "the group is complete"
+    assert not wait_for_group({"a"}, {"a", "b"}, pending=3, waited=1.0, limit=1.0), "waited a whole interval"
+    assert not wait_for_group({"a", "b"}, {"a", "c"}, pending=3, waited=0.0, limit=1.0), "b was lost"
+    assert not wait_for_group({"a", "b"}, {"a"}, pending=3, waited=0.0, limit=1.0)
+    assert not wait_for_group({"a"}, {"a"}, pending=3, waited=0.0, limit=1.0), "no change"
+
+
+def test_losses_wait_a_moment_for_the_rest_of_their_group() -> None:
+    assert wait_for_losses({"a", "b", "c"}, {"a"}, waited=0.01, window=0.05), "more may be on their way out"
+    assert not wait_for_losses({"a", "b", "c"}, {"a"}, waited=0.05, window=0.05), "the window is over"
+    assert not wait_for_losses({"a"}, {"a", "b"}, waited=0.0, window=0.05), "joins are not losses"
+    assert wait_for_losses({"a", "b"}, {"a", "c"}, waited=0.0, window=0.05), "a loss beside a join"
+    assert not wait_for_losses({"a"}, {"a"}, waited=0.0, window=0.05), "no change"
+    # Members still listed that accept connections are alive: none of them is on its way out.
+    assert not wait_for_losses({"a", "b", "c"}, {"a", "c"}, 0.0, 0.05, answering={"a", "c"}), "only b left"
+    assert wait_for_losses({"a", "b", "c"}, {"a", "c"}, 0.0, 0.05, answering={"a"}), "c may be dying too"
+    assert not wait_for_losses({"a", "b"}, {"a", "c"}, 0.0, 0.05, answering={"a"}), "a join need not answer"
+    assert not wait_for_losses({"a", "b"}, set(), 0.0, 0.05), "every member is gone: no one to wait for"
+
+
+def test_a_check_waits_for_a_worker_that_is_still_starting_only_when_nothing_else_changed() -> None:
+    assert wait_for_start(["a"], ["a"], starting=True, restarts=False), "the joiner is not running yet"
+    assert not wait_for_start(["a"], ["a"], starting=False, restarts=False), "nobody is starting"
+    assert not wait_for_start(["a", "b"], ["a"], starting=True, restarts=False), "b was lost meanwhile"
+    assert not wait_for_start(["a"], ["a", "c"], starting=True, restarts=False), "c is running: admit it"
+    assert not wait_for_start(["a"], ["a"], starting=True, restarts=True), "a's loop starts over"
