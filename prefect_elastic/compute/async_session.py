@@ -42,7 +42,7 @@ from ..allocator import freeze_startup_objects
 from ..messages import CoordinatorHandle, Role, Tensors
 from ..schedule import Schedule
 from ..sharding import join, part
-from ..wire import Apply, Current, Entry, Frame, Pull, ShardLink, Then, raise_error
+from ..wire import Applied, Apply, Current, CurrentState, Entry, Frame, Next, Pull, ShardLink, Then
 from ..wire.signals import StaleGenerationError
 from .stats import LoopStats
 from .trainer import MicroBatchTrainer
@@ -187,7 +187,7 @@ class AsyncSession:
         """On the fetcher's thread: batch id `b`'s inputs and targets, from the shard that holds them."""
         link = self.data[self.schedule.server_of(b)]
         frame = link.request(Pull(generation, Then(None, 0.0, [b])).frame(), self.timeout)
-        raise_error(frame.header.get("next_error") or {})
+        Next.of(frame.header).check()
         xs = {e.batch_id: t for e, t in frame.tensors if e.kind == "x"}
         ys = {e.batch_id: t for e, t in frame.tensors if e.kind == "y"}
         return xs[b], ys[b]
@@ -208,7 +208,7 @@ class AsyncSession:
         for link in self.shards:
             answer = link.receive(self.timeout)
             self.state.append({e.name: t for e, t in answer.tensors})
-            self.versions.append(int(answer.header["version"]))
+            self.versions.append(CurrentState.of(answer.header).version)
         self.stats.add("pull", time.perf_counter() - began)
 
     def _train_one(self) -> None:
@@ -338,15 +338,15 @@ class AsyncSession:
     def _take_answer(self, i: int, answer: Frame) -> None:
         entry = next(p for p in self.pending if i not in p.answered)
         entry.answered.add(i)
-        outcome = answer.header.get("outcome")
-        if outcome == "stale":
+        applied = Applied.of(answer.header)
+        if applied.outcome == "stale":
             entry.stale = True
             self.stats.refused += 1
-        if "version" in answer.header:
+        if applied.version is not None:
             # Fresh parameters replace the candidate (answers come in order: each is newer). The version
             # comes also from a shard that holds no parameters (`plan_shards`): gradients are tagged with it.
             self.state[i] = {e.name: t for e, t in answer.tensors}
-            self.versions[i] = int(answer.header["version"])
+            self.versions[i] = applied.version
         while self.pending and len(self.pending[0].answered) == len(self.shards):
             done = self.pending.popleft()
             if done.stale:

@@ -43,7 +43,7 @@ import torch
 from ..data_server.bucket_plan import Bucket
 from ..errors import FatalError
 from ..sharding import Piece
-from ..wire import Frame, ShardLink, Then
+from ..wire import Frame, Next, ParamsBucket, ShardLink, Then
 from ..wire.codec import _dtype
 from .buckets import Key
 
@@ -93,14 +93,16 @@ class BucketPull:
             for i, ask in enumerate(asks)
         ]
 
-    def expect(self, header: dict[str, Any]) -> torch.Tensor:
+    def expect(self, answer: Next) -> torch.Tensor:
         """An answer whose parameters follow in buckets: the flat tensor they are read into (the step's
         parameters are views of it)."""
-        shard, numel, dtype = int(header["shard"]), int(header["numel"]), _dtype(header["dtype"])
-        if not 0 <= shard < len(self.plan) or int(header["follow"]) != len(self.plan[shard]):
-            raise FatalError(f"data server {shard} answered with {header['follow']} buckets, not its plan's")
+        shard, numel, dtype = answer.shard, answer.numel, answer.dtype
+        if shard is None or numel is None or dtype is None:
+            raise FatalError(f"an answer of buckets that names no shard, size or dtype: {answer}")
+        if not 0 <= shard < len(self.plan) or answer.follow != len(self.plan[shard]):
+            raise FatalError(f"data server {shard} answered with {answer.follow} buckets, not its plan's")
         self._owed.add(shard)
-        return _reused(self._buffers, shard, torch.Size([numel]), dtype)[0]
+        return _reused(self._buffers, shard, torch.Size([numel]), _dtype(dtype))[0]
 
     def joined(
         self, name: str, shape: torch.Size, runs: Sequence[tuple[int, Piece, torch.Tensor]]
@@ -219,7 +221,7 @@ class BucketPull:
 
     @staticmethod
     def _place(frame: Frame, bucket: Bucket, into: np.ndarray) -> None:
-        if frame.header.get("bucket") != bucket.index or len(frame.tensors) != 1:
+        if ParamsBucket.of(frame.header).bucket != bucket.index or len(frame.tensors) != 1:
             raise FatalError(f"bucket {bucket.index} of data server {bucket.shard} expected: {frame.header}")
         run = frame.tensors[0][1]
         if run.numel() != bucket.numel or run.dtype != bucket.dtype:

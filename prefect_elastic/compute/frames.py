@@ -17,7 +17,8 @@ import torch
 from ..errors import FatalError
 from ..messages import Tensors
 from ..sharding import Piece, split_pieces
-from ..wire import Entry, Frame, ShardLink, contiguous_strides, raise_error
+from ..wire import Entry, Frame, Next, ShardLink, contiguous_strides
+from ..wire.signals import BackupWanted
 from .bucket_pull import BucketPull, joined_now
 
 if TYPE_CHECKING:
@@ -55,38 +56,41 @@ class Ahead:
         parts: dict[str, list[tuple[int, Piece, torch.Tensor]]] = {}  # (shard, piece, its run) by name
         xs: dict[int, torch.Tensor] = {}
         ys: dict[int, torch.Tensor] = {}
-        backups = [e for f in self.frames if (e := f.header.get("next_error")) and e["error"] == "backup"]
-        for frame in self.frames:
-            error = frame.header.get("next_error")
-            if error is not None and error["error"] != "backup":
-                raise_error(error)
+        answers = [Next.of(frame.header) for frame in self.frames]
+        failures = [error for answer in answers if (error := answer.failure()) is not None]
+        backups = [error for error in failures if isinstance(error, BackupWanted)]
+        for error in failures:
+            if not isinstance(error, BackupWanted):
+                raise error
         if backups:
             # Every shard that asked for a backup, as one: two may lack different batch ids (a straggler's
             # push reached one of them only).
-            missing = sorted({int(b) for e in backups for b in e["batch_ids"]})
-            raise_error({**backups[0], "batch_ids": missing})
-        for frame in self.frames:
-            split = split_pieces(plan, frame.header.get("shard"))
+            missing = tuple(sorted({b for e in backups for b in e.batch_ids}))
+            raise BackupWanted(backups[0].step, missing)
+        for frame, answer in zip(self.frames, answers, strict=True):
+            split = split_pieces(plan, answer.shard)
             held = {**shapes, **{n: torch.Size([p.numel]) for n, p in split.items()}} if split else shapes
             found: Tensors = {}
-            if frame.header.get("follow"):
+            names = answer.params or []
+            if answer.follow:
                 if pull is None:
                     raise FatalError("an answer's parameters follow in buckets, which this loop did not ask")
-                found.update(unflatten(frame.header["params"], pull.expect(frame.header), held))
+                found.update(unflatten(names, pull.expect(answer), held))
             for entry, tensor in frame.tensors:
                 if entry.kind == "state":
                     found[entry.name] = tensor
                 elif entry.kind == "params":
-                    found.update(unflatten(frame.header["params"], tensor, held))
+                    found.update(unflatten(names, tensor, held))
                 elif entry.kind == "buffers":  # (one flat run of the shard's buffers of one dtype)
-                    found.update(unflatten(frame.header["buffers"][entry.batch_id], tensor, held))
+                    found.update(unflatten((answer.buffers or [])[entry.batch_id], tensor, held))
                 elif entry.kind == "x":
                     xs[entry.batch_id] = tensor
                 elif entry.kind == "y":
                     ys[entry.batch_id] = tensor
             for name, tensor in found.items():
                 if name in split:
-                    parts.setdefault(name, []).append((int(frame.header["shard"]), split[name], tensor))
+                    assert answer.shard is not None  # (`split` is empty for an answer of no shard)
+                    parts.setdefault(name, []).append((answer.shard, split[name], tensor))
                 else:
                     state[name] = tensor
         for name, runs in parts.items():

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..wire import Frame, Pull, ShardLink, Then, raise_error
+from ..wire import Frame, Next, Pull, ShardLink, Then
 from .frames import receive_all, send_all
 
 # The name of a Dask worker plugin that, where present, is told of every push (a `PushObserver`).
@@ -111,7 +111,7 @@ class ShardByShard:
             def wait_applied(link: ShardLink = link) -> None:
                 wait = Then(step + 1, pull_wait)
                 answer = link.request(Pull(generation, wait).frame(), timeout)
-                raise_error(answer.header.get("next_error") or {})
+                Next.of(answer.header).check()
 
             self.observer.after_push(i, step, wait_applied)
         return []

@@ -16,18 +16,23 @@ import torch
 from ..errors import FatalError
 from ..messages import Tensors
 from ..wire import (
+    Applied,
     Apply,
     Confirm,
     Current,
+    CurrentState,
     Entry,
     Frame,
+    Next,
+    ParamsBucket,
     Part,
     Pull,
     Push,
     ReplicaAsk,
+    ReplicaSent,
+    Taken,
     Then,
     decode_message,
-    error_header,
 )
 from ..wire.signals import RecoverableError
 from .bucket_book import pull_verdict
@@ -55,27 +60,26 @@ class ShardFrames:
         """One frame of a compute loop: a push (gradients, buffers and losses of its share of a step)
         and/or what it needs next (`then`: the parameters of a step, once applied here, and batches that
         live here). A failed push fails the frame; a failed `then` (not ready within its wait, a fence)
-        is answered as `next_error`, since the push itself went in."""
+        is answered as a `Next` that carries the error, since the push itself went in."""
         message = decode_message(frame.header)
         match message:
             case Apply():
                 return await self._on_apply(message, frame)
             case Current():
                 version, state = await self._applies.current_for_answer(message.generation)
-                return Frame(
-                    {"ok": True, "version": version, "shard": self._shard.index},
-                    [(Entry("state", -1, n), t) for n, t in state.items()],
+                return CurrentState(version, self._shard.index).frame(
+                    [(Entry("state", -1, n), t) for n, t in state.items()]
                 )
             case ReplicaAsk():
                 # A standby taking shard `source`'s role reads the replica's tensors here (`adopt`).
                 # Each tensor's place in the outline (`replica_outline`) goes as the entry's batch id.
                 _, held = split_tensors(self._replicas.replica(message.source, message.version))
-                return Frame({"ok": True}, [(Entry("replica", place, ""), t) for place, t in held], True)
+                return ReplicaSent().frame([(Entry("replica", place, ""), t) for place, t in held])
             case Part():
                 # A bucket of one micro-batch's gradient, sent during backward (quiet: nothing is answered).
                 ((_, run),) = frame.tensors
                 await self._applies.part(message, run)
-                return Frame({"ok": True})
+                return Taken().frame()
             case Push():
                 await self._on_push(message, frame)
                 return await self._then(message.generation, message.then)
@@ -83,7 +87,7 @@ class ShardFrames:
                 return await self._then(message.generation, message.then)
             case Confirm():
                 await self._applies.confirm(message)
-                return Frame({"ok": True})
+                return Taken().frame()
         raise TypeError(f"no answer to {message!r}")
 
     async def _on_push(self, push: Push, frame: Frame) -> None:
@@ -100,54 +104,57 @@ class ShardFrames:
         await self._applies.push(push, grads, buffers)
 
     async def _then(self, generation: int, then: Then | None) -> Frame:
-        """The answer to what a loop needs next (`then`), or a bare `ok` where it needs nothing."""
+        """The answer to what a loop needs next (`then`), or a bare `Next` where it needs nothing."""
         if then is None:
-            return Frame({"ok": True})
-        # (`shard`: a loop joins the parts of a tensor split across data servers by who sent them.)
-        answer: dict[str, Any] = {"ok": True, "shard": self._shard.index}
+            return Next().frame()
+        answer = Next(self._shard.index)
         tensors: list[tuple[Entry, torch.Tensor]] = []
         following = None
         try:
             if then.step is not None:
-                tensors += await self._params_for_answer(generation, then, answer)
-                if answer.get("follow") and then.buckets is not None:
+                answer, tensors = await self._params_for_answer(generation, then)
+                if answer.follow and then.buckets is not None:
                     following = self._buckets(generation, then.step, then.buckets)
             for b in then.batches:
                 x, y = await self._get_batch(generation, b)
                 tensors += [(Entry("x", b, ""), x), (Entry("y", b, ""), y)]
         except Exception as exc:
-            return Frame({"ok": True, "next_error": error_header(exc)})
-        return Frame(answer, tensors, following=following)
+            return Next.failed(exc).frame()
+        return answer.frame(tensors, following)
 
     async def _params_for_answer(
-        self, generation: int, then: Then, answer: dict[str, Any]
-    ) -> list[tuple[Entry, torch.Tensor]]:
+        self, generation: int, then: Then
+    ) -> tuple[Next, list[tuple[Entry, torch.Tensor]]]:
         assert then.step is not None
         # (`then.worker`: a loop that may be asked for a backup instead, `stragglers.py`.)
         state = await self._applies.pull(generation, then.step, then.wait, then.worker)
         tensors: list[tuple[Entry, torch.Tensor]] = []
+        names: list[str] | None = None
+        buffers: list[list[str]] | None = None
+        follow, numel, dtype = 0, None, None
         optimizer = self._shard.optimizer
         if optimizer is not None and optimizer.flat is not None:
-            # The parameters as the one flat tensor they live in, named in the header: one tensor
+            # The parameters as the one flat tensor they live in, named in the answer: one tensor
             # to encode instead of one per parameter (the loop takes views of it, of this shard's
             # own memory where it reads them in place, unless it asks for a copy: `fetch`).
-            answer["params"] = optimizer.names
+            names = optimizer.names
             flat = optimizer.flat.clone() if then.copy else optimizer.flat
             if then.buckets and not then.copy:
                 # Bucket by bucket, in forward order, each a frame of its own after this one (`_buckets`):
                 # the loop's forward starts once the first is in. The ranges are the loop's bucket plan.
                 bucket_sizes(then.buckets, optimizer.numel, self._shard.index)
-                answer.update(follow=len(then.buckets), numel=optimizer.numel, dtype=str(flat.dtype))
+                follow, numel, dtype = len(then.buckets), optimizer.numel, str(flat.dtype)
             else:
                 tensors = [(Entry("params", -1, ""), flat)]
             state = self._shard.buffers
             runs = self._shard.buffer_runs.runs
             if runs:
-                # Likewise the buffers: one flat tensor per dtype, their names in the header.
-                answer["buffers"] = [names for names, _ in runs]
+                # Likewise the buffers: one flat tensor per dtype, their names in the answer.
+                buffers = [held for held, _ in runs]
                 tensors += [(Entry("buffers", k, ""), run) for k, (_, run) in enumerate(runs)]
                 state = {}
-        return tensors + [(Entry("state", -1, name), t) for name, t in state.items()]
+        answer = Next(self._shard.index, names, buffers, follow, numel, dtype)
+        return answer, tensors + [(Entry("state", -1, name), t) for name, t in state.items()]
 
     def _buckets(self, generation: int, step: int, bounds: list[list[int]]) -> Iterator[Frame]:
         """The frames of a pull's buckets (`bounds`, ranges of the shard's flat parameters), one at a time:
@@ -168,7 +175,7 @@ class ShardFrames:
                     raise RecoverableError(f"shard {state.index} holds no parameters to pull any more")
                 flat = optimizer.flat
             run = flat[start:stop]
-            yield Frame({"ok": True, "shard": state.index, "bucket": k}, [(Entry("params", k, ""), run)])
+            yield ParamsBucket(state.index, k).frame([(Entry("params", k, ""), run)])
 
     def _check_order(self, order: list[str]) -> None:
         """Gradients that came in parts are runs of the shard's flat parameters, cut where the loop's plan
@@ -196,10 +203,8 @@ class ShardFrames:
         for entry, tensor in frame.tensors:
             (grads if entry.kind == "grad" else buffers)[entry.name] = tensor
         outcome, staleness = await self._applies.apply_one(apply, grads, buffers)
-        answer = {"ok": True, "outcome": outcome, "staleness": staleness, "shard": self._shard.index}
-        tensors: list[tuple[Entry, torch.Tensor]] = []
-        if apply.state:
-            version, state = await self._applies.current_for_answer(apply.generation)
-            answer["version"] = version
-            tensors = [(Entry("state", -1, name), t) for name, t in state.items()]
-        return Frame(answer, tensors)
+        if not apply.state:
+            return Applied(outcome, staleness, self._shard.index).frame()
+        version, state = await self._applies.current_for_answer(apply.generation)
+        tensors = [(Entry("state", -1, name), t) for name, t in state.items()]
+        return Applied(outcome, staleness, self._shard.index, version).frame(tensors)

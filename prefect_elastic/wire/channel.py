@@ -58,11 +58,11 @@ from .codec import (
     _body_size,
     decode,
     encode,
-    error_header,
     raise_error,
 )
 from .inbox import SharedBodies, peer_pid
 from .sockets import _read_frame, _recv_exactly, _recv_into, _send_all, _SocketIO, _StreamIO, _tune
+from .step_messages import Failed, frames_after, is_quiet
 
 
 class ChannelAddress(NamedTuple):
@@ -168,7 +168,7 @@ class ShardLink:
     def post(self, frame: Frame) -> None:
         """Send a frame the shard does not answer (its header says `quiet`): a bucket of gradients that
         leaves during backward. What became of it, the frame after it on this connection says."""
-        if not frame.header.get("quiet"):
+        if not is_quiet(frame.header):
             raise ValueError("post sends quiet frames only: the shard answers every other frame")
         try:
             sock = self._connected()
@@ -208,7 +208,7 @@ class ShardLink:
             self.close()
             raise
         # (An answer followed by frames of its own; an error in their place says how many will not come.)
-        self.pending += int(header.get("follow", 0)) - int(header.get("unsent", 0)) - 1
+        self.pending += frames_after(header) - 1
         frame = decode(header, body, self.shared.region)
         raise_error(frame.header)
         return frame
@@ -319,7 +319,7 @@ class ShardServer:
                 if frame is None:
                     return
                 began = time.perf_counter()
-                if frame.header.get("quiet"):
+                if is_quiet(frame.header):
                     # Unanswered (`ShardLink.post`): the handler keeps what went wrong for the next frame.
                     with contextlib.suppress(Exception):
                         await self.handler(frame)
@@ -328,7 +328,7 @@ class ShardServer:
                 try:
                     answer = await self.handler(frame)
                 except Exception as exc:
-                    answer = Frame(error_header(exc))
+                    answer = Failed.because(exc).frame()
                 handled = time.perf_counter()
                 await io.write(encode(answer, shared), answer.unchanging)
                 if answer.following is not None:
@@ -348,15 +348,16 @@ class ShardServer:
         made, so that each is made from the shard's state of that moment. One that fails to be made is
         answered as its error, which also says how many promised frames will not come (`unsent`)."""
         assert answer.following is not None
-        promised = int(answer.header.get("follow", 0))
+        promised = frames_after(answer.header)
         for written in range(promised):
+            failed = False
             try:
                 frame = next(answer.following)
             except Exception as exc:  # (StopIteration too: a promise the maker did not keep)
                 error = exc if not isinstance(exc, StopIteration) else FatalError("an answer ended early")
-                frame = Frame({**error_header(error), "unsent": promised - written - 1})
+                frame, failed = Failed.because(error, promised - written - 1).frame(), True
             await io.write(encode(frame, shared), frame.unchanging)
-            if frame.header.get("error"):
+            if failed:
                 return
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """The frames of the step path on the wire: a JSON header that describes the tensors, then their raw
-bytes (`encode`, `decode`); an error travels as a header of its own (`error_header`, `raise_error`).
+bytes (`encode`, `decode`); an error travels as a header of its own (`error_header`; `error_of` and
+`raise_error` read it), which the step channel's `Failed` answer carries (`step_messages.py`).
 """
 
 from __future__ import annotations
@@ -209,18 +210,26 @@ def error_header(exc: BaseException) -> dict[str, Any]:
     return {"error": "internal", "message": f"{type(exc).__name__}: {exc}"}
 
 
-def raise_error(header: dict[str, Any]) -> None:
+def error_of(header: dict[str, Any]) -> Exception | None:
+    """The exception an error header says (None: the header is no error's), of the type the shard raised."""
     kind = header.get("error")
     if kind is None:
-        return
+        return None
     if kind == "stale":
-        raise StaleGenerationError(int(header["got"]), int(header["current"]), str(header["what"]))
+        return StaleGenerationError(int(header["got"]), int(header["current"]), str(header["what"]))
     if kind == "passed":
-        raise StepPassed(int(header["step"]), int(header["version"]), int(header["index"]))
+        return StepPassed(int(header["step"]), int(header["version"]), int(header["index"]))
     if kind == "backup":
-        raise BackupWanted(int(header["step"]), tuple(int(b) for b in header["batch_ids"]))
+        return BackupWanted(int(header["step"]), tuple(int(b) for b in header["batch_ids"]))
     if kind == "recoverable":
-        raise RecoverableError(str(header["message"]))
+        return RecoverableError(str(header["message"]))
     if kind == "fatal":
-        raise FatalError(str(header["message"]))
-    raise RuntimeError(f"the shard failed: {header.get('message')}")
+        return FatalError(str(header["message"]))
+    return RuntimeError(f"the shard failed: {header.get('message')}")
+
+
+def raise_error(header: dict[str, Any]) -> None:
+    """Raise what an error header says (nothing where the header is no error's)."""
+    error = error_of(header)
+    if error is not None:
+        raise error

@@ -1,7 +1,9 @@
-"""The messages of the step channel: what a compute loop sends a shard, each a small frozen class with its
-op, its fields and its header (`header`, `frame`), and `decode_message`, the one place that reads a
-header's op. The loop's side (`compute/`) and a standby fetching a replica (`data_server/replicas.py`)
-build them; the shard's side (`data_server/frames.py`) dispatches on their type.
+"""The messages of the step channel, each a small frozen class with its fields and its header (`header`,
+`frame`): what a compute loop sends a shard, each with its op, and `decode_message`, the one place that
+reads a header's op; and what a shard answers, read by the loop as the answer to what it sent (an answer
+has no op). The loop's side (`compute/`) and a standby fetching a replica (`data_server/replicas.py`)
+build the messages and read the answers; the shard's side (`data_server/frames.py`) dispatches on the
+messages' type and builds the answers.
 
     Pull        what a loop needs next (`Then`), nothing pushed: a step's first fetch, batches ahead
     Push        a sync share of a step: its losses (and the gradients and buffers the frame carries)
@@ -11,18 +13,29 @@ build them; the shard's side (`data_server/frames.py`) dispatches on their type.
     ReplicaAsk  a standby taking a shard's role: the replica of its snapshot that a peer holds
     Confirm     a straggler's own copies of ids a shard asked a backup of: none of its reads had moved
 
-The frame's encoding (the header as JSON, the tensors' bytes) is `codec.py`'s; a message is its header.
+    Next          the answer to a `Then` (a `Pull`, a `Push`): parameters, buffers, batches, or its error
+    ParamsBucket  one bucket of a shard's flat parameters, a frame that follows a `Next`
+    Taken         a frame went in, nothing asked for (a `Part`, a `Confirm`)
+    Applied       async mode: what became of an `Apply` (and the state after it, if asked)
+    CurrentState  async mode: the answer to a `Current`, the shard's version (its state beside it)
+    ReplicaSent   the answer to a `ReplicaAsk`: the replica's tensors
+    Failed        what a shard answers where handling a frame raised: the error, raised again at the loop
+
+The frame's encoding (the header as JSON, the tensors' bytes, an error's header) is `codec.py`'s; a
+message is its header, and the tensors stay in the frame beside it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from .codec import Entry, Frame
+from .codec import Entry, Frame, error_header, error_of
+
+Entries = list[tuple[Entry, torch.Tensor]]  # a frame's tensors, beside its header
 
 
 @dataclass(frozen=True)
@@ -78,7 +91,7 @@ class StepMessage:
     def header(self) -> dict[str, Any]:
         return {"op": self.op, **self.fields()}
 
-    def frame(self, tensors: list[tuple[Entry, torch.Tensor]] | None = None) -> Frame:
+    def frame(self, tensors: Entries | None = None) -> Frame:
         return Frame(self.header(), tensors if tensors is not None else [])
 
 
@@ -268,3 +281,169 @@ def decode_message(header: dict[str, Any]) -> StepMessage:
     if decoder is None:
         raise ValueError(f"a frame of no step message: op {op!r}")
     return decoder(header)
+
+
+class StepAnswer:
+    """One answer of the step channel: its fields as a frame's header, which says `ok` (an answer has no
+    op: the loop reads it as the answer to what it sent). `unchanging`: its tensors never change once
+    sent (`Frame.unchanging`)."""
+
+    unchanging: ClassVar[bool] = False
+
+    def fields(self) -> dict[str, Any]:
+        """The header's fields but `ok`: the answer's own, but those it leaves out where unset."""
+        return {k: v for k, v in vars(self).items() if v is not None}
+
+    def header(self) -> dict[str, Any]:
+        return {"ok": True, **self.fields()}
+
+    def frame(self, tensors: Entries | None = None, following: Iterator[Frame] | None = None) -> Frame:
+        return Frame(self.header(), tensors if tensors is not None else [], self.unchanging, following)
+
+
+@dataclass(frozen=True)
+class Failed(StepAnswer):
+    """What a shard answers where handling a frame raised (`error`: codec's `error_header`), which the loop
+    raises as the same type (`codec.raise_error`); also in place of the frames an answer promised to
+    follow, where making one raised, with how many more will not come (`unsent`)."""
+
+    error: dict[str, Any]
+    unsent: int = 0
+
+    def header(self) -> dict[str, Any]:
+        return {**self.error, "unsent": self.unsent} if self.unsent else dict(self.error)
+
+    @classmethod
+    def because(cls, exc: BaseException, unsent: int = 0) -> Failed:
+        return cls(error_header(exc), unsent)
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Failed:
+        return cls({k: v for k, v in header.items() if k != "unsent"}, int(header.get("unsent", 0)))
+
+    def exception(self) -> Exception:
+        error = error_of(self.error)
+        return error if error is not None else RuntimeError(f"no error in {self.error}")
+
+
+@dataclass(frozen=True)
+class Next(StepAnswer):
+    """A shard's answer to a `Then`, with what it carries beside it: from shard `shard` (a loop joins the
+    parts of a tensor split across shards by it; None: nothing was asked), its flat parameters (entry
+    `params`) under `params`, the names in each flat run of its buffers (entry `buffers` k), the batches
+    (entries `x`, `y`); `follow`: its parameters come in that many buckets after it (`ParamsBucket`), a
+    flat tensor of `numel` elements of `dtype`. Or, with `error`, what the shard answered instead (not
+    applied within the wait, a fence, a backup wanted), after the push before it went in."""
+
+    shard: int | None = None
+    params: list[str] | None = None
+    buffers: list[list[str]] | None = None
+    follow: int = 0
+    numel: int | None = None
+    dtype: str | None = None
+    error: Failed | None = None
+
+    def fields(self) -> dict[str, Any]:
+        fields = super().fields()
+        if not self.follow:
+            del fields["follow"]
+        if self.error is not None:
+            fields["next_error"] = fields.pop("error").header()
+        return fields
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> Next:
+        return cls(error=Failed.because(exc))
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Next:
+        shard, numel, error = header.get("shard"), header.get("numel"), header.get("next_error")
+        return cls(
+            None if shard is None else int(shard),
+            header.get("params"),
+            header.get("buffers"),
+            int(header.get("follow", 0)),
+            None if numel is None else int(numel),
+            header.get("dtype"),
+            None if error is None else Failed.of(error),
+        )
+
+    def failure(self) -> Exception | None:
+        return None if self.error is None else self.error.exception()
+
+    def check(self) -> None:
+        """Raise what the shard answered instead, if it did."""
+        if self.error is not None:
+            raise self.error.exception()
+
+
+@dataclass(frozen=True)
+class ParamsBucket(StepAnswer):
+    """Bucket `bucket` (in forward order) of shard `shard`'s flat parameters, one of the frames that follow
+    a `Next` (its `follow`): its one entry is the bucket's run."""
+
+    shard: int
+    bucket: int
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> ParamsBucket:
+        return cls(int(header.get("shard", -1)), int(header.get("bucket", -1)))
+
+
+@dataclass(frozen=True)
+class Taken(StepAnswer):
+    """A frame went in, and asked for nothing back (a `Part`, a `Confirm`)."""
+
+
+@dataclass(frozen=True)
+class ReplicaSent(StepAnswer):
+    """The answer to a `ReplicaAsk`: the replica's tensors, each with its place in the replica's outline as
+    its entry's batch id. They never change once sent: sent from their own memory."""
+
+    unchanging: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Applied(StepAnswer):
+    """Async mode: what became of an `Apply` at shard `shard` (`outcome`: applied, or refused as a
+    duplicate or as stale) and its `staleness`; where it asked for the state, the shard's `version` after it
+    (its parameters and buffers beside it, entries `state`)."""
+
+    outcome: str
+    staleness: int
+    shard: int
+    version: int | None = None
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> Applied:
+        version = header.get("version")
+        return cls(
+            str(header["outcome"]),
+            int(header["staleness"]),
+            int(header["shard"]),
+            None if version is None else int(version),
+        )
+
+
+@dataclass(frozen=True)
+class CurrentState(StepAnswer):
+    """Async mode: the answer to a `Current`, shard `shard`'s `version` (its parameters and buffers as they
+    are now beside it, entries `state`)."""
+
+    version: int
+    shard: int
+
+    @classmethod
+    def of(cls, header: dict[str, Any]) -> CurrentState:
+        return cls(int(header["version"]), int(header["shard"]))
+
+
+def is_quiet(header: dict[str, Any]) -> bool:
+    """Whether a frame is one the shard never answers (a `Part`)."""
+    return bool(header.get("quiet"))
+
+
+def frames_after(header: dict[str, Any]) -> int:
+    """The frames that follow an answer on its connection: a `Next`'s buckets (`follow`), less, for a
+    `Failed` in their place, those that will not come (`unsent`)."""
+    return int(header.get("follow", 0)) - int(header.get("unsent", 0))

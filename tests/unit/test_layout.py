@@ -257,3 +257,86 @@ def test_a_step_message_is_built_and_read_in_the_protocol_module_only() -> None:
         if reads_or_builds_an_op(node)
     ]
     assert not where, "build a message of wire/step_messages.py instead: " + ", ".join(where)
+
+
+# A header's fields read beneath the messages, by module (with why): the frame's own, which the transport
+# adds to a header and takes out of it around a message. All a message or an answer says is read through
+# its class of `wire/step_messages.py`.
+HEADER_READS_ALLOWED: dict[str, tuple[set[str], str]] = {
+    "prefect_elastic.wire.codec": (
+        {"error", "got", "current", "what", "step", "version", "index", "batch_ids", "message"},
+        "an error's own header, the frame's encoding of an exception (`error_header`, `error_of`)",
+    ),
+    "prefect_elastic.wire.channel": ({"tensors"}, "the body's size, read off a header before the body"),
+    "prefect_elastic.wire.sockets": ({"tensors"}, "likewise, on the shard's end of a connection"),
+    "prefect_elastic.wire.inbox": (
+        {"inbox", "slot", "reads", "published"},
+        "the shared memory's fields, taken out of a header before the frame is decoded",
+    ),
+}
+# Modules that make a `Frame` of a header other than a message's: codec's `decode`, the frame of a header
+# read off the wire.
+FRAMES_BUILT_ALLOWED = {"prefect_elastic.wire.codec"}
+
+
+def _is_header(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "header") or (
+        isinstance(node, ast.Attribute) and node.attr == "header"
+    )
+
+
+def _key(node: ast.AST | None) -> str:
+    return str(node.value) if isinstance(node, ast.Constant) else "?"
+
+
+def header_use(node: ast.AST) -> str | None:
+    """A header built or read by hand: a `Frame(...)` made by hand (`Frame({...})`: a frame is a message's
+    or an answer's `frame`), a key read (`header["k"]`, `frame.header.get("k")`, `.pop`, `"k" in header`),
+    or a frame's header taken aside to read later (`h = frame.header`). Returns what it is (the key read),
+    None where the node is none of those."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        if (isinstance(func, ast.Name) and func.id == "Frame") or (
+            isinstance(func, ast.Attribute) and func.attr == "Frame"
+        ):
+            return "a Frame built"
+        if (
+            isinstance(func, ast.Attribute)
+            and func.attr in {"get", "pop", "setdefault"}
+            and _is_header(func.value)
+        ):
+            return _key(node.args[0] if node.args else None)
+    if isinstance(node, ast.Subscript) and _is_header(node.value):
+        return _key(node.slice)
+    if isinstance(node, ast.Compare) and any(_is_header(c) for c in node.comparators):
+        return _key(node.left) if any(isinstance(op, ast.In | ast.NotIn) for op in node.ops) else None
+    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == "header":
+        return "a header taken aside"
+    return None
+
+
+def test_a_step_answer_is_built_and_read_in_the_protocol_module_only() -> None:
+    """What a shard answers is a class of `wire/step_messages.py` too: the shard builds it, the loop reads it
+    (`Next.of(frame.header)`); no other module builds a header dict or reads a header's key, but the
+    transport's own fields (`HEADER_READS_ALLOWED`, each with its reason)."""
+    mods = modules()
+    assert any(header_use(n) for n in ast.walk(ast.parse(mods[STEP_MESSAGES].read_text())))
+    where = []
+    for name, path in mods.items():
+        if name == STEP_MESSAGES:
+            continue
+        allowed = HEADER_READS_ALLOWED.get(name, (set(), ""))[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            use = header_use(node)
+            if use is None or use in allowed or (use == "a Frame built" and name in FRAMES_BUILT_ALLOWED):
+                continue
+            where.append(f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)}: {use}")
+    assert not where, "build or read an answer of wire/step_messages.py instead: " + ", ".join(where)
+
+
+def test_the_header_reads_allowed_are_still_made() -> None:
+    """Each key allowed beneath the messages is still read where it is allowed (the allowlist stays small)."""
+    mods = modules()
+    for name, (keys, reason) in HEADER_READS_ALLOWED.items():
+        used = {header_use(n) for n in ast.walk(ast.parse(mods[name].read_text()))}
+        assert keys <= used, f"{name} reads no more {sorted(keys - used)} ({reason}): drop them from the list"
