@@ -18,6 +18,7 @@ from prefect_elastic.messages import Role
 from prefect_elastic.training import prepare
 from prefect_elastic.wire import Entry, Frame
 from prefect_elastic.wire.signals import StaleGenerationError
+from prefect_elastic.wire.step_messages import Applied, CurrentState
 
 from .conftest import in_process_servers, make_job
 from .test_async_bookkeeping import SCHEDULE
@@ -79,8 +80,10 @@ class FakeShard:
     """A shard for an `AsyncSession` in this process: applies what it gets at once (version + 1), records
     the version each gradient says it was computed on, and refuses the batch ids in `refuse` once."""
 
-    def __init__(self, names: list[str], state: dict[str, torch.Tensor], refuse: set[int]) -> None:
-        self.names, self.state, self.refuse = names, state, refuse
+    def __init__(
+        self, index: int, names: list[str], state: dict[str, torch.Tensor], refuse: set[int]
+    ) -> None:
+        self.index, self.names, self.state, self.refuse = index, names, state, refuse
         self.version = 0
         self.tags: list[tuple[int, int]] = []  # (batch id, computed_on) of every gradient applied
 
@@ -88,7 +91,7 @@ class FakeShard:
         header = frame.header
         state = [(Entry("state", -1, n), self.state[n].clone()) for n in self.names]
         if header["op"] == "current":
-            return Frame({"ok": True, "version": self.version}, state)
+            return CurrentState(self.version, self.index).frame(state)
         if header["op"] == "pull":
             b = header["then"]["batches"][0]
             return Frame(
@@ -98,10 +101,10 @@ class FakeShard:
         b = int(header["batch_id"])
         if b in self.refuse:
             self.refuse.discard(b)
-            return Frame({"ok": True, "outcome": "stale", "staleness": 99, "version": self.version}, state)
+            return Applied("stale", 99, self.index, self.version).frame(state)
         self.tags.append((b, int(header["computed_on"])))
         self.version += 1
-        return Frame({"ok": True, "outcome": "applied", "staleness": 0, "version": self.version}, state)
+        return Applied("applied", 0, self.index, self.version).frame(state)
 
 
 class FakeLink:
@@ -173,7 +176,7 @@ def run_session(
     prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp", mode="async"))
     plan = plan_shards(prepared.persistence.initial, 2, min_shard_bytes)
     trainer = MicroBatchTrainer(prepared.specs.loop, plan, prepared.persistence.layout, torch.device("cpu"))
-    shards = [FakeShard(names, prepared.persistence.initial, set(refuse)) for names in plan]
+    shards = [FakeShard(i, names, prepared.persistence.initial, set(refuse)) for i, names in enumerate(plan)]
     links = [FakeLink(shard, in_time) for shard in shards]
     data = [FakeLink(shard, True) for shard in shards]
     coordinator = FakeCoordinator(12)
