@@ -43,11 +43,9 @@ import torch
 from ..data_server.bucket_plan import Bucket
 from ..errors import FatalError
 from ..sharding import Piece
-from ..wire import Frame, Next, ParamsBucket, ShardLink, Then
+from ..wire import Ask, Frame, Next, ParamsBucket, ShardLink
 from ..wire.codec import _dtype
 from .buckets import Key
-
-Ask = Then | None
 
 
 class BucketPull:

@@ -14,13 +14,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..wire import Frame, Next, Pull, ShardLink, Then
+from ..wire import Ask, Frame, Next, Pull, ShardLink, Then
 from .frames import receive_all, send_all
 
 # The name of a Dask worker plugin that, where present, is told of every push (a `PushObserver`).
 PUSH_HOOK = "prefect-elastic-push-hook"
-
-Ask = Then | None
 
 
 class PushObserver(Protocol):

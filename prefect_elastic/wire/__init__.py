@@ -13,6 +13,7 @@ from .codec import Entry, Frame, contiguous_strides, decode, encode, error_heade
 from .step_messages import (
     Applied,
     Apply,
+    Ask,
     Confirm,
     Current,
     CurrentState,
@@ -34,6 +35,7 @@ from .step_messages import (
 __all__ = [
     "Applied",
     "Apply",
+    "Ask",
     "ChannelAddress",
     "Confirm",
     "Current",

@@ -79,6 +79,10 @@ class Then:
         )
 
 
+# What a loop asks one shard for next: a `Then`, or nothing.
+Ask = Then | None
+
+
 class StepMessage:
     """One message of the step channel: its op, and its fields as a frame's header."""
 

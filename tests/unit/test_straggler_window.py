@@ -18,12 +18,11 @@ import torch
 
 from prefect_elastic.compute import LoopStats, MicroBatchTrainer, Pipelined, ShardByShard
 from prefect_elastic.compute.frames import Ahead, exchange
-from prefect_elastic.compute.pushes import Ask
 from prefect_elastic.data_server import DataServer
 from prefect_elastic.messages import Role, Tensors
 from prefect_elastic.schedule import Schedule
 from prefect_elastic.training import prepare
-from prefect_elastic.wire import Frame, Pull, ShardLink, Then
+from prefect_elastic.wire import Ask, Frame, Pull, ShardLink, Then
 from prefect_elastic.wire.signals import BackupWanted, StepPassed
 
 from ..conftest import in_process_servers, make_job
