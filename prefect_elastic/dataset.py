@@ -34,6 +34,7 @@ __all__ = [
     "inspect_dataset",
     "is_object_store",
     "load_partition",
+    "missing_bucket",
     "partition_bounds",
     "write_npz",
 ]
@@ -119,7 +120,7 @@ def is_object_store(fs: Any) -> bool:
     return bool(protocols & _OBJECT_STORES)
 
 
-def _missing_bucket(fs: Any, path: str) -> str | None:
+def missing_bucket(fs: Any, path: str) -> str | None:
     """The bucket of `path` on an object store when that bucket does not exist; None otherwise."""
     if not is_object_store(fs) or "/" not in path.strip("/"):
         return None  # not an object store, or the bucket itself (which `exists` already answered)
@@ -206,7 +207,7 @@ def _list_files(fs: Any, path: str, url: str, storage_options: Mapping[str, Any]
 
 def _find_files(fs: Any, path: str, url: str) -> list[str]:
     if not fs.exists(path):
-        bucket = _missing_bucket(fs, path)
+        bucket = missing_bucket(fs, path)
         if bucket is not None:
             raise _fail(
                 url,
