@@ -340,3 +340,51 @@ def test_storage_options_must_be_under_a_protocol(digits_url: str, tmp_path: Pat
     assert ElasticJob.from_yaml(tmp_path / "job.yaml") == job
     assert job.storage_for("s3://b/k") == flat and job.storage_for(digits_url) == {}
     assert job.storage_for("simplecache::s3://b/k") == {"s3": flat}, "a chained URL: options by protocol"
+
+
+# ---- the data sources on S3 (no cluster: inspected and read in this process) -----------------------------
+
+
+def test_a_parquet_folder_on_s3_is_inspected_by_its_footers_and_read_by_row_groups(s3: S3) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from prefect_elastic.data.sources import inspect_source, only_fields, open_source
+
+    bucket = s3.new_bucket()
+    for part in range(2):
+        index = np.arange(part * 30, part * 30 + 30)
+        data = pa.table({"x": index.astype(np.float32), "y": index % 3, "text": [f"row {i}" for i in index]})
+        with s3.fs.open(f"{bucket}/train/part-{part}.parquet", "wb") as out:
+            pq.write_table(data, out, row_group_size=8)
+    info = inspect_source("dataset", f"s3://{bucket}/train", s3.options)
+    assert (info.kind, info.length, info.blocks, info.object_store) == ("parquet", 60, (8, 8, 8, 6) * 2, True)
+    assert inspect_source("dataset", f"s3://{bucket}/train/*.parquet", s3.options).detail == info.detail
+    source = open_source(info, cache_bytes=2**16)
+    assert [item["text"] for item in source.items([59, 0, 31])] == ["row 59", "row 0", "row 31"]
+    rows = open_source(only_fields(info, ["x", "y"])).rows([59, 0, 31])
+    assert rows is not None and rows["x"].tolist() == [59, 0, 31] and rows["y"].dtype == np.int64
+
+    absent = f"absent-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(JobConfigError) as err:
+        inspect_source("eval_dataset", f"s3://{absent}/train", s3.options)
+    assert err.value.field == "eval_dataset" and f"bucket {absent!r} does not exist" in str(err.value)
+
+
+def test_a_datasets_folder_on_s3_is_read_by_the_byte_ranges_of_its_batches(s3: S3, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    from prefect_elastic.data.sources import inspect_source, open_source
+
+    ids = [list(range(i % 7 + 1)) for i in range(200)]
+    written = datasets.Dataset.from_dict({"input_ids": ids, "label": [i % 2 for i in range(200)]})
+    written.save_to_disk(str(tmp_path / "hf"), max_shard_size="1KB")
+    bucket = s3.new_bucket()
+    for path in sorted((tmp_path / "hf").iterdir()):
+        s3.fs.put_file(str(path), f"{bucket}/hf/{path.name}")
+    info = inspect_source("dataset", f"s3://{bucket}/hf", s3.options)
+    assert (info.kind, info.length, info.object_store) == ("datasets", 200, True)
+    assert len(info.detail[0]) > 1 and info.detail[2] is None  # (several files, none local)
+    items = open_source(info).items([199, 0, 100])
+    assert [item["input_ids"].tolist() for item in items] == [ids[199], ids[0], ids[100]]
+    assert [int(item["label"]) for item in items] == [1, 0, 0]
