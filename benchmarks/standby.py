@@ -306,7 +306,7 @@ def shard_restore(data: str, repeats: int, model: str = "benchmarks.workloads:wi
 
     def start(client: Client, where: str, i: int, tensors: list[Any], version: int) -> Any:
         return client.submit(
-            DataServer, i, prepared.specs.shard, prepared.dataset, prepared.schedule, *tensors, version,
+            DataServer, i, prepared.specs.shard, prepared.batches, prepared.schedule, *tensors, version,
             mode=prepared.mode.applies, actor=True, workers=[where], allow_other_workers=False, pure=False,
         )  # fmt: skip
 

@@ -99,15 +99,28 @@ def training_accuracy(prepared: Prepared, state: dict[str, torch.Tensor], limit:
     """Accuracy on (up to `limit` samples of) the training data, for classification jobs."""
     if prepared.job.loss != "cross_entropy":
         return None
-    from .dataset import load_partition
+    from .data.batches import BatchMaker
 
-    x, y = load_partition(prepared.dataset, 0, min(limit, prepared.dataset.total))
+    maker = BatchMaker(prepared.batches)
+    fields = prepared.batches.fields
     model = prepared.job.initial_model()
     model.load_state_dict(state)
     model.eval()
-    with torch.no_grad():
-        predicted = model(torch.from_numpy(x)).argmax(dim=1)
-    return float((predicted == torch.from_numpy(y)).float().mean())
+    right = seen = 0
+    size = prepared.job.batch_size
+    try:
+        with torch.no_grad():
+            for start in range(0, min(limit, prepared.dataset.length), size):
+                chunk = list(range(start, min(start + size, limit, prepared.dataset.length)))
+                batch = maker.of_samples(0, 0, chunk)
+                predicted, target = fields.output_of(model, batch, torch.device("cpu"))
+                if target is None or target.dim() != 1:
+                    return None  # (class probabilities, or no target: no accuracy to say)
+                right += int((predicted.argmax(dim=1) == target).sum())
+                seen += len(chunk)
+    finally:
+        maker.close()
+    return right / seen if seen else None
 
 
 @dataclass

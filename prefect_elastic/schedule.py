@@ -9,10 +9,19 @@ Batch ids of one epoch are dealt to the data servers in turn (batch `k` of an ep
 `k % D`), so every step reads from every data server. Each data server shuffles its own partition once per
 epoch with a generator seeded by (seed, epoch, server); samples that do not fill a whole batch on the
 smallest partition are left out of that epoch, as `drop_last=True` does.
+
+Where a source cannot be read at random cheaply (Parquet or Arrow on an object store), the shuffle goes by
+blocks (`block_rows` > 0): a server's partition is cut into blocks of `block_rows` rows at multiples of
+`block_rows` of the global index (a Parquet row group's rows, where the files were written with one size),
+the blocks are put in a random order, and the samples are shuffled within each run of `window_blocks`
+consecutive blocks of that order. A batch then reads from at most two runs (`2 * window_blocks` blocks), and
+each block is read once an epoch where the reader keeps that many. The quality of that shuffle:
+docs/guide.md, "Shuffling by blocks".
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -34,6 +43,8 @@ class Schedule:
     micro_batches: int
     epochs: int
     seed: int
+    block_rows: int = 0  # > 0: the shuffle goes by blocks of this many rows (above)
+    window_blocks: int = 8  # the blocks whose samples are shuffled together
 
     def __post_init__(self) -> None:
         if self.batches_per_server_epoch < 1:
@@ -77,6 +88,10 @@ class Schedule:
             raise IndexError(f"rank {rank} is outside a membership of {size}")
         return tuple(self.step_batches(step)[rank::size])
 
+    def share_after(self, step: int, rank: int, size: int) -> tuple[int, ...]:
+        """The share of the step after `step` (`share`), none past the last step."""
+        return self.share(step + 1, rank, size) if step + 1 < self.total_steps else ()
+
     def step_of(self, batch_id: int) -> int:
         return batch_id // self.micro_batches
 
@@ -90,15 +105,57 @@ class Schedule:
     def server_of(self, batch_id: int) -> int:
         return self.locate(batch_id).server
 
+    def partition_start(self, server: int) -> int:
+        """The global index of data server `server`'s first sample (the partitions are contiguous)."""
+        return sum(self.partition_sizes[:server])
+
     def sample_indices(self, batch_id: int) -> np.ndarray:
         """Indices into the data server's own partition of the samples of `batch_id`."""
         where = self.locate(batch_id)
-        order = _epoch_order(self.seed, where.epoch, where.server, self.partition_sizes[where.server])
+        order = _epoch_order(
+            self.seed,
+            where.epoch,
+            where.server,
+            self.partition_sizes[where.server],
+            self.partition_start(where.server),
+            self.block_rows,
+            self.window_blocks,
+        )
         return order[where.index * self.batch_size : (where.index + 1) * self.batch_size]
+
+    def samples(self, batch_id: int) -> tuple[int, np.ndarray]:
+        """The epoch of `batch_id` and the global indices of its samples, in the batch's order."""
+        where = self.locate(batch_id)
+        return where.epoch, self.sample_indices(batch_id) + self.partition_start(where.server)
+
+    def server_batches_after(self, batch_id: int, count: int) -> list[int]:
+        """The next `count` batch ids (at most) that live on the data server of `batch_id`, in order."""
+        step = self.data_servers  # (an epoch's batch ids are dealt to the servers in turn)
+        return [
+            b for b in range(batch_id + step, batch_id + step * (count + 1), step) if b < self.total_batches
+        ]
 
 
 @lru_cache(maxsize=8)
-def _epoch_order(seed: int, epoch: int, server: int, size: int) -> np.ndarray:
-    order = np.random.default_rng([seed, epoch, server]).permutation(size)
+def _epoch_order(
+    seed: int, epoch: int, server: int, size: int, start: int = 0, block_rows: int = 0, window: int = 8
+) -> np.ndarray:
+    rng = np.random.default_rng([seed, epoch, server])
+    if block_rows <= 0:
+        order = rng.permutation(size)
+    else:
+        # Block edges at multiples of `block_rows` of the global index, in the partition's own index.
+        edges = [
+            0,
+            *range(block_rows - start % block_rows if start % block_rows else block_rows, size, block_rows),
+            size,
+        ]
+        blocks = [np.arange(lo, hi) for lo, hi in itertools.pairwise(edges) if hi > lo]
+        placed = rng.permutation(len(blocks))
+        runs = [
+            rng.permutation(np.concatenate([blocks[k] for k in placed[w : w + max(1, window)]]))
+            for w in range(0, len(blocks), max(1, window))
+        ]
+        order = np.concatenate(runs)
     order.setflags(write=False)
     return order

@@ -295,7 +295,7 @@ def in_process_servers(digits_url: str, **overrides: Any) -> tuple[list[DataServ
             DataServer(
                 i,
                 prepared.specs.shard,
-                prepared.dataset,
+                prepared.batches,
                 prepared.schedule,
                 start.params,
                 start.buffers,

@@ -110,7 +110,7 @@ def test_compute_worker_holds_no_parameters(digits_url: str) -> None:
     params = {n: state[n].clone().requires_grad_(True) for n in trainer.param_names}
     buffers = {n: t for n, t in state.items() if n not in params}
     x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
-    _loss, grads, new_buffers = trainer.gradient(params, buffers, x, y, step=0, batch_id=0)
+    _loss, grads, new_buffers = trainer.gradient(params, buffers, {"x": x, "y": y}, step=0, batch_id=0)
     assert all(t.is_meta for t in trainer.model.state_dict().values()), "nothing was kept after the step"
     # The same gradient as an ordinary model holding those parameters.
     torch.manual_seed(0)
@@ -136,7 +136,7 @@ def test_a_model_that_changes_its_parameters_in_place_is_refused_naming_them(dig
     with pytest.raises(
         ModelFailure, match=r"changed its parameters \['1.weight'\] in place at step 3, batch 5"
     ):
-        trainer.gradient(params, {}, x, y, step=3, batch_id=5)
+        trainer.gradient(params, {}, {"x": x, "y": y}, step=3, batch_id=5)
 
 
 @pytest.mark.cluster

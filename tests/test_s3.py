@@ -283,7 +283,7 @@ def test_fsspec_environment_configuration_reaches_s3(s3: S3, s3_digits: str) -> 
         import sys
         from prefect_elastic import ElasticJob
         job = ElasticJob(model="tests.models:mlp", dataset=sys.argv[1])
-        print("SAMPLES", job.check_inputs().total)
+        print("SAMPLES", job.check_inputs()[0].length)
         """
     )
     env = {

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..allocator import freeze_startup_objects
+from ..data.fields import Batch
 from ..messages import CoordinatorHandle, Role, Tensors
 from ..schedule import Schedule
 from ..sharding import join, part
@@ -106,7 +107,7 @@ class AsyncSession:
         # The batches of the batch ids in hand, fetched on the data connections by a thread of their own
         # ahead of need (reading a batch of the mlp's took 0.8 ms of the loop's thread a step).
         self.fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefect-elastic-batches")
-        self.batches: dict[int, Future[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.batches: dict[int, Future[Batch]] = {}
         self.lease_call: Any = None  # the coordinator's answer to the next lease, while it is on its way
         self.leased = False  # whether this session asked for a lease yet
         self.pending: deque[Pending] = deque()  # sent, in order; answers come back in that order per shard
@@ -179,20 +180,22 @@ class AsyncSession:
     def _ask_batches(self) -> None:
         # The batches of every batch id in hand are asked for at once: the fetcher reads them while the
         # loop computes.
+        if self.trainer.local is not None:
+            self.trainer.local.want(self.hand)  # (this worker makes its batches: all asked at once)
         for b in self.hand:
             if b not in self.batches:
                 self.batches[b] = self.fetcher.submit(self._fetch_batch, self.role.generation, b)
 
-    def _fetch_batch(self, generation: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the fetcher's thread: batch id `b`'s inputs and targets, from the shard that holds them."""
+    def _fetch_batch(self, generation: int, b: int) -> Batch:
+        """On the fetcher's thread: batch id `b`'s fields, from the shard that holds them (or made here)."""
+        if self.trainer.local is not None:
+            return self.trainer.local.take([b])[b]
         link = self.data[self.schedule.server_of(b)]
         frame = link.request(Pull(generation, Then(None, 0.0, [b])).frame(), self.timeout)
         Next.of(frame.header).check()
-        xs = {e.batch_id: t for e, t in frame.tensors if e.kind == "x"}
-        ys = {e.batch_id: t for e, t in frame.tensors if e.kind == "y"}
-        return xs[b], ys[b]
+        return {e.name: t for e, t in frame.tensors if e.kind == "field" and e.batch_id == b}
 
-    def _batch(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _batch(self, b: int) -> Batch:
         # (Dropped from `batches` only once done: `close` must see a fetch still running.)
         got = self.batches[b].result(timeout=2 * self.timeout + 1)
         del self.batches[b]
@@ -215,7 +218,7 @@ class AsyncSession:
         trainer, gen = self.trainer, self.role.generation
         b = self.hand.popleft()
         began = time.perf_counter()
-        x, y = self._batch(b)
+        batch = self._batch(b)
         # (Whole tensors: the parts of one split across shards are joined into a new one.)
         merged = join(self.state, trainer.plan, trainer.shapes)
         # The version of each shard the model came from: the tag of this gradient, whatever arrives while
@@ -226,7 +229,7 @@ class AsyncSession:
         buffers = {n: t for n, t in merged.items() if n not in params}
         waited = time.perf_counter()
         self.stats.add("pull", waited - began)
-        loss, grads, bufs = trainer.gradient(params, buffers, x, y, b, b)
+        loss, grads, bufs = trainer.gradient(params, buffers, batch, b, b)
         del params
         computed = time.perf_counter()
         took = computed - waited

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..data.fields import Batch
 from ..errors import FatalError
 from ..messages import Tensors
 from ..sharding import Piece, split_pieces
@@ -44,7 +45,7 @@ class Ahead:
         plan: Sequence[Sequence[Piece]] = (),
         pull: BucketPull | None = None,
         wholes: dict[str, tuple[torch.Tensor, np.ndarray]] | None = None,
-    ) -> tuple[Tensors, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    ) -> tuple[Tensors, dict[int, Batch]]:
         """The parameters and buffers (views of the frames' tensors), and the batches by batch id.
         `shapes`: every parameter's and buffer's shape, for the shards that send theirs as flat runs;
         `plan`: each shard's pieces, where a tensor split across shards comes in parts (each answer names
@@ -54,8 +55,7 @@ class Ahead:
         (`bucket_pull.py`), still empty here, and joins split tensors as their buckets arrive."""
         state: Tensors = {}
         parts: dict[str, list[tuple[int, Piece, torch.Tensor]]] = {}  # (shard, piece, its run) by name
-        xs: dict[int, torch.Tensor] = {}
-        ys: dict[int, torch.Tensor] = {}
+        batches: dict[int, Batch] = {}
         answers = [Next.of(frame.header) for frame in self.frames]
         failures = [error for answer in answers if (error := answer.failure()) is not None]
         backups = [error for error in failures if isinstance(error, BackupWanted)]
@@ -83,10 +83,8 @@ class Ahead:
                     found.update(unflatten(names, tensor, held))
                 elif entry.kind == "buffers":  # (one flat run of the shard's buffers of one dtype)
                     found.update(unflatten((answer.buffers or [])[entry.batch_id], tensor, held))
-                elif entry.kind == "x":
-                    xs[entry.batch_id] = tensor
-                elif entry.kind == "y":
-                    ys[entry.batch_id] = tensor
+                elif entry.kind == "field":  # (a field of a batch the shard made: `data_server/partition.py`)
+                    batches.setdefault(entry.batch_id, {})[entry.name] = tensor
             for name, tensor in found.items():
                 if name in split:
                     assert answer.shard is not None  # (`split` is empty for an answer of no shard)
@@ -99,7 +97,7 @@ class Ahead:
                 state[name] = pull.joined(name, shapes[name], runs)
             else:
                 state[name] = joined_now({} if wholes is None else wholes, name, shapes[name], runs)
-        return state, {b: (x, ys[b]) for b, x in xs.items()}
+        return state, batches
 
 
 def moved_as_one(

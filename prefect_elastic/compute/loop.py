@@ -29,6 +29,7 @@ from typing import Protocol
 import torch
 
 from ..allocator import tune_allocator
+from ..data.batches import BatchSpec
 from ..job import LoopSpec, StateLayout
 from ..messages import CoordinatorHandle, Role, direct
 from ..schedule import Schedule
@@ -80,7 +81,7 @@ def run_loop(
     coordinator: CoordinatorHandle,
     plan: list[list[Piece]],
     layout: StateLayout,
-    schedule: Schedule,
+    batches: BatchSpec,
 ) -> LoopStats:
     """Runs as a Dask task pinned to one elastic worker until the job ends, the worker closes, or the
     controller cancels it."""
@@ -96,7 +97,8 @@ def run_loop(
     tune_allocator()
     torch.set_num_threads(spec.threads_per_worker)
     device = training_device(spec.deterministic)
-    trainer = MicroBatchTrainer(spec, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN))
+    schedule = batches.schedule
+    trainer = MicroBatchTrainer(spec, plan, layout, device, lambda: worker.plugins.get(SLOWDOWN), batches)
     observer: PushObserver | None = worker.plugins.get(PUSH_HOOK)  # type: ignore[assignment]
 
     def wanted() -> bool:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call
 
+from ..data.fields import XY_FIELDS, Batch
+from ..data.maker import LocalBatches
 from ..job import GLOBAL_RNG_LOCK, LoopSpec, StateLayout
 from ..messages import Role, Tensors
 from ..schedule import Schedule
@@ -47,6 +49,8 @@ from .stats import LoopStats, PhaseClock
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..data.batches import BatchSpec
+
 log = logging.getLogger(__name__)
 
 # How long a pull waits on a shard for the step before it to be applied; a step that takes longer (a
@@ -55,7 +59,7 @@ PULL_WAIT_SECONDS = 5.0
 # The engine's push path (`pushes.py`).
 PIPELINED = Pipelined()
 
-Batches = dict[int, tuple[torch.Tensor, torch.Tensor]]  # a step's inputs and targets by batch id
+Batches = dict[int, Batch]  # a step's batches by batch id
 
 
 class MicroBatchTrainer:
@@ -68,7 +72,10 @@ class MicroBatchTrainer:
         layout: StateLayout,
         device: torch.device,
         slowdown: Callable[[], Any] = lambda: None,
+        batches: BatchSpec | None = None,
     ) -> None:
+        """`batches`: what makes the job's batches; where they are made on the compute workers, this
+        loop's are made ahead by a process of its own (`data/maker.py`), else its shards send them."""
         self.spec = spec
         self._slowdown = slowdown
         self.device = device
@@ -80,6 +87,10 @@ class MicroBatchTrainer:
         # handed the tensor it shares explicitly; autograd then sums both uses into one gradient.
         self.aliases = dict(layout.aliases)
         self.loss_fn = spec.model_spec.loss_fn()
+        self.fields = batches.fields if batches is not None else XY_FIELDS
+        self.local = (
+            LocalBatches(batches, spec.call_timeout) if batches is not None and batches.on_compute else None
+        )
         # Each shard's parameters (its plan has its buffers too), in the plan's order: the gradients a
         # frame carries to it, and the order of a packed run of them (the frame's `order`). A piece of a
         # tensor split across shards (`plan_pieces`) carries the flat run of its elements of it.
@@ -142,6 +153,8 @@ class MicroBatchTrainer:
             self.bucket_push.close()
         if self.bucket_pull is not None:
             self.bucket_pull.close()
+        if self.local is not None:
+            self.local.close()
 
     def then(
         self,
@@ -160,7 +173,7 @@ class MicroBatchTrainer:
             return [None] * len(self.plan)
         if share is None:
             share = schedule.share(step, role.rank, role.size)
-        wanted = share if batches else ()
+        wanted = share if batches and self.local is None else ()
         worker = role.members[role.rank]
         asks: list[Then | None] = []
         for i in range(len(self.plan)):
@@ -225,13 +238,15 @@ class MicroBatchTrainer:
         if ahead is not None and (ahead.generation, ahead.step) != (role.generation, step):
             ahead = None
         state, batches = self.pull(ahead, lambda: self.fetch(role, step, shards, schedule, share))
+        if self.local is not None:  # (this worker makes its batches: the next step's while this computes)
+            batches = {**batches, **self.local.step(share, schedule.share_after(step, role.rank, role.size))}
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
         asks = pushes.ahead(self.then(role, step + 1, schedule, params=False))
         send_all(shards, [None if then is None else Pull(role.generation, then).frame() for then in asks])
         clock.lap("pull")
         following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
-        if self.bucket_pull is not None and self.guards(batches[share[0]][0]):
+        if self.bucket_pull is not None and self.guards(batches[share[0]]):
             following = self.bucket_pull.ask(shards, following)
         losses, sent = self.compute(role.generation, step, share, shards, state, batches, clock, backup)
         # (The step's parameters and batches go before the push: a loop on the shard's machine holds its
@@ -302,11 +317,11 @@ class MicroBatchTrainer:
                     self.model, to_come, pull.receive, self.aliases, done=pull.rest, reads=self.early_reads
                 )
             for b in share:
-                x, y = batches[b]
+                batch = batches[b]
                 began = time.perf_counter()
                 if self.bucket_push is not None:
                     self.bucket_push.micro_batch(b)
-                loss, g, bufs = self.gradient(params, buffers, x, y, step, b, host=self.whole_push)
+                loss, g, bufs = self.gradient(params, buffers, batch, step, b, host=self.whole_push)
                 if gate is not None and pull is not None:
                     gate.remove()  # (the share's later micro-batches find every bucket in)
                     gate = None
@@ -351,7 +366,7 @@ class MicroBatchTrainer:
             every.append(entries)
         return every
 
-    def guards(self, x: torch.Tensor) -> bool:
+    def guards(self, batch: Batch) -> bool:
         """Whether a forward gate can hold each parameter until it arrived, decided once, on the meta model
         with a micro-batch's shape: where a module reads a parameter before its own module runs (a parent
         reading its child's weight), the gate waits for it in that module's pre-hook (`early_reads`,
@@ -368,7 +383,12 @@ class MicroBatchTrainer:
                 def forward(params: Mapping[str, torch.Tensor]) -> Any:
                     tensors = {**params, **buffers}
                     tensors.update({alias: tensors[name] for alias, name in aliases.items()})
-                    return functional_call(model, tensors, (x.to("meta"),))
+                    return self.fields.loss_of(
+                        lambda *args, **kwargs: functional_call(model, tensors, args, kwargs),
+                        batch,
+                        torch.device("meta"),
+                        self.loss_fn,
+                    )
 
                 self.early_reads = unguarded(model, self.bucket_pull.plan, forward, meta, aliases)
                 self.guarded = True
@@ -406,8 +426,7 @@ class MicroBatchTrainer:
         self,
         params: Tensors,
         buffers: Tensors,
-        x: torch.Tensor,
-        y: torch.Tensor,
+        batch: Batch,
         step: int,
         batch_id: int,
         host: bool = True,
@@ -434,8 +453,12 @@ class MicroBatchTrainer:
                 if self.device.type == "cuda":
                     torch.cuda.manual_seed(seed)
                 versions = [p._version for p in params.values()]
-                out = functional_call(self.model, tensors, (x.to(self.device),))
-                loss = self.loss_fn(out, y.to(self.device))
+                loss = self.fields.loss_of(
+                    lambda *args, **kwargs: functional_call(self.model, tensors, args, kwargs),
+                    batch,
+                    self.device,
+                    self.loss_fn,
+                )
                 grads = torch.autograd.grad(
                     loss, list(params.values()), allow_unused=True, materialize_grads=True
                 )

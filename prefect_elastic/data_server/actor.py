@@ -36,10 +36,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from ..allocator import freeze_startup_objects, tune_allocator
-from ..dataset import DatasetInfo
+from ..data.batches import BatchSpec
+from ..data.fields import Batch
 from ..errors import FatalError
 from ..job import ShardSpec
 from ..messages import ShardStatus, SnapshotInfo, Tensors
@@ -62,7 +61,7 @@ class DataServer:
         self,
         index: int,
         spec: ShardSpec,
-        dataset: DatasetInfo,
+        dataset: BatchSpec,
         schedule: Schedule,
         params: Tensors,
         buffers: Tensors,
@@ -82,7 +81,7 @@ class DataServer:
         self._spec = spec
         self._schedule = schedule
         self.shard = ShardState(index, spec.model_spec, params, buffers, optimizer_state, version, applied)
-        self.partition = Partition(index, dataset, schedule, self.shard)
+        self.partition = Partition(index, dataset, self.shard)
         if mode is None:
             raise TypeError("DataServer needs the apply of the job's mode (mode=, see prefect_elastic.modes)")
         self.applies = mode(self.shard, schedule, self._hooks, spec.max_staleness)
@@ -186,7 +185,7 @@ class DataServer:
         """Async mode: the version and a copy of the parameters and buffers as they are now."""
         return await self.applies.current(generation)
 
-    async def get_batch(self, generation: int, batch_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    async def get_batch(self, generation: int, batch_id: int) -> Batch:
         return await self.partition.get_batch(generation, batch_id)
 
     async def pull(self, generation: int, step: int, wait: float = 0.0) -> Tensors:
@@ -395,8 +394,10 @@ class DataServer:
             "generation": self.shard.generation,
             "version": self.shard.version,
             "snapshot_versions": sorted(self.shard.snapshots),
-            "samples": len(self.partition.y),
-            "data_bytes": self.partition.nbytes,
+            "samples": self.partition.samples,
+            # (The batches made ahead and not yet served, at their most: the data is read as it is needed.)
+            "data_bytes": self.partition.peak_bytes,
+            "batches_made": self.partition.made,
             "param_bytes": nbytes(self.shard.params) + nbytes(self.shard.buffers),
         }
 

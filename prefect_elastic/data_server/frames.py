@@ -54,7 +54,7 @@ class ShardFrames:
         self._shard = shard
         self._applies = applies
         self._replicas = replicas
-        self._get_batch = get_batch  # (generation, batch id) -> x, y
+        self._get_batch = get_batch  # (generation, batch id) -> the batch's fields
 
     async def answer(self, frame: Frame) -> Frame:
         """One frame of a compute loop: a push (gradients, buffers and losses of its share of a step)
@@ -116,8 +116,8 @@ class ShardFrames:
                 if answer.follow and then.buckets is not None:
                     following = self._buckets(generation, then.step, then.buckets)
             for b in then.batches:
-                x, y = await self._get_batch(generation, b)
-                tensors += [(Entry("x", b, ""), x), (Entry("y", b, ""), y)]
+                batch = await self._get_batch(generation, b)
+                tensors += [(Entry("field", b, name), t) for name, t in batch.items()]
         except Exception as exc:
             return Next.failed(exc).frame()
         return answer.frame(tensors, following)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -20,7 +19,8 @@ import pydantic
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from ..dataset import DatasetInfo
+from ..data.fields import MODEL_LOSS, StepFields
+from ..data.sources import SourceInfo
 from ..errors import JobConfigError
 from .build import (
     LOSSES,
@@ -33,32 +33,22 @@ from .build import (
     state_layout,
 )
 from .inputs import check_dataset
+from .limits import (
+    IMPORT_PATHS_OF,
+    AT_LEAST_ONE,
+    IMPORT_PATH,
+    JOB_ID,
+    NON_NEGATIVE_OPTIONS,
+    POSITIVE_SECONDS,
+    TORCH_SEED_RANGE,
+    is_non_negative,
+    is_number,
+    options_by_protocol,
+)
 from .loading import config_error, read_settings, yaml_of
 from .specs import CheckpointSpec, LoopSpec, ModelSpec, RoleSpecs, ShardSpec
 
 __all__ = ["ElasticJob"]
-
-_NON_NEGATIVE_OPTIONS = ("lr", "momentum", "weight_decay", "eps", "dampening")
-_JOB_ID = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
-_IMPORT_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-# What each positive setting means, so that the error says why a value of 0 cannot work.
-_AT_LEAST_ONE = {
-    "batch_size": "samples in one micro-batch (one batch id)",
-    "micro_batches": "micro-batches whose gradients are summed into one step",
-    "epochs": "passes over the dataset",
-    "data_servers": "each data server holds one data partition, and a share of a big model's parameters",
-    "threads_per_worker": "torch threads of each compute worker",
-    "min_workers": "compute workers training needs to go on",
-    "checkpoint_every": "snapshots between two persistent checkpoints",
-    "checkpoint_keep": "persistent checkpoints kept before older ones are pruned",
-}
-_POSITIVE_SECONDS = {
-    "liveness_interval": "how often survival detection runs",
-    "min_workers_timeout": "how long training waits with fewer than min_workers",
-    "call_timeout": "how long one remote call may take before it is an error",
-}
-_TORCH_SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def _default_optimizer() -> dict[str, Any]:
@@ -143,6 +133,20 @@ class ElasticJob(BaseModel):
     # (docs/guide.md, "Bitwise, or the fastest kernels"). Nothing changes on a CPU, whose kernels give
     # the same bits either way.
     deterministic: bool = True
+    # The data (docs/guide.md, "Your data"): the field(s) the model takes (a list: as keywords) and the
+    # loss takes (None: `x` and `y`, or a tuple item's first two); `collate`: an import path.
+    inputs: str | list[str] | None = None
+    target: str | None = None
+    collate: str | None = None
+    # Where batches are made (read `prefetch_batches` ahead): None: on each compute worker for a Dataset
+    # factory or a `collate` (their CPU grows with the workers), else on the data servers.
+    data_pipeline: Literal["data_servers", "compute_workers"] | None = None
+    prefetch_batches: int = 4
+    data_cache_bytes: int = 256 * 2**20  # the source's blocks a reader keeps in memory at most
+    # None: "blocks" for Parquet and Arrow on an object store (samples shuffled within `shuffle_window`
+    # blocks of rows in a random order), else "samples".
+    shuffle: Literal["samples", "blocks"] | None = None
+    shuffle_window: int = 8
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -174,6 +178,9 @@ class ElasticJob(BaseModel):
         "max_staleness",
         "min_shard_bytes",
         "checkpoint_failures_allowed",
+        "prefetch_batches",
+        "data_cache_bytes",
+        "shuffle_window",
         mode="before",
     )
     @classmethod
@@ -183,20 +190,20 @@ class ElasticJob(BaseModel):
             raise ValueError(f"must be a number, not a boolean; write the {info.field_name} you want")
         return value
 
-    @field_validator(*_AT_LEAST_ONE, mode="after")
+    @field_validator(*AT_LEAST_ONE, mode="after")
     @classmethod
     def _at_least_one(cls, value: int, info: ValidationInfo) -> int:
         name = info.field_name or ""
         if value < 1:
-            raise ValueError(f"must be at least 1 ({_AT_LEAST_ONE[name]})")
+            raise ValueError(f"must be at least 1 ({AT_LEAST_ONE[name]})")
         return value
 
-    @field_validator(*_POSITIVE_SECONDS, mode="after")
+    @field_validator(*POSITIVE_SECONDS, mode="after")
     @classmethod
     def _positive_seconds(cls, value: float, info: ValidationInfo) -> float:
         name = info.field_name or ""
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"must be a positive, finite number of seconds ({_POSITIVE_SECONDS[name]})")
+            raise ValueError(f"must be a positive, finite number of seconds ({POSITIVE_SECONDS[name]})")
         return value
 
     @field_validator("call_timeout", mode="after")
@@ -240,7 +247,7 @@ class ElasticJob(BaseModel):
     @field_validator("seed", mode="after")
     @classmethod
     def _seed_in_range(cls, value: int) -> int:
-        lo, hi = _TORCH_SEED_RANGE
+        lo, hi = TORCH_SEED_RANGE
         if not lo <= value <= hi:
             raise ValueError(f"must be in [{lo}, {hi}], the range torch.manual_seed accepts")
         return value
@@ -248,7 +255,7 @@ class ElasticJob(BaseModel):
     @field_validator("job_id", mode="after")
     @classmethod
     def _job_id_pattern(cls, value: str) -> str:
-        if not _JOB_ID.fullmatch(value):
+        if not JOB_ID.fullmatch(value):
             raise ValueError(
                 "must be 1 to 64 characters, each a letter, a digit, '-', '_' or '.'; roles register under "
                 "it, so pick a short name such as 'mnist-run-1'"
@@ -280,42 +287,33 @@ class ElasticJob(BaseModel):
     def _storage_by_protocol(cls, value: Any) -> Any:
         # Before pydantic's own check, whose "Input should be a valid dictionary" would not say that the
         # options go under a protocol, which is the usual mistake.
-        example = "e.g. {'s3': {'endpoint_url': 'http://127.0.0.1:9000'}}"
-        if not isinstance(value, dict):
-            raise ValueError(f"must map each protocol to its fsspec options, {example}")
-        known = set(fsspec.available_protocols())
-        for protocol, options in value.items():
-            if not isinstance(options, dict):
-                raise ValueError(
-                    f"maps {protocol!r} to {options!r:.60}, not to a mapping of options; the options go "
-                    f"under the protocol of the URLs they are for, {example}"
-                )
-            if protocol not in known:
-                raise ValueError(
-                    f"{protocol!r} is not a protocol fsspec knows (the part of a URL before '://', such as "
-                    f"'s3', 'gs', 'file'); the options go under the protocol of the URLs they are for, "
-                    f"{example}"
-                )
-        return value
+        return options_by_protocol(value)
 
-    @field_validator("model", mode="after")
+    @field_validator("model", "collate", mode="after")
     @classmethod
-    def _model_path(cls, value: str) -> str:
-        if not _IMPORT_PATH.fullmatch(value):
+    def _import_path(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and not IMPORT_PATH.fullmatch(value):
             raise ValueError(
                 "must be an import path 'module:callable' (e.g. 'my_project.models:make_net') of a "
-                "zero-argument callable that returns a torch.nn.Module"
+                + IMPORT_PATHS_OF[str(info.field_name)]
             )
         return value
 
     @field_validator("loss", mode="after")
     @classmethod
     def _loss_name(cls, value: str) -> str:
-        if value not in LOSSES and not _IMPORT_PATH.fullmatch(value):
+        if value not in LOSSES and value != MODEL_LOSS and not IMPORT_PATH.fullmatch(value):
             raise ValueError(
-                f"must be one of {', '.join(repr(n) for n in LOSSES)} or an import path 'module:callable' "
-                "of a function (output, target) -> scalar tensor"
+                f"must be one of {', '.join(repr(n) for n in LOSSES)}, 'model' (the model returns its own "
+                "loss) or an import path 'module:callable' of a function (output, target) -> scalar tensor"
             )
+        return value
+
+    @field_validator("prefetch_batches", "data_cache_bytes", mode="after")
+    @classmethod
+    def _not_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("must not be negative (0: none)")
         return value
 
     @field_validator("optimizer", mode="after")
@@ -330,15 +328,15 @@ class ElasticJob(BaseModel):
                 f"has {shown}; set 'name' to one of {choices} (these work elementwise, so a parameter shard "
                 "gets the same numbers as the whole model), plus that optimizer's keyword arguments"
             )
-        for key in _NON_NEGATIVE_OPTIONS:
-            if key in options and not _is_non_negative(options[key]):
+        for key in NON_NEGATIVE_OPTIONS:
+            if key in options and not is_non_negative(options[key]):
                 raise ValueError(f"{key}={options[key]!r} must be a non-negative number")
         if "betas" in options:
             betas = options["betas"]
             if (
                 not isinstance(betas, (list, tuple))
                 or len(betas) != 2
-                or not all(_is_number(b) and 0 <= b < 1 for b in betas)
+                or not all(is_number(b) and 0 <= b < 1 for b in betas)
             ):
                 raise ValueError(f"betas={betas!r} must be two numbers in [0, 1), e.g. [0.9, 0.999]")
             # YAML gives a list; torch wants a tuple, and the dict must compare equal after a round trip.
@@ -403,11 +401,13 @@ class ElasticJob(BaseModel):
         """The fields that decide the trained parameters: a checkpoint only resumes a job that agrees on
         all of them. (Workers, timeouts, the policy and the job id do not change the result.)"""
         keys = ("model", "dataset", "loss", "optimizer", "batch_size", "micro_batches", "epochs")
+        # (The data's settings where given: a checkpoint of a job before them resumes with their defaults.)
+        data = {k: getattr(self, k) for k in ("inputs", "target", "collate", "shuffle") if getattr(self, k)}
         # (`data_servers` decides which batch ids each partition serves. A checkpoint holds whole tensors,
         # so which data server held which of them does not matter: `min_shard_bytes` and `split_tensors`
         # may change on a resume, except in async mode, where each shard resumes at a version of its own
         # (`Persistence.shard_start` checks that its pieces are the ones it held).)
-        return {k: getattr(self, k) for k in (*keys, "data_servers", "seed")}
+        return {**{k: getattr(self, k) for k in (*keys, "data_servers", "seed")}, **data}
 
     def initial_state(self) -> dict[str, torch.Tensor]:
         """The model's parameters and buffers before training (its `state_dict`); the same for a seed."""
@@ -425,8 +425,8 @@ class ElasticJob(BaseModel):
         tensors = {n: named[n].detach().clone().contiguous() for n in (*layout.params, *layout.buffers)}
         return layout, tensors
 
-    def loss_fn(self) -> LossFn:
-        """The loss function named by `loss`."""
+    def loss_fn(self) -> LossFn | None:
+        """The loss function named by `loss` (None: the model computes its own)."""
         return self.model_spec.loss_fn()
 
     def build_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -481,20 +481,14 @@ class ElasticJob(BaseModel):
         """Every role's settings, made once when the job is prepared."""
         return RoleSpecs(self.shard_spec, self.loop_spec, self.checkpoint_spec)
 
-    def check_inputs(self) -> DatasetInfo:
-        """The expensive checks, run once before any cluster work: model, loss, dataset, and whether the
-        loss takes the dataset's targets (from the npy header of `y`)."""
+    def check_inputs(self) -> tuple[SourceInfo, StepFields]:
+        """The expensive checks, run once before any cluster work: model, loss, dataset, the fields a step
+        takes from it, and whether the loss takes its targets (where the source's schema says their dtype)."""
         # (Built as every model here is, under the lock: a constructor's draws from torch's global generator
         # in one thread changed another job's initial parameters, built at the same moment in another.)
         self.initial_model()
         self.loss_fn()
         storage = self.storage_for(self.dataset)
-        return check_dataset(self.dataset, storage, self.loss, self.data_servers, self.batch_size)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_non_negative(value: Any) -> bool:
-    return _is_number(value) and value >= 0
+        return check_dataset(
+            self.dataset, storage, self.loss, self.data_servers, self.batch_size, self.inputs, self.target
+        )

@@ -41,9 +41,9 @@ class ModelSpec:
             torch.manual_seed(self.seed)
             return build_model(self.model).cpu()
 
-    def loss_fn(self) -> LossFn:
-        """The loss function named by `loss`."""
-        return loss_named(self.loss)
+    def loss_fn(self) -> LossFn | None:
+        """The loss function named by `loss` (None: `loss="model"`, the model computes its own)."""
+        return None if self.loss == "model" else loss_named(self.loss)
 
     def build_optimizer(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         """The optimizer named by `optimizer`, over `params` (the whole model or one shard's slice)."""

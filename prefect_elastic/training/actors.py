@@ -315,7 +315,7 @@ class Actors:
             )
         self.workers.placed_on(where)
         return self.client.submit(
-            DataServer, index, self.prepared.specs.shard, self.prepared.dataset, self.prepared.schedule,
+            DataServer, index, self.prepared.specs.shard, self.prepared.batches, self.prepared.schedule,
             *tensors, version, applied, self.mode.applies,
             actor=True, workers=[where], allow_other_workers=False,
             key=f"prefect-elastic-{self.job.job_id}-{self.run_id}-data-server-{index}-{uuid.uuid4().hex[:6]}",

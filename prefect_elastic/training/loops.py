@@ -95,7 +95,7 @@ class ComputeLoops:
                 self._serial += 1
                 self.loops[addr] = self.client.submit(
                     run_loop, self.prepared.mode.loop, spec, coordinator, plan,
-                    self.prepared.persistence.layout, self.prepared.schedule,
+                    self.prepared.persistence.layout, self.prepared.batches,
                     key=f"{self.key_prefix}-compute-{addr}-{self._serial}",
                     workers=[addr], allow_other_workers=False, pure=False,
                 )  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import FatalError
 from .inbox import SharedBodies
-from .signals import BackupWanted, RecoverableError, StaleGenerationError, StepPassed
+from .signals import BackupWanted, DataFailure, RecoverableError, StaleGenerationError, StepPassed
 
 _LENGTH = struct.Struct("!I")  # a frame's header length, before the header
 _DTYPES: dict[str, torch.dtype] = {}  # a header's dtype name -> the dtype (looked up once per name)
@@ -205,6 +205,8 @@ def error_header(exc: BaseException) -> dict[str, Any]:
         return {"error": "backup", "step": exc.step, "batch_ids": list(exc.batch_ids)}
     if isinstance(exc, RecoverableError):
         return {"error": "recoverable", "message": str(exc)}
+    if isinstance(exc, DataFailure):
+        return {"error": "data", "step": exc.step, "batch_id": exc.batch_id, "message": str(exc)}
     if isinstance(exc, FatalError):
         return {"error": "fatal", "message": str(exc)}
     return {"error": "internal", "message": f"{type(exc).__name__}: {exc}"}
@@ -223,6 +225,8 @@ def error_of(header: dict[str, Any]) -> Exception | None:
         return BackupWanted(int(header["step"]), tuple(int(b) for b in header["batch_ids"]))
     if kind == "recoverable":
         return RecoverableError(str(header["message"]))
+    if kind == "data":
+        return DataFailure(int(header["step"]), int(header["batch_id"]), str(header["message"]))
     if kind == "fatal":
         return FatalError(str(header["message"]))
     return RuntimeError(f"the shard failed: {header.get('message')}")

@@ -10,8 +10,10 @@ the coordinator), and `train()` never lets one out (`training/run.py`, `public_e
     |   +-- StepPassed            a push or pull of a step the shard applied already (a straggler's)
     |   +-- BackupWanted          a step's micro-batches are missing: train them for the silent member
     +-- ModelFailure              inside a compute loop only: becomes a `TrainingFailedError`
+        +-- DataFailure           a batch could not be made (its samples, the collate): the same
 
-The first four travel on the step channel as error headers (`codec.error_header`, `codec.raise_error`),
+The first four and `DataFailure` (a data server makes batches too) travel on the step channel as error
+headers (`codec.error_header`, `codec.raise_error`),
 told apart by the header's `error` kind, not by a class name. Compute loops and the coordinator catch
 `RecoverableError`.
 """
@@ -82,3 +84,9 @@ class ModelFailure(StepSignal):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.step, self.batch_id, str(self)))
+
+
+class DataFailure(ModelFailure):
+    """A batch could not be made: a sample did not read, or the collate could not batch the samples. It
+    names the batch id and the index of the sample; like a `ModelFailure`, it ends the job with a
+    `TrainingFailedError` (trained again, it would fail again)."""

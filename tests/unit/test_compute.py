@@ -43,9 +43,9 @@ def test_gradient_equals_an_ordinary_model_with_tied_weights_and_dropout(digits_
     buffers = {n: t for n, t in tensors.items() if n not in params}
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
 
-    loss, grads, _ = trainer.gradient(params, buffers, x, y, step=0, batch_id=5)
-    again, _, _ = trainer.gradient(params, buffers, x, y, step=0, batch_id=5)
-    other, _, _ = trainer.gradient(params, buffers, x, y, step=0, batch_id=6)
+    loss, grads, _ = trainer.gradient(params, buffers, {"x": x, "y": y}, step=0, batch_id=5)
+    again, _, _ = trainer.gradient(params, buffers, {"x": x, "y": y}, step=0, batch_id=5)
+    other, _, _ = trainer.gradient(params, buffers, {"x": x, "y": y}, step=0, batch_id=6)
     assert loss == again, "the same batch id draws the same dropout mask"
     assert loss != other, "another batch id draws another"
 
@@ -69,7 +69,7 @@ def test_gradient_equals_an_ordinary_language_model_with_an_lstm(tokens_url: str
     x = torch.randint(1, TOKENS, (8, 16))
     y = torch.randint(1, TOKENS, (8, 16))
 
-    loss, grads, _ = trainer.gradient(params, {}, x, y, step=0, batch_id=2)
+    loss, grads, _ = trainer.gradient(params, {}, {"x": x, "y": y}, step=0, batch_id=2)
 
     ordinary = job.initial_model()
     torch.manual_seed(micro_batch_seed(job.seed, 2))
@@ -97,7 +97,7 @@ def test_a_micro_batch_draws_its_dropout_mask_alone_while_another_thread_builds_
     trainer = MicroBatchTrainer(job.loop_spec, [list(tensors)], layout, torch.device("cpu"))
     params = {n: tensors[n].clone().requires_grad_(True) for n in trainer.param_names}
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
-    alone_loss, alone_grads, _ = trainer.gradient(params, {}, x, y, step=0, batch_id=5)
+    alone_loss, alone_grads, _ = trainer.gradient(params, {}, {"x": x, "y": y}, step=0, batch_id=5)
     _, other_alone = other.initial_tensors()
     built: list[dict[str, torch.Tensor]] = []
 
@@ -110,7 +110,7 @@ def test_a_micro_batch_draws_its_dropout_mask_alone_while_another_thread_builds_
     thread = threading.Thread(target=build_the_other_while_the_forward_runs)
     thread.start()
     try:
-        loss, grads, _ = trainer.gradient(params, {}, x, y, step=0, batch_id=5)
+        loss, grads, _ = trainer.gradient(params, {}, {"x": x, "y": y}, step=0, batch_id=5)
     finally:
         PAUSE_IN_FORWARD.clear()
         thread.join(30)
@@ -186,8 +186,8 @@ def test_parameters_moved_as_one_transfer_give_the_same_gradients(digits_url: st
     x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
     separate = {n: tensors[n].clone().requires_grad_(True) for n in names}
     views = {n: t.requires_grad_(True) for n, t in moved.items()}
-    loss, expected, _ = trainer.gradient(separate, buffers, x, y, step=0, batch_id=5)
-    again, got, _ = trainer.gradient(views, buffers, x, y, step=0, batch_id=5)
+    loss, expected, _ = trainer.gradient(separate, buffers, {"x": x, "y": y}, step=0, batch_id=5)
+    again, got, _ = trainer.gradient(views, buffers, {"x": x, "y": y}, step=0, batch_id=5)
     assert loss == again
     assert all(torch.equal(got[n], expected[n]) for n in names)
     back = moved_as_one(names, [expected[n] for n in names], trainer.shapes, torch.device("cpu"))

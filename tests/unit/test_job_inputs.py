@@ -115,8 +115,8 @@ def test_initial_state_leaves_global_rng_alone() -> None:
 
 
 def test_check_inputs_ok(dataset: str) -> None:
-    info = make_job(dataset, batch_size=50, data_servers=2).check_inputs()
-    assert info.total == 100
+    info, fields = make_job(dataset, batch_size=50, data_servers=2).check_inputs()
+    assert info.length == 100 and info.kind == "npz" and fields.used == ("x", "y")
 
 
 def test_check_inputs_batch_larger_than_partition(dataset: str) -> None:
@@ -195,7 +195,8 @@ def test_check_inputs_integer_targets_with_mse(tmp_path: Path, dtype: type) -> N
     ],
 )
 def test_check_inputs_targets_the_loss_takes(tmp_path: Path, loss: str, y: np.ndarray) -> None:
-    assert make_job(_targets(tmp_path, y), loss=loss).check_inputs().y_dtype == y.dtype.str
+    info, _ = make_job(_targets(tmp_path, y), loss=loss).check_inputs()
+    assert info.field("y") is not None and info.field("y").dtype == y.dtype.str  # type: ignore[union-attr]
 
 
 def test_initial_state_is_the_same_when_jobs_start_from_threads(tmp_path: Path) -> None:

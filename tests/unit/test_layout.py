@@ -264,7 +264,7 @@ def test_a_step_message_is_built_and_read_in_the_protocol_module_only() -> None:
 # its class of `wire/step_messages.py`.
 HEADER_READS_ALLOWED: dict[str, tuple[set[str], str]] = {
     "prefect_elastic.wire.codec": (
-        {"error", "got", "current", "what", "step", "version", "index", "batch_ids", "message"},
+        {"error", "got", "current", "what", "step", "version", "index", "batch_ids", "batch_id", "message"},
         "an error's own header, the frame's encoding of an exception (`error_header`, `error_of`)",
     ),
     "prefect_elastic.wire.channel": ({"tensors"}, "the body's size, read off a header before the body"),

@@ -63,7 +63,7 @@ def test_a_data_server_started_empty_takes_its_shard_from_the_peer_bit_for_bit(d
         # (The job `servers` made them for.)
         prepared = prepare(make_job(digits_url, "reassign", model="tests.models:mlp"))
         spec = prepared.specs.shard
-        empty = DataServer(0, spec, prepared.dataset, schedule, {}, {}, None, 0, mode=prepared.mode.applies)
+        empty = DataServer(0, spec, prepared.batches, schedule, {}, {}, None, 0, mode=prepared.mode.applies)
         assert not empty._params
         assert await empty.adopt(second, 0) == 0
         snapshot = first.shard.snapshots[0]
