@@ -10,7 +10,6 @@ reader's memory stays at the cache's bound plus the one block in hand.
 
 from __future__ import annotations
 
-import bisect
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -180,9 +179,6 @@ class ColumnarSource:
             block = int(blocks[positions[0]])
             groups[block] = (positions, wanted[positions] - self.starts[block])
         return groups
-
-    def block_of(self, index: int) -> int:
-        return bisect.bisect_right(self.starts.tolist(), index) - 1
 
     def items(self, indices: Sequence[int]) -> list[Any]:
         out: list[Any] = [None] * len(indices)

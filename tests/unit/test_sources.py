@@ -290,3 +290,27 @@ def test_reads_from_two_threads_get_their_own_samples(tmp_path: Path) -> None:
     for thread in threads:
         thread.join()
     assert not wrong
+
+
+def test_pyarrow_is_imported_only_by_a_source_that_needs_it(tmp_path: Path) -> None:
+    """An `.npz` dataset or a factory trains where the `data` extra is not installed."""
+    import subprocess
+    import sys
+
+    write_npz(str(tmp_path / "a.npz"), np.zeros((4, 2), np.float32), np.zeros(4, np.int64))
+    script = (
+        "import sys\n"
+        "from prefect_elastic.data.sources import inspect_source, open_source\n"
+        "for value in sys.argv[1:]:\n"
+        "    open_source(inspect_source('dataset', value)).items([0, 3])\n"
+        "assert 'pyarrow' not in sys.modules and 'datasets' not in sys.modules, 'imported'\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "a.npz"), "tests.sources_factories:pairs"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
