@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ CLASSES = 4
 SIDE = 12  # the PNGs' side; the random crop takes CROP of it
 CROP = 8
 VOCAB = 50
+PACE = 0.015  # seconds a forward sleeps: the cluster tests' runs last long enough to kill a worker in
 
 
 def write_digits_parquet(folder: Path, files: int = 3, row_group: int = 100) -> str:
@@ -90,6 +92,7 @@ class _TextClassifier(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor | None = None
     ) -> dict[str, torch.Tensor]:
+        time.sleep(PACE)
         mask = attention_mask.unsqueeze(-1).float()
         pooled = (self.embed(input_ids) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
         logits = self.out(self.drop(pooled))
@@ -103,11 +106,17 @@ def text_classifier() -> nn.Module:
     return _TextClassifier()
 
 
+class _Paced(nn.Sequential):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(PACE)
+        return super().forward(x)
+
+
 def digits_flat_mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    return _Paced(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def write_images(folder: Path, per_class: int = 40, seed: int = 0) -> str:
+def write_images(folder: Path, per_class: int = 80, seed: int = 0) -> str:
     """An image folder as torchvision's ImageFolder reads it: one subfolder of PNGs per class, each image
     a noisy pattern of its class."""
     from PIL import Image
@@ -150,7 +159,7 @@ class ImageFolderDataset(Dataset[tuple[torch.Tensor, int]]):
 
 def image_root() -> Path:
     """The tests' image folder, written by the first process that needs it."""
-    root = Path(tempfile.gettempdir()) / "prefect-elastic-test-images-v1"
+    root = Path(tempfile.gettempdir()) / "prefect-elastic-test-images-v2"
     if not root.exists():
         scratch = root.with_name(f"{root.name}.{uuid.uuid4().hex}")
         write_images(scratch)
@@ -167,7 +176,7 @@ def images() -> ImageFolderDataset:
 
 
 def image_cnn() -> nn.Module:
-    return nn.Sequential(
+    return _Paced(
         nn.Conv2d(3, 6, kernel_size=3, padding=1),
         nn.ReLU(),
         nn.MaxPool2d(2),

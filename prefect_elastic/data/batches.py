@@ -19,9 +19,7 @@ per-sample path: its rows come stacked (`Source.rows`), the same values and dtyp
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +27,14 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from ..job.build import resolve_callable
+from ..job.build import GLOBAL_RNG_LOCK, resolve_callable
 from ..schedule import Schedule
 from ..wire.signals import DataFailure
 from .fields import Batch, StepFields
-from .sources import SourceInfo, open_source
+from .seeding import sample_seed, seeded_sample
+from .sources import SourceInfo, only_fields, open_source
 
-__all__ = ["BatchMaker", "BatchSpec", "named_batch", "sample_seed", "seeded_sample"]
+__all__ = ["BatchMaker", "BatchSpec", "named_batch"]
 
 
 @dataclass(frozen=True)
@@ -50,31 +49,6 @@ class BatchSpec:
     cache_bytes: int = 256 * 2**20  # the source's blocks kept in memory at most (`open_source`)
     on_compute: bool = False  # the compute workers make the batches (else the data servers serve them)
     prefetch: int = 4  # the batches a reader makes ahead of the step that needs them
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """The seed of the random draws made while sample `index` of epoch `epoch` is read: a function of the
-    three only (mixed, so that neighbouring samples or epochs do not get neighbouring seeds)."""
-    return int(np.random.SeedSequence([seed % 2**64, epoch, index]).generate_state(1, np.uint64)[0] >> 1)
-
-
-@contextlib.contextmanager
-def seeded_sample(seed: int) -> Iterator[None]:
-    """torch's, NumPy's legacy and Python's global generators seeded with `seed` inside, and put back as
-    they were after: what a sample's `__getitem__` draws does not depend on what this process drew before,
-    nor changes what it draws next."""
-    torch_state = torch.random.default_generator.get_state()
-    numpy_state = np.random.get_state()
-    python_state = random.getstate()
-    try:
-        torch.random.default_generator.manual_seed(seed)
-        np.random.seed(seed % 2**32)
-        random.seed(seed)
-        yield
-    finally:
-        torch.random.default_generator.set_state(torch_state)
-        np.random.set_state(numpy_state)
-        random.setstate(python_state)
 
 
 def named_batch(collated: Any, used: Sequence[str]) -> Batch:
@@ -104,7 +78,10 @@ class BatchMaker:
 
     def __init__(self, spec: BatchSpec) -> None:
         self.spec = spec
-        self.source = open_source(spec.source, spec.cache_bytes)
+        # (Only the fields the step reads, unless a collate of the user's may read others: a columnar
+        # source then reads only those columns, and stacks them though another, a text, would not.)
+        source = spec.source if spec.collate is not None else only_fields(spec.source, spec.fields.used)
+        self.source = open_source(source, spec.cache_bytes)
         self.collate = default_collate if spec.collate is None else resolve_callable(spec.collate, "collate")
         # Where no user code runs on a sample (a columnar source, torch's collate), rows come stacked.
         self.stacked = spec.collate is None and spec.source.kind != "factory"
@@ -154,7 +131,8 @@ class BatchMaker:
 
     def _item(self, step: int, batch_id: int, epoch: int, index: int) -> Any:
         try:
-            with seeded_sample(sample_seed(self.spec.seed, epoch, index)):
+            # (The lock: in a data server's reader thread, another thread may draw from the same generators.)
+            with GLOBAL_RNG_LOCK, seeded_sample(sample_seed(self.spec.seed, epoch, index)):
                 return self.source.items([index])[0]
         except Exception as exc:
             raise DataFailure(step, batch_id, self._said(batch_id, [index], exc)) from exc

@@ -12,37 +12,18 @@ same way at inspection, so that looking at it does not move this process's gener
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from .seeding import seeded_sample
 from .source_info import FieldInfo, SourceInfo, refusal
 
-__all__ = ["FACTORY_SEED", "FactorySource", "generators_seeded", "inspect_factory"]
+__all__ = ["FACTORY_SEED", "FactorySource", "inspect_factory"]
 
 FACTORY_SEED = 0
-
-
-@contextlib.contextmanager
-def generators_seeded(seed: int) -> Iterator[None]:
-    """torch's, NumPy's legacy and Python's global generators seeded with `seed` inside, as they were
-    after."""
-    torch_state = torch.random.get_rng_state()
-    numpy_state = np.random.get_state()
-    python_state = random.getstate()
-    try:
-        torch.manual_seed(seed)
-        np.random.seed(seed % 2**32)
-        random.seed(seed)
-        yield
-    finally:
-        torch.random.set_rng_state(torch_state)
-        np.random.set_state(numpy_state)
-        random.setstate(python_state)
 
 
 def _dtype_of(value: Any) -> str | None:
@@ -66,7 +47,7 @@ def _build(setting: str, value: str) -> Any:
 
     factory = resolve_callable(value, setting)
     try:
-        with generators_seeded(FACTORY_SEED):
+        with seeded_sample(FACTORY_SEED):
             dataset = factory()
     except Exception as exc:
         raise refusal(
@@ -118,7 +99,7 @@ def inspect_factory(setting: str, value: str) -> SourceInfo:
     length = _length(setting, value, dataset)
     kind = type(dataset).__name__
     try:
-        with generators_seeded(FACTORY_SEED):
+        with seeded_sample(FACTORY_SEED):
             first = dataset[0]
     except Exception as exc:
         raise refusal(

@@ -78,6 +78,7 @@ class _Maker:
         assert self.process.stdin is not None and self.process.stdout is not None
         self._in, self._out = self.process.stdin, self.process.stdout
         self._futures, self._lock = futures, lock
+        self._sending = threading.Lock()  # (the async loop asks from its loop thread and its fetcher)
         self.alive = True
         _send(self._in, spec)
         self._reader = threading.Thread(target=self._read, name="prefect-elastic-batch-maker", daemon=True)
@@ -85,7 +86,8 @@ class _Maker:
 
     def ask(self, batch_id: int) -> None:
         try:
-            _send(self._in, batch_id)
+            with self._sending:
+                _send(self._in, batch_id)
         except (BrokenPipeError, OSError, ValueError):
             self.alive = False
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..data.fields import Batch
 from ..errors import FatalError
 from ..messages import Tensors
 from ..wire import (
@@ -42,7 +43,7 @@ from .replicas import Replicas, split_tensors
 from .state import ShardState
 from .step_applies import StepApplies
 
-BatchReader = Callable[[int, int], Awaitable[tuple[torch.Tensor, torch.Tensor]]]
+BatchReader = Callable[[int, int], Awaitable[Batch]]  # (generation, batch id) -> its fields
 
 
 class ShardFrames:

@@ -34,9 +34,9 @@ from .build import (
 )
 from .inputs import check_dataset
 from .limits import (
-    IMPORT_PATHS_OF,
     AT_LEAST_ONE,
     IMPORT_PATH,
+    IMPORT_PATHS_OF,
     JOB_ID,
     NON_NEGATIVE_OPTIONS,
     POSITIVE_SECONDS,
@@ -138,8 +138,8 @@ class ElasticJob(BaseModel):
     inputs: str | list[str] | None = None
     target: str | None = None
     collate: str | None = None
-    # Where batches are made (read `prefetch_batches` ahead): None: on each compute worker for a Dataset
-    # factory or a `collate` (their CPU grows with the workers), else on the data servers.
+    # Where batches are made (read `prefetch_batches` ahead): None: on the data servers; "compute_workers":
+    # each in a process of its own, where decoding must grow with the workers (docs/design/data-pipeline.md).
     data_pipeline: Literal["data_servers", "compute_workers"] | None = None
     prefetch_batches: int = 4
     data_cache_bytes: int = 256 * 2**20  # the source's blocks a reader keeps in memory at most

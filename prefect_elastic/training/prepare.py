@@ -85,11 +85,10 @@ def batch_spec(job: ElasticJob, dataset: SourceInfo, fields: StepFields, schedul
 
 
 def pipeline_on_compute(job: ElasticJob, dataset: SourceInfo) -> bool:
-    """Whether the compute workers make the batches (`data_pipeline`; None: where user code runs on the
-    samples, a Dataset factory's `__getitem__` or a `collate`, whose CPU must grow with the workers)."""
-    if job.data_pipeline is not None:
-        return job.data_pipeline == "compute_workers"
-    return dataset.kind == "factory" or job.collate is not None
+    """Whether the compute workers make the batches: where the job asks (`data_pipeline`). (The default
+    stays the data servers while runs whose compute workers make their batches can stand still at a
+    membership change: docs/design/data-pipeline.md, "Not yet".)"""
+    return job.data_pipeline == "compute_workers"
 
 
 @dataclass(frozen=True)

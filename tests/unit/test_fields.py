@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from prefect_elastic.data.batches import named_batch, sample_seed, seeded_sample
+from prefect_elastic.data.batches import named_batch
 from prefect_elastic.data.fields import XY_FIELDS, StepFields, resolve_fields
+from prefect_elastic.data.seeding import sample_seed, seeded_sample
 from prefect_elastic.errors import JobConfigError
 from prefect_elastic.schedule import Schedule
 
@@ -107,7 +108,9 @@ def test_a_samples_draws_are_seeded_by_the_sample_and_put_back() -> None:
 
 def test_the_full_shuffle_is_todays_and_the_samples_are_global() -> None:
     schedule = Schedule((100, 103), 8, 2, 2, 0)
-    assert schedule.sample_indices(0).tolist() == np.random.default_rng([0, 0, 0]).permutation(100)[:8].tolist()
+    assert (
+        schedule.sample_indices(0).tolist() == np.random.default_rng([0, 0, 0]).permutation(100)[:8].tolist()
+    )
     epoch, samples = schedule.samples(1)  # (batch 1 lives on data server 1, whose samples start at 100)
     assert epoch == 0 and samples.tolist() == (schedule.sample_indices(1) + 100).tolist()
     assert schedule.server_batches_after(1, 3) == [3, 5, 7]
