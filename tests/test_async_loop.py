@@ -96,7 +96,10 @@ class FakeShard:
             b = header["then"]["batches"][0]
             return Frame(
                 {"ok": True},
-                [(Entry("x", b, ""), torch.randn(16, 64)), (Entry("y", b, ""), torch.tensor([b % 10] * 16))],
+                [
+                    (Entry("field", b, "x"), torch.randn(16, 64)),
+                    (Entry("field", b, "y"), torch.tensor([b % 10] * 16)),
+                ],
             )
         b = int(header["batch_id"])
         if b in self.refuse:
