@@ -194,13 +194,6 @@ class LocalBatches:
             "(killed, or out of memory: look at the worker's log for its output)",
         )
 
-    def forget(self, keep: Iterable[int] = ()) -> None:
-        """Drop the batches asked and not taken, but those of `keep` (a new generation shares anew)."""
-        kept = set(keep)
-        with self._lock:
-            for b in [b for b in self._futures if b not in kept]:
-                self._futures.pop(b).cancel()
-
     def close(self) -> None:
         if self._maker is not None:
             self._maker.close()
