@@ -82,10 +82,19 @@ def backup_share(missing: Sequence[int], batches: range, rank: int, size: int) -
     return tuple(b for b in sorted(set(missing)) if turn.get(b, rank) == rank)
 
 
-def catch_up(step: int, version: int) -> int:
+def catch_up(step: int, version: int, total_steps: int) -> int:
     """The step a loop at `step` goes on from when a shard says it stands at `version` (it applied every
     step before it): where it was, when the shard has not passed it (a backup's push came after the step
     it backed up was applied); else the step after the shard's open one. The members have computed the
     open step since it opened, so a loop that joined it would most likely push after the step was backed
-    up; the next one it starts beside them, when the shard answers their pulls and its pull at once."""
-    return step if version <= step else version + 1
+    up; the next one it starts beside them, when the shard answers their pulls and its pull at once.
+
+    Except the last step (`total_steps - 1`): no pull of a step after it asks the others for a backup of
+    it, so a loop that went past it while its own share was missing would leave it open for ever. A loop
+    the shards passed with the last step open trains that step; once every step is applied, it is done
+    (`total_steps`)."""
+    if version >= total_steps:
+        return total_steps
+    if version <= step:
+        return step
+    return min(version + 1, total_steps - 1)

@@ -102,6 +102,7 @@ class SyncLoop:
                 # them, then this step (whose answers the backup's push asks for). (Asked again, if the ids
                 # are still missing, only a wait later.)
                 ahead = None
+                log.debug("compute %s: back up %s of step %d", address, asked.batch_ids, asked.step)
                 if pushed is not None and pushed[:2] == (role.generation, asked.step):
                     confirm(trainer, role, asked, pushed[2], shards)
                 if asked.step == step - 1:
@@ -113,7 +114,8 @@ class SyncLoop:
                 # was applied from the others' backup of its share), or its backup came after the step
                 # was applied.
                 ahead, pushed = None, None
-                step = min(catch_up(step, passed.version), schedule.total_steps)
+                log.debug("compute %s: step %d passed: the shards are at %d", address, step, passed.version)
+                step = catch_up(step, passed.version, schedule.total_steps)
             except ModelFailure as failure:
                 coordinator.report_failure(
                     role.generation, address, failure.step, failure.batch_id, "model", str(failure)

@@ -91,6 +91,8 @@ class MicroBatchTrainer:
         self.local = (
             LocalBatches(batches, spec.call_timeout) if batches is not None and batches.on_compute else None
         )
+        if self.local is not None:
+            self.local.start()  # (while the loop asks for its role)
         # Each shard's parameters (its plan has its buffers too), in the plan's order: the gradients a
         # frame carries to it, and the order of a packed run of them (the frame's `order`). A piece of a
         # tensor split across shards (`plan_pieces`) carries the flat run of its elements of it.

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from ..job.build import GLOBAL_RNG_LOCK, resolve_callable
+from ..job.build import resolve_callable
 from ..schedule import Schedule
 from ..wire.signals import DataFailure
 from .fields import Batch, StepFields
@@ -131,8 +131,9 @@ class BatchMaker:
 
     def _item(self, step: int, batch_id: int, epoch: int, index: int) -> Any:
         try:
-            # (The lock: in a data server's reader thread, another thread may draw from the same generators.)
-            with GLOBAL_RNG_LOCK, seeded_sample(sample_seed(self.spec.seed, epoch, index)):
+            # (Under the lock, `seeded_sample`: in a data server's reader thread, another thread may draw from
+            # the same generators.)
+            with seeded_sample(sample_seed(self.spec.seed, epoch, index)):
                 return self.source.items([index])[0]
         except Exception as exc:
             raise DataFailure(step, batch_id, self._said(batch_id, [index], exc)) from exc

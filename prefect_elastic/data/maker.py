@@ -147,6 +147,12 @@ class LocalBatches:
             self._maker = _Maker(self.spec, self._futures, self._lock)
         return self._maker
 
+    def start(self) -> None:
+        """Start the batch-maker process now, not at the first batch asked: its imports (torch, the user's
+        Dataset) take a second or two, which a worker that joins a running job would otherwise spend in
+        its first step while the others go on without it."""
+        self._live()
+
     def want(self, batch_ids: Iterable[int]) -> None:
         """Make these batch ids' batches, in this order, unless asked already."""
         for b in batch_ids:
@@ -159,6 +165,8 @@ class LocalBatches:
     def step(self, share: Iterable[int], following: Iterable[int]) -> dict[int, Batch]:
         """The batches of a step's `share`, the `following` step's asked for while this one computes."""
         share = list(share)
+        if share:  # (a backup's share is of the step before the one the loop is at: kept)
+            self._drop_before(self.spec.schedule.step_of(share[0]) - 1)
         self.want(share)
         self.want(following)
         return self.take(share)
@@ -171,6 +179,14 @@ class LocalBatches:
         for b in ids:
             taken[b] = self._result(b)
         return taken
+
+    def _drop_before(self, step: int) -> None:
+        """Forget the batches of steps before `step` that were asked and never taken: a sync loop went past
+        them (the shards applied them from another member's backup), and would never take them now."""
+        schedule = self.spec.schedule
+        with self._lock:
+            for b in [b for b in self._futures if schedule.step_of(b) < step]:
+                self._futures.pop(b).cancel()
 
     def _result(self, batch_id: int) -> Batch:
         for _ in range(RESTARTS + 1):

@@ -10,13 +10,13 @@ tensors are trained, which are buffers, and which are aliases of another.
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
+from ..data.seeding import GLOBAL_RNG_LOCK as GLOBAL_RNG_LOCK  # (held by whatever draws: see there)
 from ..errors import JobConfigError
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -49,9 +49,6 @@ LOSSES: dict[str, LossFn] = {
     "cross_entropy": torch.nn.functional.cross_entropy,
     "mse": torch.nn.functional.mse_loss,
 }
-# Held by whatever seeds torch's one global generator and draws from it: a model's construction
-# (`ModelSpec.initial_model`) and a micro-batch's forward (`compute.MicroBatchTrainer.gradient`).
-GLOBAL_RNG_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)

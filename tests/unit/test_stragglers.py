@@ -81,10 +81,16 @@ def test_the_members_that_pushed_split_the_missing_batch_ids_and_every_one_is_tr
 
 
 def test_a_loop_the_shards_went_past_goes_on_beside_the_others() -> None:
-    assert catch_up(7, 7) == 7, "a backup's push after its step was applied: the loop's own step stands"
-    assert catch_up(7, 5) == 7
-    assert catch_up(7, 8) == 9, "its step was backed up: the next one, which the others start after it"
-    assert catch_up(7, 30) == 31
+    assert catch_up(7, 7, 40) == 7, "a backup's push after its step was applied: the loop's own step stands"
+    assert catch_up(7, 5, 40) == 7
+    assert catch_up(7, 8, 40) == 9, "its step was backed up: the next one, which the others start after it"
+    assert catch_up(7, 30, 40) == 31
+    # The last step open: nobody pulls a step after it, so nobody is asked to back it up; the loop the
+    # shards passed trains it itself rather than leave it open for ever.
+    assert catch_up(3, 9, 10) == 9
+    assert catch_up(3, 8, 10) == 9
+    assert catch_up(9, 10, 10) == 10, "every step applied: the loop is done"
+    assert catch_up(3, 12, 10) == 10
 
 
 class _NoWait:
@@ -159,7 +165,7 @@ def test_a_step_whose_member_is_silent_is_finished_by_a_backup_bit_for_bit(digit
         with _links(served) as late:
             with pytest.raises(StepPassed) as passed:
                 trainer.step(b, 0, silent, late, schedule, LoopStats("b"), None, Pipelined())
-            assert passed.value.version == 1 and catch_up(0, passed.value.version) == 2
+            assert passed.value.version == 1 and catch_up(0, passed.value.version, schedule.total_steps) == 2
             # Its push itself, had it computed the step before it was applied: refused too.
             losses = {str(batch_id): 1.0 for batch_id in silent}
             push = {"op": "push", "generation": 0, "step": 0, "worker": "b", "losses": losses, "then": None}
