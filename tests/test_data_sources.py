@@ -84,7 +84,7 @@ def test_a_text_classifier_on_a_datasets_folder_with_keyword_inputs_and_its_own_
 ) -> None:
     job = text_job(tokens_folder, policy)
     prepared = prepare(job)
-    assert prepared.dataset.kind == "datasets" and not prepared.batches.on_compute
+    assert prepared.dataset.kind == "datasets" and prepared.batches.on_compute, "a collate: the workers'"
     result = run_with_faults(cluster, job, seed=12)
     check_run(result, reference(job), policy)  # type: ignore[arg-type]
     assert result.history[-1] < result.history[0], "the loss fell"  # type: ignore[attr-defined]
@@ -96,7 +96,7 @@ def test_an_image_folder_augmented_at_random_per_sample(
 ) -> None:
     job = image_job(policy)
     prepared = prepare(job)
-    assert prepared.dataset.kind == "factory" and not prepared.batches.on_compute
+    assert prepared.dataset.kind == "factory" and prepared.batches.on_compute, "a factory: the workers'"
     result = run_with_faults(cluster, job, seed=13)
     check_run(result, reference(job), policy)  # type: ignore[arg-type]
     assert result.history[0] == plain_first_loss(job), "the first step's loss is a plain loop's"  # type: ignore[attr-defined]
@@ -172,16 +172,17 @@ def test_async_mode_trains_on_each_source(
 
 
 @pytest.mark.parametrize(("source", "policy"), [("text", "rollback"), ("images", "reassign")])
-def test_the_pipeline_on_the_compute_workers_with_a_worker_killed_and_one_added(
+def test_the_pipeline_may_move_to_the_data_servers_with_a_worker_killed_and_one_added(
     cluster: LocalElasticCluster, reference: References, tokens_folder: str, source: str, policy: str
 ) -> None:
-    """The batches made by the compute workers' own batch makers give the same bits through a kill and a
-    join: the joined worker starts its batch maker (a second or two of imports) while the other trains
-    on, falls behind, and catches up; at the last step too, which nobody backs up (`stragglers.catch_up`)."""
-    served = text_job(tokens_folder, policy) if source == "text" else image_job(policy)
-    moved = served.model_copy(update={"data_pipeline": "compute_workers", "job_id": f"{source}-moved"})
-    assert prepare(moved).batches.on_compute
+    """A user's Dataset and collate run in the data servers' reader threads where the job asks: the same
+    bits as the compute workers' batch makers give, through a kill and a join (where a joined worker,
+    whose batch maker takes a second or two to start, falls behind and catches up, at the last step too:
+    `stragglers.catch_up`)."""
+    made = text_job(tokens_folder, policy) if source == "text" else image_job(policy)
+    served = made.model_copy(update={"data_pipeline": "data_servers", "job_id": f"{source}-served"})
+    assert not prepare(served).batches.on_compute and prepare(made).batches.on_compute
     top_up(cluster, 2)
     faults = FaultSchedule(seed=12).kill_worker(at_step=4).add_worker(at_step=6)
-    result = train(moved, cluster=cluster, faults=faults)
-    check_run(result, reference(served), policy)
+    result = train(served, cluster=cluster, faults=faults)
+    check_run(result, reference(made), policy)

@@ -138,8 +138,10 @@ class ElasticJob(BaseModel):
     inputs: str | list[str] | None = None
     target: str | None = None
     collate: str | None = None
-    # Where batches are made (read `prefetch_batches` ahead): None: on the data servers; "compute_workers":
-    # each in a process of its own, where decoding must grow with the workers (docs/design/data-pipeline.md).
+    # Where batches are made (read `prefetch_batches` ahead): "data_servers", or "compute_workers" (each its
+    # own share, in a process of its own, so that decoding grows with the workers); None: the compute
+    # workers where a user's code runs per sample (a Dataset factory, a `collate`), else the data servers
+    # (docs/design/data-pipeline.md).
     data_pipeline: Literal["data_servers", "compute_workers"] | None = None
     prefetch_batches: int = 4
     data_cache_bytes: int = 256 * 2**20  # the source's blocks a reader keeps in memory at most

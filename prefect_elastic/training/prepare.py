@@ -85,10 +85,14 @@ def batch_spec(job: ElasticJob, dataset: SourceInfo, fields: StepFields, schedul
 
 
 def pipeline_on_compute(job: ElasticJob, dataset: SourceInfo) -> bool:
-    """Whether the compute workers make the batches: where the job asks (`data_pipeline`). (The default
-    stays the data servers while runs whose compute workers make their batches can stand still at a
-    membership change: docs/design/data-pipeline.md, "Not yet".)"""
-    return job.data_pipeline == "compute_workers"
+    """Whether the compute workers make the batches: where the job asks (`data_pipeline`); by default
+    where a user's code runs on every sample (a Dataset factory's `__getitem__`, a `collate`), whose CPU
+    must grow with the compute workers rather than stay on the few static workers; a columnar source read
+    with torch's collate stays on the data servers, whose batches go out with the parameters
+    (docs/design/data-pipeline.md)."""
+    if job.data_pipeline is not None:
+        return job.data_pipeline == "compute_workers"
+    return dataset.kind == "factory" or job.collate is not None
 
 
 @dataclass(frozen=True)
