@@ -241,7 +241,9 @@ class MicroBatchTrainer:
             ahead = None
         state, batches = self.pull(ahead, lambda: self.fetch(role, step, shards, schedule, share))
         if self.local is not None:  # (this worker makes its batches: the next step's while this computes)
+            clock.lap("pull")
             batches = {**batches, **self.local.step(share, schedule.share_after(step, role.rank, role.size))}
+            clock.lap("batches")  # (the wait for them: where making a batch takes longer than a step)
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
         # them while this step computes (their answers wait in the socket until read).
         asks = pushes.ahead(self.then(role, step + 1, schedule, params=False))
