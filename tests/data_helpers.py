@@ -183,3 +183,19 @@ def image_cnn() -> nn.Module:
         nn.Flatten(),
         nn.Linear(6 * (CROP // 2) ** 2, CLASSES),
     )
+
+
+def write_tokens_folder_in_blocks(folder: Path, block_rows: int = 100, files: int = 2) -> str:
+    """The token rows as a `save_to_disk` folder of `files` Arrow files of record batches of `block_rows`
+    rows (the blocks of a shuffle by blocks: `datasets` writes batches of 1000 rows by default, so the
+    tests' 600 rows would be one block)."""
+    import datasets
+    import datasets.config
+
+    default = datasets.config.DEFAULT_MAX_BATCH_SIZE
+    datasets.config.DEFAULT_MAX_BATCH_SIZE = block_rows  # (what `save_to_disk` writes its batches by)
+    try:
+        datasets.Dataset.from_dict(token_rows()).save_to_disk(str(folder), num_shards=files)
+    finally:
+        datasets.config.DEFAULT_MAX_BATCH_SIZE = default
+    return str(folder)
