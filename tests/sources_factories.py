@@ -76,8 +76,66 @@ class Broken(Pairs):
         raise RuntimeError("the image file is truncated")
 
 
+# The bad sample of the datasets that fail only while training: deep in the dataset, so that the job's
+# check of its first batch's first samples passes (`prepare.batch_spec`), and it is found in a later step.
+BAD_SAMPLE = 37
+LONG = 64
+
+
+class Truncated(Pairs):
+    """64 good samples but one, whose `__getitem__` raises (as a truncated image's decode does)."""
+
+    def __init__(self) -> None:
+        super().__init__(LONG)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if i == BAD_SAMPLE:
+            raise OSError(f"image file is truncated (sample {i})")
+        return super().__getitem__(i)
+
+
+class MisShapen(Pairs):
+    """64 samples, one of whose inputs has 4 values where its neighbours have 3: torch's collate cannot
+    stack it."""
+
+    def __init__(self) -> None:
+        super().__init__(LONG)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = super().__getitem__(i)
+        return (torch.zeros(4) if i == BAD_SAMPLE else x), y
+
+
+class Worded(Pairs):
+    """64 samples, one of whose labels is a string (a label file read wrong)."""
+
+    def __init__(self) -> None:
+        super().__init__(LONG)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, Any]:
+        x, y = super().__getitem__(i)
+        return x, ("cat" if i == BAD_SAMPLE else y)
+
+
 def pairs() -> Pairs:
     return Pairs()
+
+
+def truncated() -> Truncated:
+    return Truncated()
+
+
+def mis_shapen() -> MisShapen:
+    return MisShapen()
+
+
+def worded() -> Worded:
+    return Worded()
+
+
+def pairs_classifier() -> torch.nn.Module:
+    """A model for `Pairs`' items: 3 inputs, 4 classes (cross entropy on the int64 labels)."""
+    return torch.nn.Linear(3, 4)
 
 
 def named() -> Named:

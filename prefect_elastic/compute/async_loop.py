@@ -56,7 +56,7 @@ class AsyncLoop:
                 errors = 0
             except ModelFailure as failure:
                 coordinator.report_failure(
-                    role.generation, address, failure.step, failure.batch_id, "model", str(failure)
+                    role.generation, address, failure.step, failure.batch_id, failure.kind, str(failure)
                 ).result(timeout=timeout)
             except StaleGenerationError as exc:
                 stats.stale += 1

@@ -118,7 +118,7 @@ class SyncLoop:
                 step = catch_up(step, passed.version, schedule.total_steps)
             except ModelFailure as failure:
                 coordinator.report_failure(
-                    role.generation, address, failure.step, failure.batch_id, "model", str(failure)
+                    role.generation, address, failure.step, failure.batch_id, failure.kind, str(failure)
                 ).result(timeout=timeout)
                 role, ahead = None, None  # the job ends, or (an old generation's failure) the loop goes on
             except StaleGenerationError as exc:

@@ -212,8 +212,9 @@ class Coordinator(RoleMoves):
         """A failure that no retry on the same worker fixes. The model raised (or its loss was not finite):
         the worker is excluded and its share goes to the others at once, and the job fails only when the
         batch failed on another worker too, or no member is left (`CoordinatorState.model_failed`). Any
-        other kind stops the job. A report of an older generation is dropped: its step was dropped with
-        it, and the batch trains again."""
+        other kind stops the job ("data": a batch that could not be made, which no worker would make). A
+        report of an older generation is dropped: its step was dropped with it, and the batch trains
+        again."""
         state = self._state
         if generation != state.generation:
             log.info(

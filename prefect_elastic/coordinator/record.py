@@ -42,7 +42,7 @@ class Commit:
 
 @dataclass(frozen=True)
 class Failure:
-    kind: str  # model | not-enough-workers | data-server-lost | stopped | internal
+    kind: str  # model | data | not-enough-workers | data-server-lost | stopped | internal
     message: str
     step: int | None = None
     batch_id: int | None = None

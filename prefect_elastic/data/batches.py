@@ -19,6 +19,7 @@ per-sample path: its rows come stacked (`Source.rows`), the same values and dtyp
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -116,18 +117,7 @@ class BatchMaker:
         try:
             return named_batch(self.collate(items), used)
         except Exception as exc:
-            how = "torch's default_collate" if self.spec.collate is None else f"collate {self.spec.collate!r}"
-            hint = (
-                "; samples of varying length need a collate that pads them (collate='module:function')"
-                if self.spec.collate is None
-                else ""
-            )
-            raise DataFailure(
-                step,
-                batch_id,
-                f"{how} could not batch the samples {list(indices)[:8]} of batch {batch_id} of "
-                f"{self.spec.source.setting} {self.spec.source.url}: {type(exc).__name__}: {exc}{hint}",
-            ) from exc
+            raise DataFailure(step, batch_id, self._not_batched(batch_id, indices, items, exc)) from exc
 
     def _item(self, step: int, batch_id: int, epoch: int, index: int) -> Any:
         try:
@@ -142,5 +132,78 @@ class BatchMaker:
         where = f"sample {indices[0]}" if len(indices) == 1 else f"the samples {list(indices)[:8]}"
         return (
             f"{where} of batch {batch_id} of {self.spec.source.setting} {self.spec.source.url} could not be "
-            f"read: {type(exc).__name__}: {exc}"
+            f"read: {type(exc).__name__}: {exc}; {_look_at(len(indices))}"
         )
+
+    def _not_batched(
+        self, batch_id: int, indices: Sequence[int], items: list[Any], exc: BaseException
+    ) -> str:
+        """Why the samples did not collate, naming the sample at fault where one is: the one whose form
+        (types, shapes, dtypes) differs from the others', or the one the collate refuses alone."""
+        how = "torch's default_collate" if self.spec.collate is None else f"collate {self.spec.collate!r}"
+        hint = (
+            "; samples of varying length need a collate that pads them (collate='module:function')"
+            if self.spec.collate is None
+            else ""
+        )
+        raised = f"{how} raised {type(exc).__name__}: {exc}"
+        of = f"of batch {batch_id} of {self.spec.source.setting} {self.spec.source.url}"
+        forms = [_form(item) for item in items]
+        common, count = Counter(forms).most_common(1)[0]
+        odd = [k for k, form in enumerate(forms) if form != common]
+        if odd and count > len(items) / 2:
+            k = odd[0]
+            more = (
+                f" (and {len(odd) - 1} more: the samples {[indices[j] for j in odd[1:8]]})" if odd[1:] else ""
+            )
+            return (
+                f"sample {indices[k]} {of} does not batch with the others{more}: "
+                f"{_difference(items[k], items[forms.index(common)])} ({raised}); {_look_at(1)}"
+            )
+        alone = [k for k, item in enumerate(items) if not self._collates([item])]
+        if len(alone) == 1:
+            return f"sample {indices[alone[0]]} {of} does not batch ({raised}); {_look_at(1)}"
+        return (
+            f"{how} could not batch the samples {list(indices)[:8]} {of}: {type(exc).__name__}: {exc}{hint}"
+        )
+
+    def _collates(self, items: list[Any]) -> bool:
+        try:
+            named_batch(self.collate(items), self.spec.fields.used)
+        except Exception:
+            return False
+        return True
+
+
+def _look_at(count: int) -> str:
+    it = "that sample" if count == 1 else "those samples"
+    return f"look at {it} in the data (fix or remove {'it' if count == 1 else 'them'}) and run the job again"
+
+
+def _form(value: Any) -> str:
+    """A sample's (or a field's) types, shapes and dtypes, not its values."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} {value.dtype}"
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} {value.dtype}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k!r}: {_form(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (tuple, list)):
+        if len(value) > 8:  # (a list of tokens: its length, not each one's)
+            return f"a {type(value).__name__} of {len(value)} items"
+        return "(" + ", ".join(_form(v) for v in value) + ")"
+    return f"a {type(value).__name__}"
+
+
+def _difference(odd: Any, usual: Any) -> str:
+    """What sets `odd` apart from `usual`: the first field whose form differs, where both have fields."""
+    if isinstance(odd, Mapping) and isinstance(usual, Mapping) and odd.keys() == usual.keys():
+        pairs = [(str(k), odd[k], usual[k]) for k in odd]
+    elif isinstance(odd, (tuple, list)) and isinstance(usual, (tuple, list)) and len(odd) == len(usual):
+        pairs = [(str(i), a, b) for i, (a, b) in enumerate(zip(odd, usual, strict=True))]
+    else:
+        pairs = []
+    for name, a, b in pairs:
+        if _form(a) != _form(b):
+            return f"its field {name!r} is {_form(a)} where the others' is {_form(b)}"
+    return f"it is {_form(odd)} where the others are {_form(usual)}"

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import IO, Any
 
-from ..wire.signals import DataFailure
+from ..wire.signals import DataFailure, ModelFailure
 from .fields import Batch
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,9 @@ class LocalBatches:
                 self._futures.pop(batch_id, None)
             return batch
         step = self.spec.schedule.step_of(batch_id)
-        raise DataFailure(
+        # (This worker's fault, not the data's: a model's failure, which excludes the worker and makes the
+        # batch on another.)
+        raise ModelFailure(
             step,
             batch_id,
             f"the batch maker of this compute worker died {RESTARTS + 1} times making batch {batch_id} "

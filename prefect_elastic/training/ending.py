@@ -125,7 +125,7 @@ class Ending:
 
 def failure_error(progress: Progress) -> FatalError:
     message = progress.failure or "training failed"
-    if progress.failure_kind == "model":
+    if progress.failure_kind in ("model", "data"):
         return TrainingFailedError(message, progress.failure_step, progress.failure_batch)
     if progress.failure_kind == "not-enough-workers":
         return NotEnoughWorkersError(message)

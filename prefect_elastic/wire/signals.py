@@ -77,6 +77,10 @@ class ModelFailure(StepSignal):
     """Raised inside a compute loop when the model raised or its loss was not finite; the loop reports it
     to the coordinator, which ends the job with a `TrainingFailedError`."""
 
+    # What the loop reports (`Coordinator.report_failure`): a model's failure excludes the worker and trains
+    # the batch again elsewhere (a bad node); a data failure ends the job at once.
+    kind = "model"
+
     def __init__(self, step: int, batch_id: int, message: str) -> None:
         super().__init__(message)
         self.step = step
@@ -88,5 +92,7 @@ class ModelFailure(StepSignal):
 
 class DataFailure(ModelFailure):
     """A batch could not be made: a sample did not read, or the collate could not batch the samples. It
-    names the batch id and the index of the sample; like a `ModelFailure`, it ends the job with a
-    `TrainingFailedError` (trained again, it would fail again)."""
+    names the batch id and the index of the sample, and ends the job with a `TrainingFailedError` at once:
+    made again, on any worker, the batch would fail again, so no worker is excluded for it."""
+
+    kind = "data"
