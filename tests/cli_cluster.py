@@ -40,12 +40,15 @@ class CliCluster:
         nanny: bool = False,
         cgroup: Path | None = None,
         elastic_host: str = "",
+        memory_limit: str | None = None,
     ) -> None:
         self.nanny = nanny
         self.cgroup = cgroup  # (where given, the workers run in this cgroup: `cpu_quota_cgroup`)
         # (Where given, the elastic workers listen there: another loopback address is another host's
         # address to Dask, on this same machine.)
         self.elastic_host = elastic_host
+        # (Where given, the static workers' `--memory-limit`: with a nanny, one that goes over it is killed.)
+        self.memory_limit = memory_limit
         self.folder = Path(tempfile.mkdtemp(prefix="prefect-elastic-cli-"))
         self.procs: dict[str, subprocess.Popen[bytes]] = {}  # by worker name ("scheduler" too)
         self.address = ""
@@ -108,6 +111,8 @@ class CliCluster:
         args += ["--nanny"] if self.nanny else ["--no-nanny"]
         if static:
             args += ["--resources", "static=1"]
+            if self.memory_limit is not None:
+                args += ["--memory-limit", self.memory_limit]
         elif self.elastic_host:
             args += ["--host", self.elastic_host]
         self._spawn(name, args)

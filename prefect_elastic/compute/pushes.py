@@ -77,8 +77,13 @@ class Pipelined:
         # that server has taken its push of `s`. A push that never comes (its worker died between the
         # frames) leaves it a version behind, which the fence finds as it finds any two shards a version
         # apart.
+        # Every other answer still unread is read before the push too (the batches of the next step, asked
+        # for before this one computed): a shard writes an answer whole before it reads its connection
+        # again, so a push sent with an answer larger than the sockets' buffers unread (batches of tens of
+        # MB through a socket: a shard on another machine, or no shared memory) waited for the shard to
+        # read it while the shard waited for the loop to read that answer, until the call timeout.
         skips = list(zip(shards, stateless, strict=True))
-        answers = receive_all(shards, [link.pending if skip else 0 for link, skip in skips], timeout)
+        answers = receive_all(shards, [link.pending for link in shards], timeout)
         send_all(shards, frames, order)
         answers += receive_all(shards, [link.pending - skip for link, skip in skips], timeout)
         return answers

@@ -245,11 +245,16 @@ class MicroBatchTrainer:
             batches = {**batches, **self.local.step(share, schedule.share_after(step, role.rank, role.size))}
             clock.lap("batches")  # (the wait for them: where making a batch takes longer than a step)
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
-        # them while this step computes (their answers wait in the socket until read).
-        asks = pushes.ahead(self.then(role, step + 1, schedule, params=False))
+        # them while this step computes (their answers wait in the socket until read). Not of a shard that
+        # gets this step's gradients in parts during backward: a shard writes an answer whole before it
+        # reads again, so batches larger than the sockets' buffers standing unread there held the parts
+        # up until the call timeout; that shard's come with the answer to the push instead.
+        early = self.then(role, step + 1, schedule, params=False)
+        asks = pushes.ahead([None if parted else a for a, parted in zip(early, self.parted, strict=True)])
         send_all(shards, [None if then is None else Pull(role.generation, then).frame() for then in asks])
         clock.lap("pull")
-        following = pushes.ahead(self.then(role, step + 1, schedule, batches=False))
+        whole, bare = self.then(role, step + 1, schedule), self.then(role, step + 1, schedule, batches=False)
+        following = pushes.ahead([w if p else b for w, b, p in zip(whole, bare, self.parted, strict=True)])
         if self.bucket_pull is not None and self.guards(batches[share[0]]):
             following = self.bucket_pull.ask(shards, following)
         losses, sent = self.compute(role.generation, step, share, shards, state, batches, clock, backup)
