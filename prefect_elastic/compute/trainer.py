@@ -88,11 +88,8 @@ class MicroBatchTrainer:
         self.aliases = dict(layout.aliases)
         self.loss_fn = spec.model_spec.loss_fn()
         self.fields = batches.fields if batches is not None else XY_FIELDS
-        self.local = (
-            LocalBatches(batches, spec.call_timeout) if batches is not None and batches.on_compute else None
-        )
-        if self.local is not None:
-            self.local.start()  # (while the loop asks for its role)
+        on_compute = batches is not None and batches.on_compute
+        self.local = LocalBatches(batches, spec.call_timeout) if on_compute else None  # (started now)
         # Each shard's parameters (its plan has its buffers too), in the plan's order: the gradients a
         # frame carries to it, and the order of a packed run of them (the frame's `order`). A piece of a
         # tensor split across shards (`plan_pieces`) carries the flat run of its elements of it.
@@ -150,13 +147,10 @@ class MicroBatchTrainer:
         self.wholes: dict[str, tuple[torch.Tensor, np.ndarray]] = {}
 
     def close(self) -> None:
-        """The loop ended: stop the threads that send buckets."""
-        if self.bucket_push is not None:
-            self.bucket_push.close()
-        if self.bucket_pull is not None:
-            self.bucket_pull.close()
-        if self.local is not None:
-            self.local.close()
+        """The loop ended: stop the threads that send and read buckets, and the batch maker."""
+        for owned in (self.bucket_push, self.bucket_pull, self.local):
+            if owned is not None:
+                owned.close()
 
     def then(
         self,
@@ -245,10 +239,9 @@ class MicroBatchTrainer:
             batches = {**batches, **self.local.step(share, schedule.share_after(step, role.rank, role.size))}
             clock.lap("batches")  # (the wait for them: where making a batch takes longer than a step)
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
-        # them while this step computes (their answers wait in the socket until read). Not of a shard that
-        # gets this step's gradients in parts during backward: a shard writes an answer whole before it
-        # reads again, so batches larger than the sockets' buffers standing unread there held the parts
-        # up until the call timeout; that shard's come with the answer to the push instead.
+        # them while it computes (the answers wait in the socket until read). Not of a shard that gets
+        # gradients in parts during backward: it writes an answer whole before it reads again, so batches
+        # beyond the sockets' buffers unread held the parts up; they come with the push's answer instead.
         early = self.then(role, step + 1, schedule, params=False)
         asks = pushes.ahead([None if parted else a for a, parted in zip(early, self.parted, strict=True)])
         send_all(shards, [None if then is None else Pull(role.generation, then).frame() for then in asks])

@@ -131,6 +131,7 @@ class LocalBatches:
         self._lock = threading.Lock()
         self._maker: _Maker | None = None
         self.restarts = 0
+        self.start()
 
     def _live(self) -> _Maker:
         if self._maker is not None and not self._maker.alive:
@@ -148,9 +149,9 @@ class LocalBatches:
         return self._maker
 
     def start(self) -> None:
-        """Start the batch-maker process now, not at the first batch asked: its imports (torch, the user's
-        Dataset) take a second or two, which a worker that joins a running job would otherwise spend in
-        its first step while the others go on without it."""
+        """Start the batch-maker process (when made, not at the first batch asked: its imports, torch and
+        the user's Dataset, take a second or two, which a worker that joins a running job would otherwise
+        spend in its first step while the others go on without it, made while the loop asks its role)."""
         self._live()
 
     def want(self, batch_ids: Iterable[int]) -> None:
