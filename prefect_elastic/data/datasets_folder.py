@@ -16,9 +16,7 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any
 
-import fsspec
-
-from ..dataset import explain_storage_error, is_object_store
+from ..dataset import explain_storage_error, is_object_store, open_for_ranges
 from .arrow_columns import decode, fields_of_schema, require_pyarrow, same_fields
 from .arrow_stream import StreamLayout, read_batch, read_schema, scan_stream
 from .columns import ColumnarSource, DecodedBlock
@@ -151,7 +149,7 @@ class _OpenStream:
             self.map = pa.memory_map(local_path, "r")
             self.whole = self.map.read_buffer()  # zero-copy: slices of it are pages of the file
         else:
-            self.raw = fsspec.open(url, "rb", **storage_options).open()
+            self.raw = open_for_ranges(url, storage_options)
 
     def read(self, start: int, length: int) -> Any:
         if self.map is not None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import fsspec
-
-from ..dataset import explain_storage_error, is_object_store
+from ..dataset import explain_storage_error, is_object_store, open_for_ranges
 from .arrow_columns import decode, fields_of_schema, require_pyarrow, same_fields
 from .columns import ColumnarSource, DecodedBlock
 from .source_info import SourceInfo, refusal
@@ -110,7 +108,7 @@ class ParquetSource(ColumnarSource):
 
             url = self.files[index]
             try:
-                raw = fsspec.open(url, "rb", **self.info.storage_options).open()
+                raw = open_for_ranges(url, self.info.storage_options)
             except Exception as exc:
                 problem = explain_storage_error(exc, self.info.storage_options)
                 raise OSError(f"{url} cannot be opened: {problem}") from exc
