@@ -371,6 +371,7 @@ ROTATED_AXES: tuple[tuple[str, ...], ...] = (
     ("gpu-check", "user-model", "overlap-push", "overlap-pull"),
     ("no-nanny", "nanny"),  # ("-no-nanny-" holds "-nanny-": the longer first)
     ("sqlite", "postgres"),
+    ("data_servers", "compute_workers"),  # (where a job's batches are made)
 )
 
 

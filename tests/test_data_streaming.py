@@ -300,6 +300,7 @@ class PeakRss:
         self._thread.join()
 
 
+@pytest.mark.heavy  # (2.1 GB written and read: most of a minute; .ci/run runs it after the main suite)
 def test_static_workers_with_a_memory_limit_below_their_partition_train_through_it(
     reference: References, tmp_path: Path
 ) -> None:
