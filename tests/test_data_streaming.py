@@ -40,7 +40,6 @@ from prefect_elastic.wire import Entry, Frame, ShardLink, ShardServer, memfd
 
 from .cli_cluster import CliCluster
 from .data_helpers import write_digits_parquet
-from .models import GATE
 
 if TYPE_CHECKING:
     from prefect_elastic.local.cluster import LocalElasticCluster
@@ -123,8 +122,8 @@ def test_a_push_behind_an_unread_answer_larger_than_the_sockets_buffers_goes_thr
 def test_a_data_server_killed_while_it_streams_parquet_is_promoted_on_a_standby(
     static_cluster: LocalElasticCluster, reference: References, blocks_url: str, policy: str
 ) -> None:
-    from .conftest import assert_ledger_exactly_once, assert_same_parameters, top_up
-    from .test_static_roles import KillWhenSnapshotted, top_up_static
+    from .conftest import top_up
+    from .test_static_roles import promoted_on_a_standby, top_up_static
 
     top_up(static_cluster, 2)
     top_up_static(static_cluster, 3)
@@ -133,25 +132,7 @@ def test_a_data_server_killed_while_it_streams_parquet_is_promoted_on_a_standby(
     job = streamed_job(
         blocks_url, policy, model="tests.models:gated_slow_mlp", epochs=4, job_id=f"stream-standby-{policy}"
     )
-    kill = KillWhenSnapshotted(static_cluster, index=1)
-    try:
-        result = train(job, cluster=static_cluster, on_progress=kill)
-    finally:
-        GATE.unlink(missing_ok=True)
-
-    assert_same_parameters(result, reference(job))
-    assert_ledger_exactly_once(result)
-    (killed,), placement = kill.killed, kill.placement
-    first, last = placement.seen[0], placement.seen[-1]
-    assert first.data_servers[1] == killed and len(first.standbys) == 1
-    assert last.data_servers[1] == first.standbys[0], "data server 1 now lives on the standby"
-    kinds = [e.kind for e in result.events]
-    lost = kinds.index(EventKind.SHARD_LOST)
-    assert kinds[lost + 1] == EventKind.PROMOTED and kinds.count(EventKind.PROMOTED) == 1
-    promoted = result.events[lost + 1]
-    assert promoted.step >= 12, "the replica of a snapshot past the start was used"
-    assert f"standby {last.data_servers[1]}" in promoted.reason
-    assert result.counters["promotions"] == 1
+    promoted_on_a_standby(static_cluster, reference, job)
 
 
 def test_a_checkpointed_run_stopped_mid_epoch_resumes_with_nothing_trained_twice(

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from prefect_elastic import train
+from prefect_elastic import ElasticJob, train
 from prefect_elastic.coordinator import Coordinator, CoordinatorSpec
 from prefect_elastic.coordinator.survival import Policy
 from prefect_elastic.errors import DataServerLostError
@@ -90,20 +90,13 @@ class KillWhenSnapshotted:
             GATE.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_data_server_killed_mid_run_is_promoted_on_a_standby(
-    static_cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
-) -> None:
-    top_up(static_cluster, 2)
-    top_up_static(static_cluster, 3)
-    # 4 epochs: the progress the gate closes on lags the shards, which commit steps themselves; a job of 2
-    # could end on a fast machine before the gate closed at step 12.
-    job = make_job(
-        digits_url, policy, job_id=f"standby-{policy}", model="tests.models:gated_slow_mlp", epochs=4
-    )
-    kill = KillWhenSnapshotted(static_cluster, index=1)
+def promoted_on_a_standby(cluster: LocalElasticCluster, reference: References, job: ElasticJob) -> None:
+    """Trains `job` (`tests.models:gated_slow_mlp`), SIGKILLing data server 1's static worker once a
+    snapshot past step 12 is on its peer: bitwise the reference, every batch id once, the role promoted
+    once on the standby from that snapshot, nothing before it redone."""
+    kill = KillWhenSnapshotted(cluster, index=1)
     try:
-        result = train(job, cluster=static_cluster, on_progress=kill)
+        result = train(job, cluster=cluster, on_progress=kill)
     finally:
         GATE.unlink(missing_ok=True)
 
@@ -131,6 +124,20 @@ def test_a_data_server_killed_mid_run_is_promoted_on_a_standby(
     assert f"standby {last.data_servers[1]}" in promoted.reason
     assert promoted.generation > result.events[lost].generation
     assert result.counters["promotions"] == 1
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_data_server_killed_mid_run_is_promoted_on_a_standby(
+    static_cluster: LocalElasticCluster, reference: References, digits_url: str, policy: str
+) -> None:
+    top_up(static_cluster, 2)
+    top_up_static(static_cluster, 3)
+    # 4 epochs: the progress the gate closes on lags the shards, which commit steps themselves; a job of 2
+    # could end on a fast machine before the gate closed at step 12.
+    job = make_job(
+        digits_url, policy, job_id=f"standby-{policy}", model="tests.models:gated_slow_mlp", epochs=4
+    )
+    promoted_on_a_standby(static_cluster, reference, job)
 
 
 def test_two_data_servers_lost_at_different_times_with_two_standbys(

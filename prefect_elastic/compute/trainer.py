@@ -239,11 +239,11 @@ class MicroBatchTrainer:
             batches = {**batches, **self.local.step(share, schedule.share_after(step, role.rank, role.size))}
             clock.lap("batches")  # (the wait for them: where making a batch takes longer than a step)
         # The next step's batches do not depend on this step: ask for them now, so that the shards send
-        # them while it computes (the answers wait in the socket until read). Not of a shard that gets
-        # gradients in parts during backward: it writes an answer whole before it reads again, so batches
-        # beyond the sockets' buffers unread held the parts up; they come with the push's answer instead.
+        # them while it computes. Not of a shard that gets gradients in parts during backward: it writes an
+        # answer whole before it reads again, so batches beyond the sockets' buffers unread held the parts
+        # up; those come with the push's answer (`following`).
         early = self.then(role, step + 1, schedule, params=False)
-        asks = pushes.ahead([None if parted else a for a, parted in zip(early, self.parted, strict=True)])
+        asks = pushes.ahead([None if p else a for a, p in zip(early, self.parted, strict=True)])
         send_all(shards, [None if then is None else Pull(role.generation, then).frame() for then in asks])
         clock.lap("pull")
         whole, bare = self.then(role, step + 1, schedule), self.then(role, step + 1, schedule, batches=False)
